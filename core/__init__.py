@@ -1,0 +1,76 @@
+"""alignzoo: a plugin registry and algorithm zoo for LLM post-training, with fair A/B experiments.
+
+Importing ``alignzoo`` is light (no torch). The public API::
+
+    from alignzoo import hookimpl, Algorithm, Labeler, Backend, DeviceMapper, Modifier
+    from alignzoo import RolloutBatch, PolicyOutputs, LossOutput      # tensors (imports torch)
+    from alignzoo import load_experiment, get_registry
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from alignzoo._lazy import lazy_import
+from alignzoo.config import LoadedExperiment, load_experiment
+from alignzoo.errors import AlignzooError, ConfigError, RunError, UserError
+from alignzoo.plugin import (
+    Algorithm,
+    Backend,
+    Component,
+    DeviceMapper,
+    Labeler,
+    Modifier,
+    NoParams,
+    hookimpl,
+)
+from alignzoo.registry import Registry, get_registry
+from alignzoo.schema import ExperimentSpec
+from alignzoo.types import AlgorithmRequirements, LabelRequest, LossOutput, SamplingParams, Score
+
+if TYPE_CHECKING:
+    from alignzoo.batch import PolicyOutputs, RolloutBatch
+
+try:
+    __version__ = version("alignzoo")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "Algorithm",
+    "AlgorithmRequirements",
+    "AlignzooError",
+    "Backend",
+    "Component",
+    "ConfigError",
+    "DeviceMapper",
+    "ExperimentSpec",
+    "LabelRequest",
+    "Labeler",
+    "LoadedExperiment",
+    "LossOutput",
+    "Modifier",
+    "NoParams",
+    "PolicyOutputs",
+    "Registry",
+    "RolloutBatch",
+    "RunError",
+    "SamplingParams",
+    "Score",
+    "UserError",
+    "__version__",
+    "get_registry",
+    "hookimpl",
+    "lazy_import",
+    "load_experiment",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Tensor types import torch: load them only when asked for.
+    if name in ("RolloutBatch", "PolicyOutputs"):
+        from alignzoo import batch
+
+        return getattr(batch, name)
+    raise AttributeError(f"module 'alignzoo' has no attribute {name!r}")

@@ -1,0 +1,134 @@
+"""The one data structure that flows through a training step: :class:`RolloutBatch`.
+
+Shapes: ``B`` samples, ``P`` prompt tokens (left-padded), ``R`` response tokens (right-padded).
+Every per-token tensor is ``[B, R]`` and aligned with ``response_ids``; ``response_mask`` is
+1.0 on real response tokens (the EOS token included) and 0.0 on padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """A batch of sampled (or dataset) responses and everything computed about them.
+
+    Required:
+        prompt_ids ``[B, P]`` long, left-padded with the pad token; prompt_mask ``[B, P]`` long.
+        response_ids ``[B, R]`` long, right-padded; response_mask ``[B, R]`` float.
+        group_ids ``[B]`` long: samples of one prompt share an id (GRPO groups, DPO pairs).
+    Texts (lists of length B): prompts, responses, extras (dataset columns for the labeler).
+    Filled by later stages (None until then):
+        old_logprobs ``[B, R]``: log-probs under the policy that sampled (behaviour policy).
+        ref_logprobs ``[B, R]``: log-probs under the frozen reference policy.
+        values ``[B, R]``: critic values at rollout time (PPO).
+        scores ``[B]``: the labeler's sequence rewards; score_valid ``[B]`` bool.
+        labels ``[B]``: 1.0 chosen / desirable, 0.0 rejected / undesirable (preference data).
+        token_rewards ``[B, R]``: per-token rewards (score at the last token, KL penalty).
+        advantages ``[B, R]``, returns ``[B, R]``: from ``compute_advantages``.
+        weights ``[B]``: per-sample loss weights set by batch transforms (1.0 by default).
+        mismatched_ref_logprobs ``[B]``: reference sequence log-prob of prompt i with another
+            sample's response (KTO z0); the policy's counterpart is in PolicyOutputs.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    group_ids: torch.Tensor
+    prompts: list[str] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    extras: list[dict[str, Any]] = field(default_factory=list)
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    score_valid: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    token_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    mismatched_ref_logprobs: torch.Tensor | None = None
+    label_info: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        """Number of samples B."""
+        return int(self.response_ids.shape[0])
+
+    def __len__(self) -> int:
+        return self.size
+
+    def select(self, index: torch.Tensor | list[int]) -> RolloutBatch:
+        """The samples at ``index`` (a list or a long tensor), in that order."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        positions = idx.tolist()
+        updates: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                updates[f.name] = value.index_select(0, idx.to(value.device))
+            elif isinstance(value, list) and value:
+                updates[f.name] = [value[i] for i in positions]
+        return replace(self, **updates)
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """A copy with every tensor on ``device``."""
+        updates = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **updates)
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """Stack batches along B (responses are right-padded and prompts left-padded to fit)."""
+        if len(batches) == 1:
+            return batches[0]
+        out: dict[str, Any] = {}
+        for f in fields(RolloutBatch):
+            values = [getattr(b, f.name) for b in batches]
+            if all(v is None for v in values):
+                out[f.name] = None
+            elif any(v is None for v in values):
+                raise ValueError(f"cannot concatenate batches: {f.name} is set in only some")
+            elif isinstance(values[0], torch.Tensor):
+                left = f.name in ("prompt_ids", "prompt_mask")
+                out[f.name] = _pad_cat(values, left=left)
+            else:
+                out[f.name] = [item for v in values for item in v]
+        return RolloutBatch(**out)
+
+
+def _pad_cat(tensors: list[torch.Tensor], left: bool) -> torch.Tensor:
+    if tensors[0].dim() == 1:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        gap = width - t.shape[1]
+        pad = (gap, 0) if left else (0, gap)
+        padded.append(torch.nn.functional.pad(t, pad, value=0))
+    return torch.cat(padded)
+
+
+@dataclass
+class PolicyOutputs:
+    """What the engine computes with gradients for a micro-batch, passed to ``compute_loss``.
+
+    logprobs ``[B, R]``: current policy log-probs of ``batch.response_ids``.
+    entropy ``[B, R]``: per-token entropy of the current policy (when required).
+    values ``[B, R]``: critic values (PPO).
+    mismatched_logprobs ``[B]``: policy sequence log-prob of mismatched pairs (KTO z0).
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    mismatched_logprobs: torch.Tensor | None = None

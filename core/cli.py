@@ -1,0 +1,255 @@
+"""The ``alignzoo`` command line: run, validate, plugins, schema, report, doctor, check.
+
+Exit codes: 0 success; 2 a user error (bad config, unknown plugin, missing file), printed as a
+short message without traceback unless ``--debug``; 1 a failure inside a run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from alignzoo import __version__
+from alignzoo.errors import AlignzooError, ConfigError, UserError
+
+app = typer.Typer(
+    name="alignzoo",
+    help="LLM post-training algorithms as plugins, compared in fair A/B experiments.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+check_app = typer.Typer(help="Check an installed component against the contract suite.", no_args_is_help=True)
+app.add_typer(check_app, name="check")
+
+console = Console()
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+
+def _parse_list(value: str | None, cast: type = str, option: str = "") -> list | None:
+    if value is None:
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        return [cast(v) for v in items]
+    except ValueError:
+        raise UserError(f"{option} expects a comma-separated list of {cast.__name__}s, got {value!r}") from None
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        console.print(f"alignzoo {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    version: Annotated[
+        Optional[bool],  # noqa: UP045 - typer needs Optional here
+        typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version."),
+    ] = None,
+) -> None:
+    _state["debug"] = debug
+
+
+@app.command()
+def validate(
+    experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
+) -> None:
+    """Check an experiment file and every component's params, without loading any model."""
+    from alignzoo.config import load_experiment
+
+    loaded = load_experiment(experiment)
+    spec = loaded.spec
+    console.print(
+        f"[green]ok[/green] {experiment}: experiment {spec.name!r}, arms "
+        f"{', '.join(spec.arms)} (baseline {spec.baseline_arm}), seeds {spec.seeds}"
+    )
+
+
+@app.command()
+def run(
+    experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
+    arms: Annotated[Optional[str], typer.Option(help="Comma-separated arms to run (default all).")] = None,  # noqa: UP045
+    seeds: Annotated[Optional[str], typer.Option(help="Comma-separated seeds (default: the file's).")] = None,  # noqa: UP045
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: output_dir/name).")] = None,  # noqa: UP045
+    resume: Annotated[bool, typer.Option(help="Skip finished runs and continue unfinished ones.")] = False,
+    jobs: Annotated[int, typer.Option(min=1, help="Arm x seed runs in parallel worker processes.")] = 1,
+) -> None:
+    """Train every arm x seed of an experiment and write the comparison report."""
+    from alignzoo.config import load_experiment
+    from alignzoo.engine.runner import run_experiment
+
+    loaded = load_experiment(experiment, arms=_parse_list(arms, str, "--arms"))
+    seed_list = _parse_list(seeds, int, "--seeds")
+    if seed_list is not None:
+        if not seed_list:
+            raise UserError("--seeds is empty")
+        loaded.spec = loaded.spec.model_copy(update={"seeds": seed_list})
+    result = run_experiment(loaded, out_dir=out, resume=resume, jobs=jobs, console=console)
+    if result.failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="An experiment's output folder (runs/<name>).")],
+) -> None:
+    """(Re)write report.md and report.html for a finished or partial experiment."""
+    from alignzoo.report import write_report
+
+    if not run_dir.is_dir():
+        raise UserError(f"run folder not found: {run_dir}")
+    paths = write_report(run_dir)
+    for path in paths:
+        console.print(f"wrote {path}")
+
+
+@app.command()
+def plugins(
+    kind: Annotated[Optional[str], typer.Option(help="Only this kind (algorithm, labeler, ...).")] = None,  # noqa: UP045
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """List every installed component: kind, name, provider and version, and what it does."""
+    from alignzoo.plugin import KINDS
+    from alignzoo.registry import get_registry
+
+    if kind is not None and kind not in KINDS:
+        raise UserError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    registry = get_registry()
+    entries = registry.load_all(kind)
+    rows = []
+    for e in entries:
+        status = "ok"
+        summary = e.component.summary() if e.component is not None else ""
+        if e.duplicates:
+            status = "duplicate: also " + "; ".join(d.describe() for d in e.duplicates)
+        elif e.error:
+            status = f"error: {e.error}"
+        rows.append(
+            {"kind": e.kind, "name": e.name, "provider": e.distribution, "version": e.version,
+             "target": e.target, "summary": summary, "status": status}
+        )
+    for e in registry.malformed:
+        rows.append({"kind": "?", "name": e.name, "provider": e.distribution, "version": e.version,
+                     "target": e.target, "summary": "", "status": f"error: {e.error}"})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="alignzoo components")
+    for column in ("kind", "name", "provider", "summary"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        summary = row["summary"] if row["status"] == "ok" else f"[red]{row['status']}[/red]"
+        table.add_row(row["kind"], row["name"], f"{row['provider']} {row['version']}", summary)
+    console.print(table)
+
+
+@app.command()
+def schema(
+    out: Annotated[Optional[Path], typer.Option(help="Write to this file instead of stdout.")] = None,  # noqa: UP045
+) -> None:
+    """Write the JSON Schema of experiment files (for editor autocompletion and checking)."""
+    from alignzoo.jsonschema import experiment_json_schema
+
+    text = json.dumps(experiment_json_schema(), indent=2)
+    if out is None:
+        print(text)
+    else:
+        out.write_text(text + "\n", encoding="utf-8")
+        console.print(f"wrote {out}")
+
+
+@app.command()
+def doctor() -> None:
+    """Versions of torch, transformers and optional extras; devices found; which plugins load."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from alignzoo.registry import get_registry
+
+    table = Table(title="alignzoo doctor")
+    table.add_column("item")
+    table.add_column("status")
+    table.add_row("python", sys.version.split()[0])
+    table.add_row("alignzoo", __version__)
+    for dist in ("torch", "transformers", "tokenizers", "datasets", "peft", "pluggy", "pydantic",
+                 "vllm", "flash-attn", "wandb", "tensorboard", "ray", "trl"):
+        try:
+            table.add_row(dist, version(dist))
+        except PackageNotFoundError:
+            table.add_row(dist, "[dim]not installed[/dim]")
+    import torch
+
+    devices = ["cpu"] + [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
+    table.add_row("devices", ", ".join(devices))
+    entries = get_registry().load_all()
+    broken = [e for e in entries if e.error or e.duplicates]
+    table.add_row("plugins", f"{len(entries) - len(broken)} load, {len(broken)} broken")
+    for e in broken:
+        table.add_row(f"  {e.kind}.{e.name}", f"[red]{e.error or 'duplicate'}[/red]")
+    console.print(table)
+
+
+@check_app.command("algorithm")
+def check_algorithm(
+    name: Annotated[str, typer.Argument(help="Registered algorithm name.")],
+    max_examples: Annotated[int, typer.Option(help="Hypothesis examples per property.")] = 50,
+) -> None:
+    """Run the algorithm contract suite (padding, permutation, finiteness, shapes) on NAME."""
+    from alignzoo.testing.contract import check_algorithm as run_suite
+
+    results = run_suite(name, max_examples=max_examples)
+    failed = [r for r in results if not r.passed]
+    for r in results:
+        mark = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
+        console.print(f"{mark} {r.name}")
+        if not r.passed:
+            console.print(f"      {r.detail}", markup=False)
+    if failed:
+        raise typer.Exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point; returns the exit code."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except AlignzooError as exc:
+        if _state["debug"]:
+            raise
+        if isinstance(exc, ConfigError):
+            err_console.print(f"[red]error:[/red] {len(exc.issues)} problem(s) in the experiment:", highlight=False)
+            for issue in exc.issues:
+                err_console.print(f"  {issue}", markup=False, highlight=False)
+        else:
+            label = "error" if isinstance(exc, UserError) else "run failed"
+            err_console.print(f"[red]{label}:[/red] ", end="", highlight=False)
+            err_console.print(str(exc), markup=False, highlight=False)
+        return exc.exit_code
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        err_console.print("aborted")
+        return 130
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        return 130
+    except Exception as exc:  # click usage errors and the like
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            return exc.exit_code
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

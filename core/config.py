@@ -1,0 +1,327 @@
+"""Load an experiment YAML into an :class:`ExperimentSpec`, or say precisely what is wrong.
+
+Every problem is reported with the file, the line, the dotted path, what was found and what
+was expected, before any model is loaded. Validation has two phases: the schema (pydantic),
+then each component's own ``Params`` model, looked up in the registry by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from alignzoo.errors import ConfigError, ConfigIssue, UserError
+from alignzoo.plugin import Component
+from alignzoo.registry import Registry, get_registry
+from alignzoo.schema import ArmSpec, ExperimentSpec
+
+Path_ = tuple[str | int, ...]
+
+
+@dataclass
+class LoadedExperiment:
+    """A validated experiment: the spec, where it came from, and each arm's component instances."""
+
+    spec: ExperimentSpec
+    source: str
+    components: dict[str, dict[str, Component]] = field(default_factory=dict)
+    """arm name -> {"algorithm": ..., "labeler": ..., "backend": ..., "devices": ..., "modifiers.0": ...}"""
+
+
+# ---------------------------------------------------------------------- YAML with line numbers
+
+
+class _LineIndex:
+    """Maps a dotted path in a YAML document to the line where it is written."""
+
+    def __init__(self) -> None:
+        self.lines: dict[Path_, int] = {}
+
+    def line_of(self, path: Path_) -> int | None:
+        # The deepest prefix that exists: a missing field is reported at its parent.
+        for cut in range(len(path), -1, -1):
+            if path[:cut] in self.lines:
+                return self.lines[path[:cut]]
+        return None
+
+
+def _index_node(node: yaml.Node, path: Path_, index: _LineIndex, issues: list[str]) -> None:
+    index.lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = key_node.value
+            if key in seen:
+                issues.append(f"{key_node.start_mark.line + 1}:{'.'.join(map(str, (*path, key)))}")
+            seen.add(key)
+            index.lines[(*path, key)] = key_node.start_mark.line + 1
+            _index_node(value_node, (*path, key), index, issues)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            index.lines[(*path, i)] = item.start_mark.line + 1
+            _index_node(item, (*path, i), index, issues)
+
+
+def read_yaml(path: str | Path) -> tuple[dict[str, Any], _LineIndex]:
+    """Parse a YAML mapping and index its lines; raise UserError/ConfigError on any problem."""
+    file = str(path)
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"experiment file not found: {file}")
+    if p.is_dir():
+        raise UserError(f"expected an experiment YAML file, got a directory: {file}")
+    text = p.read_text(encoding="utf-8")
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([ConfigIssue(file, line, "", f"YAML syntax error: {problem}")]) from None
+    if not isinstance(data, dict):
+        found = "an empty file" if data is None else f"a {type(data).__name__}"
+        raise ConfigError(
+            [ConfigIssue(file, 1, "", f"expected a mapping of sections, found {found}")]
+        )
+    index = _LineIndex()
+    duplicates: list[str] = []
+    assert node is not None
+    _index_node(node, (), index, duplicates)
+    if duplicates:
+        issues = []
+        for item in duplicates:
+            line, dotted = item.split(":", 1)
+            issues.append(
+                ConfigIssue(
+                    file,
+                    int(line),
+                    dotted,
+                    "duplicate key (the first value would be silently lost)",
+                )
+            )
+        raise ConfigError(issues)
+    return data, index
+
+
+# ---------------------------------------------------------------------- merging
+
+
+def deep_merge(base: Any, override: Any) -> Any:
+    """``override`` on top of ``base``: mappings merge key by key, anything else replaces."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = copy.deepcopy(base)
+        for key, value in override.items():
+            merged[key] = deep_merge(merged[key], value) if key in merged else copy.deepcopy(value)
+        return merged
+    return copy.deepcopy(override)
+
+
+def resolve_arms(raw: dict[str, Any]) -> dict[str, Any]:
+    """Merge the shared ``training``, ``model`` and ``defaults`` sections into every arm."""
+    resolved = copy.deepcopy(raw)
+    arms = raw.get("arms")
+    if not isinstance(arms, dict):
+        return resolved
+    shared: dict[str, Any] = {}
+    for section in ("training", "model"):
+        if isinstance(raw.get(section), dict):
+            shared[section] = raw[section]
+    defaults = raw.get("defaults")
+    if isinstance(defaults, dict):
+        shared = deep_merge(shared, defaults)
+    resolved["arms"] = {
+        name: deep_merge(shared, arm) if isinstance(arm, dict) else arm
+        for name, arm in arms.items()
+    }
+    return resolved
+
+
+# ---------------------------------------------------------------------- error reporting
+
+
+def _fields_at(model: type[BaseModel], loc: Path_) -> list[str]:
+    """Field names of the pydantic model reached by walking ``loc`` (list indexes skipped)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return []
+        if part not in current.model_fields:
+            return []
+        current = _unwrap(current.model_fields[part].annotation)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _unwrap(annotation: Any) -> Any:
+    """The pydantic model inside ``X | None``, ``list[X]`` or ``dict[str, X]``, else the annotation."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation) or ():
+        inner = _unwrap(arg)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            return inner
+    return annotation
+
+
+def _strip_dict_keys(model: type[BaseModel], loc: Path_) -> Path_:
+    """Drop the arm-name part when walking fields: arms.<name>.x -> arms.x for field lookup."""
+    if len(loc) >= 2 and loc[0] == "arms":
+        return ("arms", *loc[2:])
+    return loc
+
+
+def _describe_error(err: dict[str, Any], known_fields: list[str]) -> str:
+    kind = err["type"]
+    loc = err["loc"]
+    if kind == "extra_forbidden":
+        key = str(loc[-1]) if loc else "?"
+        message = f"unknown field {key!r}"
+        close = difflib.get_close_matches(key, known_fields, n=1, cutoff=0.6)
+        if close:
+            message += f"; did you mean {close[0]!r}?"
+        elif known_fields:
+            message += f"; expected one of: {', '.join(known_fields)}"
+        return message
+    if kind == "missing":
+        return "required field is missing"
+    message = err["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    if "input" in err and kind not in ("missing",) and not isinstance(err["input"], dict):
+        message += f" (found {err['input']!r})"
+    return message
+
+
+def issues_from_validation(
+    exc: ValidationError,
+    model: type[BaseModel],
+    file: str,
+    index: _LineIndex,
+    prefix: Path_ = (),
+    fallback_prefixes: dict[Path_, Path_] | None = None,
+) -> list[ConfigIssue]:
+    """Convert a pydantic ValidationError into located ConfigIssues."""
+    issues: list[ConfigIssue] = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        full = (*prefix, *loc)
+        line = index.lines.get(full)
+        if line is None and fallback_prefixes:
+            # A value merged from `training:` / `defaults:` is reported where it is written.
+            for src, dst in fallback_prefixes.items():
+                if full[: len(src)] == src and (*dst, *full[len(src) :]) in index.lines:
+                    full_written = (*dst, *full[len(src) :])
+                    line = index.lines[full_written]
+                    break
+        if line is None:
+            line = index.line_of(full)
+        known = _fields_at(model, _strip_dict_keys(model, loc[:-1])) if loc else []
+        issues.append(
+            ConfigIssue(file, line, ".".join(map(str, full)), _describe_error(err, known))
+        )
+    # One wrong shared value is inherited by every arm: report it once.
+    unique: dict[tuple[int | None, str], ConfigIssue] = {}
+    for issue in issues:
+        unique.setdefault(
+            (issue.line, issue.message + (issue.path if issue.line is None else "")), issue
+        )
+    return list(unique.values())
+
+
+# ---------------------------------------------------------------------- loading
+
+
+def load_experiment(
+    path: str | Path,
+    registry: Registry | None = None,
+    arms: list[str] | None = None,
+) -> LoadedExperiment:
+    """Read, merge and validate an experiment file, including every component's params.
+
+    ``arms`` restricts the experiment to those arms (error if one is unknown).
+    """
+    file = str(path)
+    raw, index = read_yaml(path)
+    resolved = resolve_arms(raw)
+    fallbacks: dict[Path_, Path_] = {}
+    for arm_name in resolved.get("arms", {}) if isinstance(resolved.get("arms"), dict) else {}:
+        for section in ("training", "model"):
+            fallbacks[("arms", arm_name, section)] = (section,)
+        fallbacks[("arms", arm_name)] = ("defaults",)
+    try:
+        spec = ExperimentSpec.model_validate(resolved)
+    except ValidationError as exc:
+        raise ConfigError(
+            issues_from_validation(exc, ExperimentSpec, file, index, fallback_prefixes=fallbacks)
+        ) from None
+
+    if arms:
+        unknown = [a for a in arms if a not in spec.arms]
+        if unknown:
+            raise UserError(
+                f"{file}: --arms names {', '.join(unknown)}, not arms of this experiment "
+                f"(arms: {', '.join(spec.arms)})"
+            )
+        spec = spec.model_copy(update={"arms": {a: spec.arms[a] for a in arms}})
+        if spec.baseline not in spec.arms:
+            spec = spec.model_copy(update={"baseline": arms[0]})
+
+    registry = registry or get_registry()
+    components: dict[str, dict[str, Component]] = {}
+    issues: list[ConfigIssue] = []
+    for arm_name, arm in spec.arms.items():
+        components[arm_name], arm_issues = _build_components(
+            arm_name, arm, registry, file, index, fallbacks
+        )
+        issues += arm_issues
+    if issues:
+        raise ConfigError(issues)
+    return LoadedExperiment(spec=spec, source=file, components=components)
+
+
+def _build_components(
+    arm_name: str,
+    arm: ArmSpec,
+    registry: Registry,
+    file: str,
+    index: _LineIndex,
+    fallbacks: dict[Path_, Path_],
+) -> tuple[dict[str, Component], list[ConfigIssue]]:
+    built: dict[str, Component] = {}
+    issues: list[ConfigIssue] = []
+    for kind, field_path, ref in arm.component_refs():
+        base: Path_ = (
+            "arms",
+            arm_name,
+            *(int(p) if p.isdigit() else p for p in field_path.split(".")),
+        )
+        try:
+            cls = registry.get(kind, ref.name)
+        except UserError as exc:
+            shared: Path_ = ("defaults", *base[2:])
+            candidates = [(*base, "name"), base, (*shared, "name"), shared]
+            line = next(
+                (index.lines[c] for c in candidates if c in index.lines), index.line_of(base)
+            )
+            issues.append(ConfigIssue(file, line, ".".join(map(str, (*base, "name"))), str(exc)))
+            continue
+        try:
+            params = cls.Params.model_validate(ref.params)
+        except ValidationError as exc:
+            # Suggestions for misspelled params come from the component's own model.
+            issues += issues_from_validation(
+                exc, cls.Params, file, index, (*base, "params"), fallbacks
+            )
+            continue
+        built[field_path] = cls(params)
+    return built, issues

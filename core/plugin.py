@@ -1,0 +1,102 @@
+"""Plugin building blocks: the hook implementation marker and the component base classes.
+
+A *component* is a class with a ``kind``, a ``Params`` pydantic model and ``@hookimpl`` methods.
+The registry finds component classes through entry points; a run instantiates the arm's
+components with their validated params and registers the instances in its PluginManager.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pluggy
+from pydantic import BaseModel, ConfigDict
+
+from alignzoo.types import AlgorithmRequirements, LabelRequest, Score
+
+PROJECT = "alignzoo"
+hookimpl = pluggy.HookimplMarker(PROJECT)
+"""Marks a method of a component as the implementation of an alignzoo hook."""
+
+KINDS = ("algorithm", "labeler", "backend", "device_mapper", "modifier")
+
+
+class NoParams(BaseModel):
+    """Params model of a component that takes no parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Component:
+    """Base of every component. Subclasses set ``kind`` (via the kind base) and ``Params``.
+
+    The first line of the class docstring is the one-line summary that ``alignzoo plugins`` shows.
+    """
+
+    kind: ClassVar[str] = ""
+    Params: ClassVar[type[BaseModel]] = NoParams
+
+    def __init__(self, params: BaseModel | dict[str, Any] | None = None) -> None:
+        if params is None:
+            params = self.Params()
+        elif isinstance(params, dict):
+            params = self.Params.model_validate(params)
+        self.params = params
+
+    @classmethod
+    def summary(cls) -> str:
+        """One line describing the component (the first line of its docstring)."""
+        doc = (cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.params!r})"
+
+
+class Algorithm(Component):
+    """Base for algorithms: implement ``compute_advantages`` and ``compute_loss`` hooks.
+
+    Set the class attribute ``requirements`` or override the ``algorithm_requirements`` hook
+    when what the algorithm needs depends on its params (GRPO with β = 0 needs no reference).
+    """
+
+    kind = "algorithm"
+    requirements: ClassVar[AlgorithmRequirements] = AlgorithmRequirements()
+
+    @hookimpl(trylast=True)
+    def algorithm_requirements(self) -> AlgorithmRequirements:
+        return self.requirements
+
+
+class Labeler(Component):
+    """Base for labelers: implement the ``score`` hook; ``score_batch`` defaults to one call per item.
+
+    Labelers that batch for real (a reward model, a remote service) override ``score_batch``.
+    """
+
+    kind = "labeler"
+
+    def score(self, request: LabelRequest) -> Score:
+        raise NotImplementedError(f"{type(self).__name__} implements neither score nor score_batch")
+
+    @hookimpl(trylast=True)
+    def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
+        return [self.score(request) for request in requests]
+
+
+class Backend(Component):
+    """Base for rollout backends: implement ``generate`` and ``sync_weights``."""
+
+    kind = "backend"
+
+
+class DeviceMapper(Component):
+    """Base for device mappers: implement ``place_roles``."""
+
+    kind = "device_mapper"
+
+
+class Modifier(Component):
+    """Base for modifiers: hook wrappers around algorithm hooks, batch transforms, lifecycle hooks."""
+
+    kind = "modifier"

@@ -1,0 +1,264 @@
+"""The experiment schema: what an experiment YAML may say (pydantic v2, unknown keys forbidden).
+
+An experiment names arms; each arm picks an algorithm, labeler, backend, device mapper and
+modifiers (components, each with its own ``params`` validated by the component's ``Params``
+model) and may override the shared ``training`` and ``model`` sections. ``defaults`` holds arm
+fields shared by every arm. Loading and error reporting live in :mod:`alignzoo.config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveInt,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+
+from alignzoo.types import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ComponentRef(_Strict):
+    """A component chosen by name, with its parameters (validated by the component's Params)."""
+
+    name: str = Field(description="Registered component name (see `alignzoo plugins`).")
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        # Shorthand: `algorithm: grpo` means `algorithm: {name: grpo}`.
+        return {"name": value} if isinstance(value, str) else value
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters through peft; only the adapters are trained."""
+
+    r: PositiveInt = 8
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class EmbeddedModelConfig(_Strict):
+    """The small causal LM the embedded default builds, warm-started by supervised fine-tuning."""
+
+    architecture: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: PositiveInt = 64
+    num_layers: PositiveInt = 2
+    num_heads: PositiveInt = 4
+    intermediate_size: PositiveInt = 256
+    sft_steps: int = Field(1500, ge=0)
+    sft_lr: float = Field(3e-3, gt=0)
+    sft_batch_size: PositiveInt = 64
+    seed: int = 0
+
+
+class ModelConfig(_Strict):
+    """Which models a run loads."""
+
+    policy: str = Field(
+        "embedded",
+        description="'embedded' (built and cached locally) or a local path / hub id for from_pretrained.",
+    )
+    reward_model: str | None = Field(
+        None,
+        description="Local path of an AutoModelForSequenceClassification (reward_model labeler).",
+    )
+    embedded: EmbeddedModelConfig = Field(default_factory=EmbeddedModelConfig)
+    lora: LoraConfig | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="'auto': bf16 autocast on GPU, fp32 on CPU."
+    )
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
+    gradient_checkpointing: bool = False
+
+
+class TaskConfig(_Strict):
+    """The embedded arithmetic task: prompts like '12+7=' with a verifiable answer."""
+
+    digits: PositiveInt = 2
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    train_size: PositiveInt = 2000
+    eval_size: PositiveInt = 100
+    seed: int = 1234
+
+
+class DataConfig(_Strict):
+    """Where prompts (or preference / unpaired-feedback data) come from."""
+
+    train: str = Field(
+        "embedded", description="'embedded' or a jsonl / parquet file or dataset folder."
+    )
+    eval: str = Field(
+        "embedded", description="'embedded' or a jsonl / parquet file or dataset folder."
+    )
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    online: bool = Field(
+        True,
+        description="Preference / unpaired algorithms: sample and label pairs in the loop (true) "
+        "or read them from `train` (false).",
+    )
+    sample_ratio: float = Field(1.0, gt=0, le=1)
+
+
+class Budget(_Strict):
+    """How much each arm x seed may train: exactly one of steps, samples or wall-clock seconds."""
+
+    steps: PositiveInt | None = None
+    samples: PositiveInt | None = None
+    wall_clock_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Budget:
+        given = [k for k in ("steps", "samples", "wall_clock_s") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of steps, samples, wall_clock_s"
+                + (f" (found {', '.join(given)})" if given else "")
+            )
+        return self
+
+
+class TrainingConfig(_Strict):
+    """Optimisation settings shared by all arms (an arm's `training:` overrides single fields)."""
+
+    lr: NonNegativeFloat = Field(1e-4, description="Actor learning rate (0 freezes the policy).")
+    critic_lr: NonNegativeFloat | None = Field(
+        None, description="Critic learning rate (default: lr)."
+    )
+    prompts_per_step: PositiveInt = 8
+    samples_per_prompt: PositiveInt = Field(4, description="n responses per prompt (group size).")
+    epochs: PositiveInt = Field(1, description="Passes over each step's batch.")
+    minibatch_size: PositiveInt | None = Field(
+        None, description="Samples per optimizer step (default: the whole step batch)."
+    )
+    micro_batch_size: PositiveInt = Field(
+        16, description="Samples per forward pass (gradient accumulation)."
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    weight_decay: NonNegativeFloat = 0.0
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    checkpoint_every: PositiveInt = 10
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+
+
+class EvaluationConfig(_Strict):
+    """Held-out evaluation on a fixed schedule, identical for every arm."""
+
+    every: PositiveInt = Field(
+        10, description="Evaluate every this many steps (and at start and end)."
+    )
+    num_prompts: PositiveInt | None = Field(
+        None, description="Use the first N eval prompts (default all)."
+    )
+    metric: str = Field("exact_match", description="Metric the report compares arms on.")
+    pass_at_k: PositiveInt | None = Field(
+        None, description="Also report pass@k with k sampled responses."
+    )
+    max_new_tokens: PositiveInt | None = None
+
+
+class WandbConfig(_Strict):
+    project: str = "alignzoo"
+    entity: str | None = None
+    mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+class LoggingConfig(_Strict):
+    """Where metrics go. metrics.jsonl is always written."""
+
+    sinks: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["console", "jsonl"]
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+class ArmSpec(_Strict):
+    """One arm: a set of components plus overrides of the shared sections."""
+
+    algorithm: ComponentRef
+    labeler: ComponentRef = Field(default_factory=lambda: ComponentRef(name="arithmetic"))
+    backend: ComponentRef = Field(default_factory=lambda: ComponentRef(name="hf"))
+    devices: ComponentRef = Field(default_factory=lambda: ComponentRef(name="single"))
+    modifiers: list[ComponentRef] = Field(default_factory=list)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    description: str = ""
+
+    def component_refs(self) -> list[tuple[str, str, ComponentRef]]:
+        """(kind, field path, ref) for every component the arm names."""
+        refs = [
+            ("algorithm", "algorithm", self.algorithm),
+            ("labeler", "labeler", self.labeler),
+            ("backend", "backend", self.backend),
+            ("device_mapper", "devices", self.devices),
+        ]
+        refs += [("modifier", f"modifiers.{i}", m) for i, m in enumerate(self.modifiers)]
+        return refs
+
+
+class ExperimentSpec(_Strict):
+    """An A/B experiment: arms trained under the same seeds, budget, data and evaluation.
+
+    The top-level ``training`` and ``model`` sections, and ``defaults`` (any arm field), are
+    merged into every arm before validation; arms override single fields.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Used as the run folder name.")
+    description: str = ""
+    seeds: list[StrictInt] = Field(min_length=1, description="Every arm runs once per seed.")
+    baseline: str | None = Field(
+        None, description="Arm the others are compared against (default: first)."
+    )
+    budget: Budget
+    defaults: dict[str, Any] = Field(
+        default_factory=dict, description="Arm fields shared by every arm (an arm overrides them)."
+    )
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    output_dir: str = "runs"
+    arms: dict[str, ArmSpec] = Field(min_length=1)
+
+    @field_validator("arms")
+    @classmethod
+    def _arm_names(cls, arms: dict[str, ArmSpec]) -> dict[str, ArmSpec]:
+        for name in arms:
+            if not name or any(c in name for c in "/\\ ,") or name.startswith("."):
+                raise ValueError(
+                    f"arm name {name!r} must be a plain folder name (no '/', ',', spaces)"
+                )
+        return arms
+
+    @field_validator("seeds")
+    @classmethod
+    def _unique_seeds(cls, seeds: list[int]) -> list[int]:
+        if len(set(seeds)) != len(seeds):
+            raise ValueError("seeds must be distinct")
+        return seeds
+
+    @model_validator(mode="after")
+    def _baseline_is_an_arm(self) -> ExperimentSpec:
+        if self.baseline is not None and self.baseline not in self.arms:
+            raise ValueError(
+                f"baseline {self.baseline!r} is not an arm; arms: {', '.join(self.arms)}"
+            )
+        return self
+
+    @property
+    def baseline_arm(self) -> str:
+        return self.baseline or next(iter(self.arms))

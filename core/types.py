@@ -1,0 +1,78 @@
+"""Light data types that cross plugin boundaries (no torch import here).
+
+The tensor-carrying batch lives in :mod:`alignzoo.batch`; these are the small records around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DataMode = Literal["online", "preference", "unpaired"]
+ROLES = ("actor", "ref", "critic", "reward", "rollout", "labeler")
+
+
+@dataclass(frozen=True)
+class AlgorithmRequirements:
+    """What an algorithm needs the engine to provide.
+
+    Attributes:
+        reference: load a frozen reference policy and fill ``batch.ref_logprobs``.
+        critic: build a value head and fill ``batch.values`` / ``outputs.values``.
+        data: ``"online"`` (sampled prompts, scored by the labeler), ``"preference"``
+            (pairs: chosen/rejected) or ``"unpaired"`` (single completions labelled good/bad).
+            Preference and unpaired algorithms read a dataset offline, or run online when the
+            experiment's data section says ``online: true`` (pairs sampled and labelled in the loop).
+        mismatched_pairs: compute log-probs of each prompt with another sample's completion
+            (KTO's reference point z0).
+        entropy: compute per-token entropy of the policy in ``outputs.entropy``.
+    """
+
+    reference: bool = False
+    critic: bool = False
+    data: DataMode = "online"
+    mismatched_pairs: bool = False
+    entropy: bool = True
+
+
+@dataclass
+class LabelRequest:
+    """One thing to score: the prompt, the response and any extra dataset columns."""
+
+    prompt: str
+    response: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Score:
+    """A labeler's verdict on one response.
+
+    ``valid`` is False when the labeler could not judge (malformed output, timeout); ``info``
+    carries anything worth logging (extracted answer, raw model score, latency).
+    """
+
+    value: float
+    valid: bool = True
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class SamplingParams(BaseModel):
+    """How a rollout backend samples. ``temperature == 0`` means greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k filtering")
+    max_new_tokens: int = Field(16, ge=1)
+
+
+@dataclass
+class LossOutput:
+    """What ``compute_loss`` returns: a scalar loss tensor to minimise and float metrics."""
+
+    loss: Any  # torch.Tensor, scalar, requires grad
+    metrics: dict[str, float] = field(default_factory=dict)
