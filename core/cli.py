@@ -86,7 +86,7 @@ def run(
 ) -> None:
     """Train every arm x seed of an experiment and write the comparison report."""
     from alignzoo.config import load_experiment
-    from alignzoo.engine.runner import run_experiment
+    from alignzoo.runner import run_experiment
 
     loaded = load_experiment(experiment, arms=_parse_list(arms, str, "--arms"))
     seed_list = _parse_list(seeds, int, "--seeds")
