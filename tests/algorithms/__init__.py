@@ -1,0 +1,1 @@
+"""Tests of the online RL algorithms (PPO, GRPO, RLOO, REINFORCE++) and their shared ops."""
