@@ -107,3 +107,131 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of softmax(logits): ``[B, R, V]`` -> ``[B, R]`` (fp32)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+# --------------------------------------------------------------------------- policy-gradient ops
+
+
+def weight_samples(loss_mat: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Multiply a per-token loss ``[B, R]`` by per-sample weights ``[B]`` (no-op when None)."""
+    if weights is None:
+        return loss_mat
+    return loss_mat * weights.to(loss_mat.dtype).unsqueeze(-1)
+
+
+def last_token_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's score ``[B]`` on its last unmasked token: ``[B, R]``, zero elsewhere.
+
+    A row with no unmasked token gets no reward.
+    """
+    mask_b = mask.bool()
+    counts = mask_b.long().cumsum(-1)
+    is_last = mask_b & (counts == counts[..., -1:])
+    return torch.where(is_last, scores.to(torch.float32).unsqueeze(-1), 0.0)
+
+
+def group_mean_std(
+    values: torch.Tensor, group_ids: torch.Tensor, unbiased: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean, standard deviation and size of each sample's group, gathered back per sample ``[B]``.
+
+    Groups are given by ids (any order, any sizes; samples need not be contiguous). The standard
+    deviation of a group of one is 0.
+    """
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    values = values.to(torch.float32)
+    count = torch.zeros(n_groups, dtype=values.dtype, device=values.device)
+    count.index_add_(0, inverse, torch.ones_like(values))
+    total = torch.zeros_like(count).index_add_(0, inverse, values)
+    mean = (total / count)[inverse]
+    sq_dev = torch.zeros_like(count).index_add_(0, inverse, (values - mean).square())
+    denom = (count - 1.0).clamp(min=1.0) if unbiased else count
+    std = torch.sqrt(sq_dev / denom)[inverse]
+    return mean, std, count[inverse]
+
+
+@torch.no_grad()
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over the response tokens.
+
+    Runs the recursion over the unmasked tokens of each row as if they were contiguous (masked
+    positions are skipped, and the value after the last token is 0)::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t                 (GAE, eq. 11)
+        A_t     = delta_t + gamma * lam * A_{t+1}             (GAE, eq. 16)
+        returns = A_t + V_t
+
+    Returns ``(advantages, returns)``, both ``[B, R]`` and zero on padding. With ``values = 0``
+    and ``lam = 1`` the advantages are the discounted returns.
+    """
+    mask_b = mask.bool()
+    rewards = torch.where(mask_b, token_rewards.float(), 0.0)
+    values = torch.where(mask_b, values.float(), 0.0)
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[-1])):
+        valid = mask_b[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(valid, advantage, 0.0)
+        next_advantage = torch.where(valid, advantage, next_advantage)
+        next_value = torch.where(valid, values[:, t], next_value)
+    returns = torch.where(mask_b, advantages + values, 0.0)
+    return advantages, returns
+
+
+def clipped_surrogate(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO clipped surrogate loss (to minimise) and where the clip binds.
+
+    With ratio r = exp(log_ratio) (``log_ratio`` clamped to [-20, 20] so it stays finite)::
+
+        L = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)     (PPO, Schulman 2017, eq. 7)
+
+    and, with ``dual_clip = c > 1``, for A < 0 the loss is also capped at ``-c * A``
+    (dual-clip PPO, Ye et al. 2020, eq. 5). Returns ``(loss [B, R], clipped_low, clipped_high)``;
+    the boolean masks mark tokens whose gradient the clip removes: ``r < 1 - clip_low`` with
+    A < 0 and ``r > 1 + clip_high`` with A > 0 (the dual clip counts as clipped_high).
+    """
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)
+    clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        clipped_high = clipped_high | dual
+    return loss, clipped_low, clipped_high
+
+
+def clip_fractions(
+    clipped_low: torch.Tensor, clipped_high: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Fractions of response tokens where the lower, the upper or either clip bound binds."""
+    low = masked_mean(clipped_low.float(), mask)
+    high = masked_mean(clipped_high.float(), mask)
+    return {"actor/clipfrac_low": low, "actor/clipfrac_high": high, "actor/clipfrac": low + high}
+
+
+def approx_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(pi_old || pi) over the sampled tokens: how far the update has moved."""
+    mask_b = mask.bool()
+    new = torch.where(mask_b, logprobs.detach().float(), 0.0)
+    old = torch.where(mask_b, old_logprobs.float(), 0.0)
+    return masked_mean(kl_penalty(old, new, "k3"), mask)
