@@ -1,0 +1,197 @@
+"""KTO: Kahneman-Tversky optimisation from unpaired desirable / undesirable completions.
+
+Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization". With the
+implied reward r(x, y) = log π(y|x)/π_ref(y|x) (sequence log-probs) and the reference point
+
+    z0 = max(0, KL(π(y'|x) || π_ref(y'|x))),
+
+the KTO loss is E[λ_y - v(x, y)] with the value function
+
+    v(x, y) = λ_D σ(β (r(x, y) - z0))   if y is desirable,
+              λ_U σ(β (z0 - r(x, y)))   if y is undesirable,
+
+so a desirable sample costs λ_D (1 - σ(β(r - z0))) and an undesirable one λ_U (1 - σ(β(z0 - r))).
+As in the paper, z0 is estimated from *mismatched* pairs in the batch (prompt x_i with another
+sample's completion y_j): the mean of log π(y_j|x_i) - log π_ref(y_j|x_i), clamped at 0 and
+detached, so no gradient flows through it.
+
+The paper recommends weights with λ_D n_D / (λ_U n_U) in [1, 4/3] (n_D, n_U: numbers of
+desirable and undesirable examples). The ratio is computed on each micro-batch that holds both
+kinds (``kto/weight_ratio``); when it falls outside that range the plugin warns once and sets
+``kto/weight_ratio_outside_range`` to 1.0. Micro-batch counts are noisy: read the ratio over a
+run, not one step.
+
+Data layout (how the engine hands unpaired feedback to this algorithm):
+
+- ``batch.labels [B]``: 1.0 for a desirable completion, 0.0 for an undesirable one.
+- ``batch.ref_logprobs [B, R]``: per-token reference log-probs.
+- ``outputs.logprobs [B, R]``: per-token policy log-probs, with gradient.
+- ``batch.response_mask [B, R]``: 1.0 on real tokens; sequence log-probs sum over it.
+- ``batch.mismatched_ref_logprobs [B]`` and ``outputs.mismatched_logprobs [B]``: reference and
+  policy *sequence* log-probs of prompt i with another sample's completion (requirement
+  ``mismatched_pairs``).
+- ``batch.weights [B]`` (optional): multiplies each sample's loss.
+- ``batch.group_ids`` is not used.
+
+The loss is the mean over samples of weight × per-sample loss. ``compute_advantages`` returns
+the batch unchanged.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo._lazy import lazy_import
+from alignzoo.errors import UserError
+from alignzoo.plugin import Algorithm, hookimpl
+from alignzoo.types import AlgorithmRequirements, LossOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from alignzoo import ops
+    from alignzoo.batch import PolicyOutputs, RolloutBatch
+else:
+    torch = lazy_import("torch")
+    ops = lazy_import("alignzoo.ops")
+
+RECOMMENDED_RATIO = (1.0, 4.0 / 3.0)
+"""The paper's recommended range for λ_D n_D / (λ_U n_U)."""
+
+
+class KTOParams(BaseModel):
+    """Parameters of KTO."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    beta: float = Field(0.1, gt=0.0, description="β: risk aversion / KL regularisation strength")
+    desirable_weight: float = Field(1.0, gt=0.0, description="λ_D: weight of desirable samples")
+    undesirable_weight: float = Field(
+        1.0, gt=0.0, description="λ_U: weight of undesirable samples"
+    )
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def kto_reference_point(
+    mismatched_logps: torch.Tensor, mismatched_ref_logps: torch.Tensor
+) -> torch.Tensor:
+    """z0 = max(0, mean_i [log π(y_j|x_i) - log π_ref(y_j|x_i)]), detached (a scalar)."""
+    kl = (mismatched_logps - mismatched_ref_logps).mean()  # KL(π || π_ref) from mismatched pairs
+    return kl.clamp(min=0.0).detach()  # z0 = max(0, KL), no gradient
+
+
+def kto_loss(
+    logratios: torch.Tensor,
+    desirable: torch.Tensor,
+    z0: torch.Tensor,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """Per-sample KTO losses ``[B]`` from sequence log-ratios r ``[B]`` and a bool mask ``[B]``."""
+    desirable_loss = desirable_weight * (1.0 - torch.sigmoid(beta * (logratios - z0)))  # λ_D(1-σ(β(r-z0)))
+    undesirable_loss = undesirable_weight * (1.0 - torch.sigmoid(beta * (z0 - logratios)))  # λ_U(1-σ(β(z0-r)))
+    return torch.where(desirable, desirable_loss, undesirable_loss)
+
+
+def weight_ratio(
+    n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float
+) -> float | None:
+    """λ_D n_D / (λ_U n_U), or None when one of the two kinds is absent."""
+    if n_desirable == 0 or n_undesirable == 0:
+        return None
+    return desirable_weight * n_desirable / (undesirable_weight * n_undesirable)
+
+
+# --------------------------------------------------------------------------- plugin
+
+
+class KTO(Algorithm):
+    """KTO (Ethayarajh 2024): prospect-theoretic loss on unpaired desirable/undesirable samples."""
+
+    Params = KTOParams
+    params: KTOParams
+    requirements = AlgorithmRequirements(
+        reference=True, data="unpaired", mismatched_pairs=True, entropy=False
+    )
+
+    def __init__(self, params: KTOParams | dict | None = None) -> None:
+        super().__init__(params)
+        self._warned_ratio = False
+
+    @hookimpl
+    def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        return batch
+
+    @hookimpl
+    def compute_loss(self, batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
+        p = self.params
+        labels = self._labels(batch)
+        if batch.ref_logprobs is None:
+            raise UserError("KTO needs batch.ref_logprobs (a reference model); none was given")
+        if batch.mismatched_ref_logprobs is None or outputs.mismatched_logprobs is None:
+            raise UserError(
+                "KTO needs batch.mismatched_ref_logprobs and outputs.mismatched_logprobs "
+                "(sequence log-probs of prompts with other samples' completions, for z0)"
+            )
+        desirable = labels == 1.0
+        logps = ops.masked_sum(outputs.logprobs, batch.response_mask, dim=-1)  # log π(y|x)
+        ref_logps = ops.masked_sum(batch.ref_logprobs, batch.response_mask, dim=-1).detach()
+        logratios = logps - ref_logps  # r(x, y) = log π(y|x)/π_ref(y|x)
+        z0 = kto_reference_point(outputs.mismatched_logprobs, batch.mismatched_ref_logprobs)
+        losses = kto_loss(
+            logratios, desirable, z0, p.beta, p.desirable_weight, p.undesirable_weight
+        )
+        if batch.weights is not None:
+            losses = batch.weights * losses
+        loss = losses.mean()
+        return LossOutput(loss=loss, metrics=self._metrics(loss, logratios, desirable, z0))
+
+    def _labels(self, batch: RolloutBatch) -> torch.Tensor:
+        if batch.labels is None:
+            raise UserError(
+                "KTO needs batch.labels (1.0 desirable / 0.0 undesirable per sample); "
+                "use unpaired feedback data or an online labeler that sets labels"
+            )
+        bad = ((batch.labels != 1.0) & (batch.labels != 0.0)).nonzero().flatten().tolist()
+        if bad:
+            row = bad[0]
+            raise UserError(
+                f"batch.labels row {row} is {float(batch.labels[row])!r}; "
+                "expected 1.0 (desirable) or 0.0 (undesirable)"
+            )
+        return batch.labels
+
+    def _metrics(
+        self, loss: torch.Tensor, logratios: torch.Tensor, desirable: torch.Tensor, z0: torch.Tensor
+    ) -> dict[str, float]:
+        p = self.params
+        rewards = p.beta * logratios.detach()  # β log π/π_ref, as reported by DPO
+        n_d = int(desirable.sum())
+        n_u = int(desirable.numel()) - n_d
+        metrics = {"kto/loss": float(loss.detach()), "kto/z0": float(z0)}
+        if n_d:
+            metrics["rewards/chosen"] = float(rewards[desirable].mean())
+        if n_u:
+            metrics["rewards/rejected"] = float(rewards[~desirable].mean())
+        ratio = weight_ratio(n_d, n_u, p.desirable_weight, p.undesirable_weight)
+        if ratio is not None:
+            metrics["rewards/margin"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+            outside = not (RECOMMENDED_RATIO[0] <= ratio <= RECOMMENDED_RATIO[1] + 1e-9)
+            metrics["kto/weight_ratio"] = ratio
+            metrics["kto/weight_ratio_outside_range"] = float(outside)
+            if outside and not self._warned_ratio:
+                self._warned_ratio = True
+                warnings.warn(
+                    f"KTO: desirable_weight·n_desirable / (undesirable_weight·n_undesirable) = "
+                    f"{p.desirable_weight}·{n_d} / ({p.undesirable_weight}·{n_u}) = {ratio:.3g}, "
+                    "outside the range [1, 4/3] that Ethayarajh et al. 2024 recommend; "
+                    "adjust desirable_weight / undesirable_weight to the data's balance",
+                    stacklevel=2,
+                )
+        return metrics
