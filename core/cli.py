@@ -71,7 +71,8 @@ def validate(
     spec = loaded.spec
     console.print(
         f"[green]ok[/green] {experiment}: experiment {spec.name!r}, arms "
-        f"{', '.join(spec.arms)} (baseline {spec.baseline_arm}), seeds {spec.seeds}"
+        f"{', '.join(spec.arms)} (baseline {spec.baseline_arm}), seeds {spec.seeds}",
+        soft_wrap=True,
     )
 
 
@@ -104,10 +105,10 @@ def report(
     run_dir: Annotated[Path, typer.Argument(help="An experiment's output folder (runs/<name>).")],
 ) -> None:
     """(Re)write report.md and report.html for a finished or partial experiment."""
-    from alignzoo.report import write_report
-
     if not run_dir.is_dir():
         raise UserError(f"run folder not found: {run_dir}")
+    from alignzoo.report import write_report
+
     paths = write_report(run_dir)
     for path in paths:
         console.print(f"wrote {path}")
@@ -220,35 +221,27 @@ def check_algorithm(
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
     try:
-        app(args=argv, standalone_mode=False)
+        # Standalone mode: typer/click report usage errors themselves (exit 2) and raise SystemExit.
+        app(args=argv, standalone_mode=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except AlignzooError as exc:
         if _state["debug"]:
             raise
-        if isinstance(exc, ConfigError):
-            err_console.print(f"[red]error:[/red] {len(exc.issues)} problem(s) in the experiment:", highlight=False)
-            for issue in exc.issues:
-                err_console.print(f"  {issue}", markup=False, highlight=False)
-        else:
-            label = "error" if isinstance(exc, UserError) else "run failed"
-            err_console.print(f"[red]{label}:[/red] ", end="", highlight=False)
-            err_console.print(str(exc), markup=False, highlight=False)
+        _print_error(exc)
         return exc.exit_code
-    except typer.Exit as exc:
-        return exc.exit_code
-    except typer.Abort:
-        err_console.print("aborted")
-        return 130
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        return 130
-    except Exception as exc:  # click usage errors and the like
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            return exc.exit_code
-        raise
     return 0
+
+
+def _print_error(exc: AlignzooError) -> None:
+    if isinstance(exc, ConfigError):
+        err_console.print(f"[red]error:[/red] {len(exc.issues)} problem(s) in the experiment:")
+        for issue in exc.issues:
+            err_console.print(f"  {issue}", markup=False, highlight=False, soft_wrap=True)
+        return
+    label = "error" if isinstance(exc, UserError) else "run failed"
+    err_console.print(f"[red]{label}:[/red] ", end="")
+    err_console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""Experiment files: every mistake is located by file, line and dotted path before anything runs."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from alignzoo.config import load_experiment
+from alignzoo.errors import ConfigError, UserError
+from tests.core.helpers import toy_registry
+
+VALID = """\
+name: demo
+seeds: [0, 1]
+budget:
+  steps: 5
+training:
+  lr: 1.0e-4
+defaults:
+  labeler: arithmetic
+arms:
+  grpo:
+    algorithm:
+      name: grpo
+      params:
+        group_size: 8
+  ppo:
+    algorithm: ppo
+    training:
+      lr: 3.0e-4
+"""
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "exp.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def load(tmp_path, text: str):
+    return load_experiment(write(tmp_path, text), registry=toy_registry())
+
+
+def only_issue(tmp_path, text: str):
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, text)
+    assert len(info.value.issues) == 1, info.value.issues
+    return info.value.issues[0]
+
+
+def test_valid_file_merges_shared_sections_into_arms(tmp_path):
+    loaded = load(tmp_path, VALID)
+    spec = loaded.spec
+    assert spec.arms["grpo"].training.lr == pytest.approx(1e-4)
+    assert spec.arms["ppo"].training.lr == pytest.approx(3e-4)
+    assert spec.arms["ppo"].labeler.name == "arithmetic"
+    assert spec.baseline_arm == "grpo"
+    algo = loaded.components["grpo"]["algorithm"]
+    assert algo.params.group_size == 8
+    assert loaded.components["ppo"]["algorithm"].params.group_size == 4
+
+
+def test_unknown_algorithm_names_line_and_suggests(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("name: grpo", "name: grop"))
+    assert issue.path == "arms.grpo.algorithm.name"
+    assert issue.line == 12
+    assert "did you mean 'grpo'" in issue.message and "ppo" in issue.message
+
+
+def test_misspelled_parameter_suggests_the_right_one(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("group_size: 8", "gruop_size: 8"))
+    assert issue.path == "arms.grpo.algorithm.params.gruop_size"
+    assert issue.line == 14
+    assert "did you mean 'group_size'" in issue.message
+
+
+def test_wrong_type_says_what_was_found(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("group_size: 8", "group_size: many"))
+    assert issue.path == "arms.grpo.algorithm.params.group_size" and issue.line == 14
+    assert "valid integer" in issue.message and "'many'" in issue.message
+
+
+def test_negative_learning_rate_is_reported_once_at_the_shared_line(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("lr: 1.0e-4", "lr: -1.0e-4"))
+    assert issue.line == 6
+    assert issue.path.endswith("training.lr")
+    assert "greater than or equal to 0" in issue.message
+
+
+def test_arm_override_error_points_at_the_arm(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("lr: 3.0e-4", "lr: -3"))
+    assert issue.path == "arms.ppo.training.lr" and issue.line == 18
+
+
+def test_misspelled_section_field_suggests(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("  lr: 1.0e-4", "  learning_rate: 1.0e-4"))
+    assert "unknown field 'learning_rate'" in issue.message
+    assert issue.line == 6
+
+
+def test_no_arms(tmp_path):
+    text = VALID.split("arms:")[0] + "arms: {}\n"
+    issue = only_issue(tmp_path, text)
+    assert issue.path == "arms" and issue.line == 9
+    assert "at least 1" in issue.message
+
+
+def test_non_integer_seeds(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("seeds: [0, 1]", "seeds: [0, 1.5]"))
+    assert issue.path == "seeds.1" and issue.line == 2
+    assert "integer" in issue.message
+
+
+def test_yaml_syntax_error_has_a_line(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("  steps: 5", "  steps: [5"))
+    assert "YAML syntax error" in issue.message
+    assert issue.line is not None and 4 <= issue.line <= 7
+
+
+def test_duplicate_key_is_an_error_not_a_silent_overwrite(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("  steps: 5", "  steps: 5\n  steps: 6"))
+    assert issue.path == "budget.steps" and issue.line == 5
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(UserError, match="experiment file not found"):
+        load_experiment(tmp_path / "nope.yaml", registry=toy_registry())
+
+
+def test_budget_needs_exactly_one_limit(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("  steps: 5", "  steps: 5\n  samples: 100"))
+    assert issue.path == "budget" and "exactly one" in issue.message
+
+
+def test_unknown_baseline(tmp_path):
+    issue = only_issue(tmp_path, VALID.replace("seeds: [0, 1]", "seeds: [0, 1]\nbaseline: dpo"))
+    assert "baseline 'dpo' is not an arm" in issue.message
+
+
+def test_arms_filter(tmp_path):
+    loaded = load_experiment(write(tmp_path, VALID), registry=toy_registry(), arms=["ppo"])
+    assert list(loaded.spec.arms) == ["ppo"] and loaded.spec.baseline_arm == "ppo"
+    with pytest.raises(UserError, match="not arms of this experiment"):
+        load_experiment(write(tmp_path, VALID), registry=toy_registry(), arms=["dpo"])
+
+
+def test_several_problems_are_reported_together(tmp_path):
+    text = VALID.replace("group_size: 8", "group_size: 0").replace("name: demo", "name: demo\nfoo: 1")
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, text)
+    paths = {i.path for i in info.value.issues}
+    assert "foo" in paths

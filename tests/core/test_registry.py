@@ -1,0 +1,127 @@
+"""Discovery through entry points: listing, lazy loading, broken and duplicate plugins."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from alignzoo.errors import (
+    DuplicateComponentError,
+    PluginLoadError,
+    UnknownComponentError,
+)
+from alignzoo.registry import Registry, build_plugin_manager, get_registry
+from tests.core.helpers import ToyAlgorithm, entry_point, toy_registry
+
+BUILTINS = {
+    "algorithm": {"ppo", "grpo", "rloo", "reinforce_pp", "dpo", "simpo", "kto"},
+    "labeler": {"arithmetic", "reward_model"},
+    "backend": {"hf"},
+    "device_mapper": {"single", "split"},
+    "modifier": {"entropy_bonus", "health_checks"},
+}
+
+
+def test_every_builtin_is_discovered_with_its_provider():
+    registry = get_registry()
+    for kind, names in BUILTINS.items():
+        entries = {e.name: e for e in registry.entries(kind) if e.distribution == "alignzoo"}
+        assert names <= set(entries), f"missing {kind}: {names - set(entries)}"
+        for entry in entries.values():
+            assert entry.version and entry.version != "?"
+
+
+def test_outside_package_components_are_listed_with_their_distribution():
+    registry = get_registry()
+    outside = {(e.kind, e.name): e for e in registry.entries() if e.distribution == "alignzoo-testplugin"}
+    assert set(outside) == {
+        ("algorithm", "vanilla_pg"),
+        ("labeler", "keyword"),
+        ("backend", "canned"),
+        ("device_mapper", "all_cpu"),
+        ("modifier", "loss_scale"),
+    }
+    assert outside[("algorithm", "vanilla_pg")].version == "0.3.1"
+
+
+def test_discovery_and_listing_never_import_torch():
+    code = (
+        "import sys\n"
+        "from alignzoo.registry import get_registry\n"
+        "entries = get_registry().load_all()\n"
+        "assert len(entries) > 10, entries\n"
+        "assert all(e.component is not None or e.error for e in entries)\n"
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules and "
+        "type(sys.modules[m]).__name__ != '_LazyModule']\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"imported eagerly: {out.stdout}"
+
+
+def test_unknown_name_lists_known_names_and_closest_match():
+    registry = toy_registry()
+    with pytest.raises(UnknownComponentError) as info:
+        registry.get("algorithm", "grop")
+    message = str(info.value)
+    assert "did you mean 'grpo'" in message
+    assert "grpo" in message and "ppo" in message
+
+
+def test_plugin_whose_import_raises_is_reported_and_others_keep_working(tmp_path, monkeypatch):
+    (tmp_path / "broken_plugin_mod.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = Registry(
+        entry_points=[
+            entry_point("algorithm.broken", "broken_plugin_mod:Broken"),
+            entry_point("algorithm.toy", "tests.core.helpers:ToyAlgorithm"),
+        ]
+    )
+    entries = {e.name: e for e in registry.load_all()}
+    assert "boom at import" in entries["broken"].error
+    assert entries["toy"].component is ToyAlgorithm
+    with pytest.raises(PluginLoadError) as info:
+        registry.get("algorithm", "broken")
+    assert "broken_plugin_mod:Broken" in str(info.value) and "boom at import" in str(info.value)
+    assert registry.get("algorithm", "toy") is ToyAlgorithm
+
+
+def test_entry_point_of_the_wrong_kind_is_rejected():
+    registry = Registry(entry_points=[entry_point("labeler.oops", "tests.core.helpers:ToyAlgorithm")])
+    with pytest.raises(PluginLoadError, match="is a algorithm"):
+        registry.get("labeler", "oops")
+
+
+def test_malformed_entry_point_name_is_reported():
+    registry = Registry(entry_points=[entry_point("grpo", "tests.core.helpers:ToyAlgorithm")])
+    assert registry.entries() == []
+    assert "must be '<kind>.<name>'" in registry.malformed[0].error
+
+
+def test_two_providers_of_one_name_is_an_error_naming_both():
+    dist_a = types.SimpleNamespace(name="pkg-a", version="1.0")
+    dist_b = types.SimpleNamespace(name="pkg-b", version="2.0")
+    ep_a = entry_point("algorithm.same", "tests.core.helpers:ToyAlgorithm")
+    ep_b = entry_point("algorithm.same", "other.module:Thing")
+    # EntryPoint is immutable; attach distributions the way importlib.metadata does.
+    object.__setattr__(ep_a, "dist", dist_a)
+    object.__setattr__(ep_b, "dist", dist_b)
+    registry = Registry(entry_points=[ep_a, ep_b])
+    with pytest.raises(DuplicateComponentError) as info:
+        registry.get("algorithm", "same")
+    assert "pkg-a 1.0" in str(info.value) and "pkg-b 2.0" in str(info.value)
+
+
+def test_hookimpl_with_a_misspelled_hook_name_is_caught_at_assembly():
+    from alignzoo import hookimpl
+
+    class Typo(ToyAlgorithm):
+        @hookimpl
+        def compute_los(self, batch, outputs):  # not a hook
+            return None
+
+    with pytest.raises(PluginLoadError, match="compute_los"):
+        build_plugin_manager([Typo()])

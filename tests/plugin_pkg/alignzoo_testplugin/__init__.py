@@ -1,0 +1,1 @@
+"""An outside plugin package: one component of every kind, registered through entry points."""
