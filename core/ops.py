@@ -164,8 +164,8 @@ def gae(
     Runs the recursion over the unmasked tokens of each row as if they were contiguous (masked
     positions are skipped, and the value after the last token is 0)::
 
-        delta_t = r_t + gamma * V_{t+1} - V_t                 (GAE, eq. 11)
-        A_t     = delta_t + gamma * lam * A_{t+1}             (GAE, eq. 16)
+        delta_t = r_t + gamma * V_{t+1} - V_t                 (TD residual, GAE sec. 3)
+        A_t     = delta_t + gamma * lam * A_{t+1}             (GAE(gamma, lambda), sec. 3)
         returns = A_t + V_t
 
     Returns ``(advantages, returns)``, both ``[B, R]`` and zero on padding. With ``values = 0``
@@ -202,7 +202,7 @@ def clipped_surrogate(
         L = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)     (PPO, Schulman 2017, eq. 7)
 
     and, with ``dual_clip = c > 1``, for A < 0 the loss is also capped at ``-c * A``
-    (dual-clip PPO, Ye et al. 2020, eq. 5). Returns ``(loss [B, R], clipped_low, clipped_high)``;
+    (dual-clip PPO, Ye et al. 2020). Returns ``(loss [B, R], clipped_low, clipped_high)``;
     the boolean masks mark tokens whose gradient the clip removes: ``r < 1 - clip_low`` with
     A < 0 and ``r > 1 + clip_high`` with A > 0 (the dual clip counts as clipped_high).
     """
@@ -229,7 +229,9 @@ def clip_fractions(
     return {"actor/clipfrac_low": low, "actor/clipfrac_high": high, "actor/clipfrac": low + high}
 
 
-def approx_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def approx_kl(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """k3 estimate of KL(pi_old || pi) over the sampled tokens: how far the update has moved."""
     mask_b = mask.bool()
     new = torch.where(mask_b, logprobs.detach().float(), 0.0)

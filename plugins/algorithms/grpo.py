@@ -1,9 +1,9 @@
 """GRPO: Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath", section 4.1).
 
 No critic: each prompt is sampled G times and a sample's advantage is its reward relative to
-its group, ``A_i = (r_i - mean(r_group)) / std(r_group)`` (eq. 3 of the outcome-supervision
-variant), given to every token of the response. The policy loss is PPO's clipped surrogate
-plus a k3 estimate of KL(pi || pi_ref) weighted by beta (eq. 3).
+its group, ``A_i = (r_i - mean(r_group)) / std(r_group)`` (outcome supervision,
+section 4.1.2), given to every token of the response. The policy loss is PPO's clipped surrogate
+plus a k3 estimate of KL(pi || pi_ref) weighted by beta (the GRPO objective, eq. 3).
 
 Variants, all selected by params:
 
@@ -11,7 +11,7 @@ Variants, all selected by params:
   ``"none"`` (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training": no std division).
 - ``clip_eps_low`` / ``clip_eps_high``: asymmetric clipping (DAPO "clip-higher", Yu et al. 2025).
 - ``importance_ratio``: ``"token"`` (the paper) or ``"sequence"`` (GSPO, Zheng et al. 2025: one
-  length-normalised ratio per sequence, ``s_i = exp(mean_t log(pi / pi_old))``, eq. 7).
+  length-normalised ratio per sequence, ``s_i = exp(mean_t log(pi / pi_old))``).
 - ``loss_aggregation``: any mode of :func:`alignzoo.ops.aggregate_loss`; ``norm_constant`` is Dr.
   GRPO's constant for ``seq-mean-token-sum-norm``.
 - ``beta = 0``: no KL term, and no reference model is loaded.
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from alignzoo.batch import PolicyOutputs, RolloutBatch
 
-torch = lazy_import("torch")  # noqa: F811
+torch = lazy_import("torch")
 ops = lazy_import("alignzoo.ops")
 
 ScaleRewards = Literal["group", "batch", "none"]
@@ -84,13 +84,13 @@ def group_advantages(
 ) -> torch.Tensor:
     """Sequence advantages ``[B]``: reward minus its group's mean, scaled as asked."""
     mean, group_std, _ = ops.group_mean_std(scores, group_ids)
-    centred = scores.float() - mean  # A_i = r_i - mean(r)  (Shao et al. 2024, eq. 3 numerator)
+    centred = scores.float() - mean  # A_i = r_i - mean(r)  (outcome supervision, Shao et al. 2024)
     if scale == "group":
-        return centred / (group_std + eps)  # ... / std(r)  (Shao et al. 2024, eq. 3)
+        return centred / (group_std + eps)  # ... / std(r)  (outcome supervision, Shao et al.)
     if scale == "batch":
         batch_std = scores.float().std() if scores.numel() > 1 else scores.new_zeros(())
         return centred / (batch_std + eps)
-    return centred  # Dr. GRPO: no std normalisation (Liu et al. 2025, eq. 4)
+    return centred  # Dr. GRPO: no std normalisation (Dr. GRPO, Liu et al. 2025)
 
 
 def policy_log_ratio(
@@ -102,14 +102,14 @@ def policy_log_ratio(
     """log(pi / pi_old) per token ``[B, R]``; zero on padding (whatever the padding holds).
 
     At sequence level every token of a sequence carries ``mean_t log(pi / pi_old)``, the log of
-    GSPO's importance ratio ``s_i = (pi(y_i|x) / pi_old(y_i|x)) ** (1 / |y_i|)`` (Zheng et al. 2025,
-    eq. 7), so its gradient reaches every token of the sequence.
+    GSPO's importance ratio ``s_i = (pi(y_i|x) / pi_old(y_i|x)) ** (1 / |y_i|)`` (Zheng et al. 2025),
+    so its gradient reaches every token of the sequence.
     """
     mask_b = mask.bool()
     token = torch.where(mask_b, logprobs, 0.0) - torch.where(mask_b, old_logprobs, 0.0)
     if level == "token":
         return token
-    sequence = ops.masked_mean(token, mask, dim=-1)  # log s_i  (GSPO, eq. 7)
+    sequence = ops.masked_mean(token, mask, dim=-1)  # log s_i, the GSPO sequence importance ratio
     return torch.where(mask_b, sequence.unsqueeze(-1).expand_as(token), 0.0)
 
 
@@ -132,12 +132,14 @@ def grpo_loss(
     log_ratio = policy_log_ratio(logprobs, old_logprobs, mask, params.importance_ratio)
     pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
         log_ratio, advantages, params.clip_eps_low, params.clip_eps_high
-    )  # -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)  (eq. 3; DAPO eq. 10)
+    )  # -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)  (GRPO eq. 3; DAPO clip-higher)
     loss_mat = pg_mat
     metrics: dict[str, torch.Tensor] = {}
     if ref_logprobs is not None:
         policy = torch.where(mask_b, logprobs, 0.0)
-        kl_mat = ops.kl_penalty(policy, torch.where(mask_b, ref_logprobs, 0.0), "k3")  # eq. 4
+        kl_mat = ops.kl_penalty(
+            policy, torch.where(mask_b, ref_logprobs, 0.0), "k3"
+        )  # KL estimator, GRPO eq. 4
         metrics["kl"] = ops.masked_mean(kl_mat.detach(), mask)
         if params.beta > 0:
             loss_mat = loss_mat + params.beta * kl_mat  # ... - beta * D_KL(pi || pi_ref)  (eq. 3)

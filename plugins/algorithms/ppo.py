@@ -9,7 +9,7 @@ values; advantages come from GAE(gamma, lambda) (Schulman et al. 2016). The loss
 
 with the clipped surrogate (PPO eq. 7), optionally dual-clipped for negative advantages
 (Ye et al. 2020), a clipped value loss, and KL either in the reward (fixed coefficient or the
-adaptive controller of Ziegler et al. 2019, eq. 2) or as a loss term (k1, k2 or k3 estimator).
+adaptive controller of Ziegler et al. 2019, section 2.2) or as a loss term (k1, k2 or k3 estimator).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from alignzoo.batch import PolicyOutputs, RolloutBatch
 
-torch = lazy_import("torch")  # noqa: F811
+torch = lazy_import("torch")
 ops = lazy_import("alignzoo.ops")
 
 LossAggregation = Literal[
@@ -99,7 +99,7 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Proportional controller of the KL coefficient towards a target (Ziegler et al. 2019, eq. 2).
+    """Proportional controller of the KL coefficient towards a target (Ziegler et al. 2019, sec. 2.2).
 
     ``e = clip(KL / KL_target - 1, -0.2, 0.2)`` and ``beta <- beta * (1 + e * n / horizon)``,
     with ``n`` the number of samples seen since the last update.
@@ -111,8 +111,10 @@ class AdaptiveKLController:
         self.horizon = int(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)  # e_t  (Ziegler eq. 2)
-        self.value *= 1.0 + error * n_steps / self.horizon  # beta_{t+1}  (Ziegler eq. 2)
+        error = min(
+            max(current_kl / self.target - 1.0, -0.2), 0.2
+        )  # e_t = clip(KL_t / KL_target - 1, -0.2, 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon  # beta_{t+1} = beta_t (1 + K_beta e_t)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kl_coef": self.value}
@@ -149,7 +151,7 @@ def value_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped value loss ``[B, R]`` and where the clipped term is the larger one.
 
-    L_vf = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)   (Schulman 2017, sec. 5)
+    L_vf = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)   (value clipping of OpenAI baselines' PPO)
     """
     mask_b = mask.bool()
     values = torch.where(mask_b, values, 0.0)
@@ -188,7 +190,7 @@ def ppo_loss(
     advantages = torch.where(mask_b, batch.advantages, 0.0)
     pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
         log_ratio, advantages, params.clip_eps, params.clip_eps, params.dual_clip
-    )  # L_clip  (Schulman 2017, eq. 7; dual clip: Ye et al. 2020, eq. 5)
+    )  # L_clip  (Schulman 2017, eq. 7; dual clip: Ye et al. 2020)
     pg_loss = aggregate(pg_mat)
     loss = pg_loss
     metrics: dict[str, Any] = {"actor/pg_loss": pg_loss.detach()}
@@ -206,9 +208,7 @@ def ppo_loss(
     loss = loss + params.vf_coef * vf_loss  # + c1 * L_vf  (Schulman 2017, eq. 9)
     metrics["critic/vf_loss"] = vf_loss.detach()
     metrics["critic/vf_clipfrac"] = ops.masked_mean(vf_clipped.float(), mask)
-    metrics["critic/explained_variance"] = explained_variance(
-        outputs.values, batch.returns, mask
-    )
+    metrics["critic/explained_variance"] = explained_variance(outputs.values, batch.returns, mask)
 
     if outputs.entropy is not None:
         entropy = torch.where(mask_b, outputs.entropy, 0.0)
@@ -282,7 +282,7 @@ class PPO(Algorithm):
         if p.whiten_advantages:
             advantages = ops.masked_whiten(advantages, mask)
         batch.advantages, batch.returns = advantages, returns
-        if kl is not None:  # observed KL per sequence, then adapt (Ziegler et al. 2019, eq. 2)
+        if kl is not None:  # observed KL per sequence, then adapt (Ziegler et al. 2019, sec. 2.2)
             observed = ops.masked_sum(kl, mask, dim=-1).mean()
             self.kl_ctl.update(float(observed), n_steps=batch.size)
         return batch

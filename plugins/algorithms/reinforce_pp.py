@@ -1,0 +1,162 @@
+"""REINFORCE++ (Hu et al. 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs").
+
+No critic and no groups: every token is penalised by its KL to the reference, the score is added
+on the last token, and the (discounted) return-to-go is the advantage, normalised over the whole
+batch:
+
+    r_t   = 1[t = T] * score - beta * KL_t                          (token-level KL penalty)
+    G_t   = sum_{s >= t} gamma^(s - t) r_s                          (return-to-go)
+    A_t   = (G_t - mean_batch(G)) / std_batch(G)                    (global batch normalisation)
+
+The loss is PPO's clipped surrogate on these advantages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo._lazy import lazy_import
+from alignzoo.errors import UserError
+from alignzoo.plugin import Algorithm, hookimpl
+from alignzoo.types import AlgorithmRequirements, LossOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from alignzoo.batch import PolicyOutputs, RolloutBatch
+
+torch = lazy_import("torch")
+ops = lazy_import("alignzoo.ops")
+
+LossAggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+
+
+class ReinforcePlusPlusParams(BaseModel):
+    """Parameters of REINFORCE++; defaults follow Hu et al. 2025."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kl_coef: float = Field(
+        0.01, ge=0.0, description="beta of the per-token KL penalty in the reward; 0: no reference"
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="discount of the return-to-go")
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="clip range of the ratio")
+    loss_aggregation: LossAggregation = Field(
+        "token-mean", description="how per-token losses are reduced (see ops.aggregate_loss)"
+    )
+    norm_constant: float | None = Field(
+        None, gt=0.0, description="constant of seq-mean-token-sum-norm; None: padded length"
+    )
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def reinforce_pp_advantages(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None,
+    kl_coef: float,
+    gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token rewards, returns and batch-normalised advantages, each ``[B, R]``, zero on padding."""
+    rewards = ops.last_token_scores(scores, mask)  # 1[t = T] * score
+    if kl is not None and kl_coef != 0.0:
+        rewards = rewards - kl_coef * torch.where(mask.bool(), kl.float(), 0.0)  # - beta KL_t
+    _, returns = ops.gae(
+        rewards, torch.zeros_like(rewards), mask, gamma, 1.0
+    )  # G_t  (return-to-go)
+    advantages = ops.masked_whiten(returns, mask)  # A = (G - mean) / std over the batch
+    return rewards, returns, advantages
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    params: ReinforcePlusPlusParams,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate on the normalised advantages (Hu et al. 2025) and its metrics."""
+    mask_b = mask.bool()
+    log_ratio = torch.where(mask_b, logprobs, 0.0) - torch.where(mask_b, old_logprobs, 0.0)
+    pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
+        log_ratio, torch.where(mask_b, advantages, 0.0), params.clip_eps, params.clip_eps
+    )
+    weighted = ops.weight_samples(pg_mat, weights)
+    loss = ops.aggregate_loss(weighted, mask, params.loss_aggregation, params.norm_constant)
+    metrics = {"actor/pg_loss": loss.detach()}
+    metrics.update(ops.clip_fractions(clipped_low, clipped_high, mask))
+    metrics["actor/approx_kl"] = ops.approx_kl(logprobs, old_logprobs, mask)
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------- plugin
+
+
+class ReinforcePlusPlus(Algorithm):
+    """REINFORCE++ (Hu et al. 2025): token-level KL in the reward, batch-normalised returns, no critic."""
+
+    Params = ReinforcePlusPlusParams
+    params: ReinforcePlusPlusParams
+
+    @hookimpl
+    def algorithm_requirements(self) -> AlgorithmRequirements:
+        return AlgorithmRequirements(reference=self.params.kl_coef > 0, critic=False)
+
+    @hookimpl
+    def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        if batch.scores is None:
+            raise UserError(
+                "reinforce_pp: batch.scores is missing; the labeler must score every sample"
+            )
+        mask = batch.response_mask
+        kl = None
+        if self.params.kl_coef > 0:
+            if batch.ref_logprobs is None or batch.old_logprobs is None:
+                raise UserError(
+                    "reinforce_pp: kl_coef > 0 needs batch.old_logprobs and batch.ref_logprobs"
+                )
+            mask_b = mask.bool()
+            kl = ops.kl_penalty(
+                torch.where(mask_b, batch.old_logprobs, 0.0),
+                torch.where(mask_b, batch.ref_logprobs, 0.0),
+                self.params.kl_estimator,
+            )
+        rewards, returns, advantages = reinforce_pp_advantages(
+            batch.scores, mask, kl, self.params.kl_coef, self.params.gamma
+        )
+        batch.token_rewards, batch.returns, batch.advantages = rewards, returns, advantages
+        return batch
+
+    @hookimpl
+    def compute_loss(self, batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
+        if batch.advantages is None or batch.old_logprobs is None:
+            raise UserError(
+                "reinforce_pp: compute_loss needs batch.advantages and batch.old_logprobs"
+            )
+        loss, metrics = policy_loss(
+            outputs.logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.response_mask,
+            self.params,
+            batch.weights,
+        )
+        mask_b = batch.response_mask.bool()
+        if batch.ref_logprobs is not None:
+            kl = ops.kl_penalty(
+                torch.where(mask_b, outputs.logprobs.detach(), 0.0),
+                torch.where(mask_b, batch.ref_logprobs, 0.0),
+                self.params.kl_estimator,
+            )
+            metrics["kl"] = ops.masked_mean(kl, batch.response_mask)
+        if outputs.entropy is not None:
+            metrics["entropy"] = ops.masked_mean(outputs.entropy.detach(), batch.response_mask)
+        return LossOutput(loss, {name: float(value) for name, value in metrics.items()})

@@ -1,0 +1,162 @@
+"""RLOO: REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics", section 3.2).
+
+Each prompt is sampled k times; the baseline of a sample is the mean reward of the *other*
+samples of its group, so the advantage is unbiased and needs no critic:
+
+    A_i = r_i - 1/(k-1) * sum_{j != i} r_j                    (RLOO estimator, Ahmadian et al. 2024)
+
+The whole response is one action: the sequence reward may carry a KL penalty to the reference,
+``r_i = score_i - beta * sum_t KL_t``. Every token of a response gets its sequence's
+advantage, and the loss is PPO's clipped surrogate without a critic (at ratio 1, after one
+update per batch, it is exactly REINFORCE). A sample alone in its group gets advantage 0.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo._lazy import lazy_import
+from alignzoo.errors import UserError
+from alignzoo.plugin import Algorithm, hookimpl
+from alignzoo.types import AlgorithmRequirements, LossOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from alignzoo.batch import PolicyOutputs, RolloutBatch
+
+torch = lazy_import("torch")
+ops = lazy_import("alignzoo.ops")
+
+LossAggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+
+
+class RLOOParams(BaseModel):
+    """Parameters of RLOO; defaults follow Ahmadian et al. 2024."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kl_coef: float = Field(
+        0.05, ge=0.0, description="beta of the KL penalty in the sequence reward; 0: no reference"
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="per-token KL estimator summed into the sequence penalty"
+    )
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="clip range of the ratio")
+    loss_aggregation: LossAggregation = Field(
+        "seq-mean-token-sum",
+        description="how per-token losses are reduced; the paper's sequence-level REINFORCE sums "
+        "log-probs over the response",
+    )
+    norm_constant: float | None = Field(
+        None, gt=0.0, description="constant of seq-mean-token-sum-norm; None: padded length"
+    )
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def sequence_rewards(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Sequence rewards ``[B]``: r = score - beta * sum_t KL_t  (KL-penalised reward)."""
+    rewards = scores.float()
+    if kl is not None and kl_coef != 0.0:
+        rewards = rewards - kl_coef * ops.masked_sum(kl.float(), mask, dim=-1)
+    return rewards
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i - mean of the other rewards of i's group ``[B]``; 0 for a group of one."""
+    mean, _, count = ops.group_mean_std(rewards, group_ids)
+    others = count - 1.0
+    baseline = (mean * count - rewards) / others.clamp(min=1.0)  # 1/(k-1) sum_{j!=i} r_j  (RLOO)
+    return torch.where(others > 0, rewards - baseline, 0.0)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    params: RLOOParams,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped REINFORCE loss (PPO eq. 7 without a critic) and detached metric tensors."""
+    mask_b = mask.bool()
+    log_ratio = torch.where(mask_b, logprobs, 0.0) - torch.where(mask_b, old_logprobs, 0.0)
+    pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
+        log_ratio, torch.where(mask_b, advantages, 0.0), params.clip_eps, params.clip_eps
+    )
+    weighted = ops.weight_samples(pg_mat, weights)
+    loss = ops.aggregate_loss(weighted, mask, params.loss_aggregation, params.norm_constant)
+    metrics = {"actor/pg_loss": loss.detach()}
+    metrics.update(ops.clip_fractions(clipped_low, clipped_high, mask))
+    metrics["actor/approx_kl"] = ops.approx_kl(logprobs, old_logprobs, mask)
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------- plugin
+
+
+class RLOO(Algorithm):
+    """RLOO (Ahmadian et al. 2024): REINFORCE with a leave-one-out group baseline, no critic."""
+
+    Params = RLOOParams
+    params: RLOOParams
+
+    @hookimpl
+    def algorithm_requirements(self) -> AlgorithmRequirements:
+        return AlgorithmRequirements(reference=self.params.kl_coef > 0, critic=False)
+
+    @hookimpl
+    def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        if batch.scores is None:
+            raise UserError("rloo: batch.scores is missing; the labeler must score every sample")
+        mask = batch.response_mask
+        kl = None
+        if self.params.kl_coef > 0:
+            if batch.ref_logprobs is None or batch.old_logprobs is None:
+                raise UserError("rloo: kl_coef > 0 needs batch.old_logprobs and batch.ref_logprobs")
+            mask_b = mask.bool()
+            kl = ops.kl_penalty(
+                torch.where(mask_b, batch.old_logprobs, 0.0),
+                torch.where(mask_b, batch.ref_logprobs, 0.0),
+                self.params.kl_estimator,
+            )
+        rewards = sequence_rewards(batch.scores, mask, kl, self.params.kl_coef)
+        advantages = leave_one_out_advantages(rewards, batch.group_ids)
+        batch.token_rewards = ops.last_token_scores(rewards, mask)
+        batch.advantages = torch.where(mask.bool(), advantages.unsqueeze(-1), 0.0)
+        return batch
+
+    @hookimpl
+    def compute_loss(self, batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
+        if batch.advantages is None or batch.old_logprobs is None:
+            raise UserError("rloo: compute_loss needs batch.advantages and batch.old_logprobs")
+        loss, metrics = policy_loss(
+            outputs.logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.response_mask,
+            self.params,
+            batch.weights,
+        )
+        mask_b = batch.response_mask.bool()
+        if batch.ref_logprobs is not None:
+            kl = ops.kl_penalty(
+                torch.where(mask_b, outputs.logprobs.detach(), 0.0),
+                torch.where(mask_b, batch.ref_logprobs, 0.0),
+                self.params.kl_estimator,
+            )
+            metrics["kl"] = ops.masked_mean(kl, batch.response_mask)
+        if outputs.entropy is not None:
+            metrics["entropy"] = ops.masked_mean(outputs.entropy.detach(), batch.response_mask)
+        return LossOutput(loss, {name: float(value) for name, value in metrics.items()})
