@@ -25,7 +25,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-check_app = typer.Typer(help="Check an installed component against the contract suite.", no_args_is_help=True)
+check_app = typer.Typer(
+    help="Check an installed component against the contract suite.", no_args_is_help=True
+)
 app.add_typer(check_app, name="check")
 
 console = Console()
@@ -40,7 +42,9 @@ def _parse_list(value: str | None, cast: type = str, option: str = "") -> list |
     try:
         return [cast(v) for v in items]
     except ValueError:
-        raise UserError(f"{option} expects a comma-separated list of {cast.__name__}s, got {value!r}") from None
+        raise UserError(
+            f"{option} expects a comma-separated list of {cast.__name__}s, got {value!r}"
+        ) from None
 
 
 def _version_callback(value: bool) -> None:
@@ -54,7 +58,9 @@ def _main(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
     version: Annotated[
         Optional[bool],  # noqa: UP045 - typer needs Optional here
-        typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version."),
+        typer.Option(
+            "--version", callback=_version_callback, is_eager=True, help="Print the version."
+        ),
     ] = None,
 ) -> None:
     _state["debug"] = debug
@@ -79,11 +85,21 @@ def validate(
 @app.command()
 def run(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
-    arms: Annotated[Optional[str], typer.Option(help="Comma-separated arms to run (default all).")] = None,  # noqa: UP045
-    seeds: Annotated[Optional[str], typer.Option(help="Comma-separated seeds (default: the file's).")] = None,  # noqa: UP045
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: output_dir/name).")] = None,  # noqa: UP045
-    resume: Annotated[bool, typer.Option(help="Skip finished runs and continue unfinished ones.")] = False,
-    jobs: Annotated[int, typer.Option(min=1, help="Arm x seed runs in parallel worker processes.")] = 1,
+    arms: Annotated[
+        Optional[str], typer.Option(help="Comma-separated arms to run (default all).")
+    ] = None,  # noqa: UP045
+    seeds: Annotated[
+        Optional[str], typer.Option(help="Comma-separated seeds (default: the file's).")
+    ] = None,  # noqa: UP045
+    out: Annotated[
+        Optional[Path], typer.Option(help="Output folder (default: output_dir/name).")
+    ] = None,  # noqa: UP045
+    resume: Annotated[
+        bool, typer.Option(help="Skip finished runs and continue unfinished ones.")
+    ] = False,
+    jobs: Annotated[
+        int, typer.Option(min=1, help="Arm x seed runs in parallel worker processes.")
+    ] = 1,
 ) -> None:
     """Train every arm x seed of an experiment and write the comparison report."""
     from alignzoo.config import load_experiment
@@ -116,7 +132,9 @@ def report(
 
 @app.command()
 def plugins(
-    kind: Annotated[Optional[str], typer.Option(help="Only this kind (algorithm, labeler, ...).")] = None,  # noqa: UP045
+    kind: Annotated[
+        Optional[str], typer.Option(help="Only this kind (algorithm, labeler, ...).")
+    ] = None,  # noqa: UP045
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """List every installed component: kind, name, provider and version, and what it does."""
@@ -136,12 +154,28 @@ def plugins(
         elif e.error:
             status = f"error: {e.error}"
         rows.append(
-            {"kind": e.kind, "name": e.name, "provider": e.distribution, "version": e.version,
-             "target": e.target, "summary": summary, "status": status}
+            {
+                "kind": e.kind,
+                "name": e.name,
+                "provider": e.distribution,
+                "version": e.version,
+                "target": e.target,
+                "summary": summary,
+                "status": status,
+            }
         )
     for e in registry.malformed:
-        rows.append({"kind": "?", "name": e.name, "provider": e.distribution, "version": e.version,
-                     "target": e.target, "summary": "", "status": f"error: {e.error}"})
+        rows.append(
+            {
+                "kind": "?",
+                "name": e.name,
+                "provider": e.distribution,
+                "version": e.version,
+                "target": e.target,
+                "summary": "",
+                "status": f"error: {e.error}",
+            }
+        )
     if as_json:
         print(json.dumps(rows, indent=2))
         return
@@ -156,7 +190,9 @@ def plugins(
 
 @app.command()
 def schema(
-    out: Annotated[Optional[Path], typer.Option(help="Write to this file instead of stdout.")] = None,  # noqa: UP045
+    out: Annotated[
+        Optional[Path], typer.Option(help="Write to this file instead of stdout.")
+    ] = None,  # noqa: UP045
 ) -> None:
     """Write the JSON Schema of experiment files (for editor autocompletion and checking)."""
     from alignzoo.jsonschema import experiment_json_schema
@@ -181,15 +217,30 @@ def doctor() -> None:
     table.add_column("status")
     table.add_row("python", sys.version.split()[0])
     table.add_row("alignzoo", __version__)
-    for dist in ("torch", "transformers", "tokenizers", "datasets", "peft", "pluggy", "pydantic",
-                 "vllm", "flash-attn", "wandb", "tensorboard", "ray", "trl"):
+    for dist in (
+        "torch",
+        "transformers",
+        "tokenizers",
+        "datasets",
+        "peft",
+        "pluggy",
+        "pydantic",
+        "vllm",
+        "flash-attn",
+        "wandb",
+        "tensorboard",
+        "ray",
+        "trl",
+    ):
         try:
             table.add_row(dist, version(dist))
         except PackageNotFoundError:
             table.add_row(dist, "[dim]not installed[/dim]")
     import torch
 
-    devices = ["cpu"] + [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
+    devices = ["cpu"] + [
+        f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())
+    ]
     table.add_row("devices", ", ".join(devices))
     entries = get_registry().load_all()
     broken = [e for e in entries if e.error or e.duplicates]

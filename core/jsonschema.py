@@ -12,7 +12,12 @@ from typing import Any
 from alignzoo.registry import Registry, get_registry
 from alignzoo.schema import ExperimentSpec
 
-_SLOTS = {"algorithm": "algorithm", "labeler": "labeler", "backend": "backend", "devices": "device_mapper"}
+_SLOTS = {
+    "algorithm": "algorithm",
+    "labeler": "labeler",
+    "backend": "backend",
+    "devices": "device_mapper",
+}
 
 
 def _params_rules(registry: Registry, kind: str, defs: dict[str, Any]) -> list[dict[str, Any]]:

@@ -63,16 +63,30 @@ def test_validate_ok(exp):
 @pytest.mark.parametrize(
     ("old", "new", "fragments"),
     [
-        ("vanilla_pg, params", "vanila_pg, params", ["arms.a.algorithm.name", "did you mean 'vanilla_pg'", ":10"]),
-        ("baseline: true", "baselin: true", ["arms.a.algorithm.params.baselin", "did you mean 'baseline'"]),
+        (
+            "vanilla_pg, params",
+            "vanila_pg, params",
+            ["arms.a.algorithm.name", "did you mean 'vanilla_pg'", ":10"],
+        ),
+        (
+            "baseline: true",
+            "baselin: true",
+            ["arms.a.algorithm.params.baselin", "did you mean 'baseline'"],
+        ),
         ("factor: 3", "factor: big", ["arms.b.modifiers.0.params.factor", "valid number", "'big'"]),
-        ("budget: {steps: 3}", "budget: {steps: 3}\ntraining: {lr: -1}", ["training.lr", ":4", "greater than or equal to 0"]),
+        (
+            "budget: {steps: 3}",
+            "budget: {steps: 3}\ntraining: {lr: -1}",
+            ["training.lr", ":4", "greater than or equal to 0"],
+        ),
         ("seeds: [0, 1]", "seeds: [zero]", ["seeds.0", ":2", "integer"]),
         ("budget: {steps: 3}", "budget: {steps: 3", ["YAML syntax error", "exp.yaml:"]),
     ],
 )
 def test_validate_errors_exit_2_with_location(exp, old, new, fragments):
-    assert_user_error(alignzoo("validate", str(exp(GOOD.replace(old, new)))), "exp.yaml", *fragments)
+    assert_user_error(
+        alignzoo("validate", str(exp(GOOD.replace(old, new)))), "exp.yaml", *fragments
+    )
 
 
 def test_no_arms(exp):
@@ -81,7 +95,9 @@ def test_no_arms(exp):
 
 
 def test_missing_file(tmp_path):
-    assert_user_error(alignzoo("validate", str(tmp_path / "missing.yaml")), "not found", "missing.yaml")
+    assert_user_error(
+        alignzoo("validate", str(tmp_path / "missing.yaml")), "not found", "missing.yaml"
+    )
 
 
 def test_debug_shows_the_traceback(tmp_path):
@@ -97,12 +113,18 @@ def test_plugin_whose_import_raises_exits_2(exp, tmp_path, monkeypatch, capsys):
         kind, name = ep.split(".")
         registry.register(__import__("alignzoo").get_registry().get(kind, name), name)
     monkeypatch.setattr("alignzoo.config.get_registry", lambda: registry)
-    path = exp(GOOD.replace("vanilla_pg, params: {baseline: true}", "exploding").replace(
-        "    algorithm: vanilla_pg\n    modifiers: [{name: loss_scale, params: {factor: 3}}]\n", "    algorithm: exploding\n"))
+    path = exp(
+        GOOD.replace("vanilla_pg, params: {baseline: true}", "exploding").replace(
+            "    algorithm: vanilla_pg\n    modifiers: [{name: loss_scale, params: {factor: 3}}]\n",
+            "    algorithm: exploding\n",
+        )
+    )
     code = cli.main(["validate", str(path)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "exploding_plugin:Algo" in err and "needs libfoo" in err and "arms.a.algorithm.name" in err
+    assert (
+        "exploding_plugin:Algo" in err and "needs libfoo" in err and "arms.a.algorithm.name" in err
+    )
     assert "Traceback" not in err
 
 

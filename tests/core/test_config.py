@@ -146,7 +146,9 @@ def test_arms_filter(tmp_path):
 
 
 def test_several_problems_are_reported_together(tmp_path):
-    text = VALID.replace("group_size: 8", "group_size: 0").replace("name: demo", "name: demo\nfoo: 1")
+    text = VALID.replace("group_size: 8", "group_size: 0").replace(
+        "name: demo", "name: demo\nfoo: 1"
+    )
     with pytest.raises(ConfigError) as info:
         load(tmp_path, text)
     paths = {i.path for i in info.value.issues}

@@ -36,7 +36,9 @@ def test_every_builtin_is_discovered_with_its_provider():
 
 def test_outside_package_components_are_listed_with_their_distribution():
     registry = get_registry()
-    outside = {(e.kind, e.name): e for e in registry.entries() if e.distribution == "alignzoo-testplugin"}
+    outside = {
+        (e.kind, e.name): e for e in registry.entries() if e.distribution == "alignzoo-testplugin"
+    }
     assert set(outside) == {
         ("algorithm", "vanilla_pg"),
         ("labeler", "keyword"),
@@ -90,7 +92,9 @@ def test_plugin_whose_import_raises_is_reported_and_others_keep_working(tmp_path
 
 
 def test_entry_point_of_the_wrong_kind_is_rejected():
-    registry = Registry(entry_points=[entry_point("labeler.oops", "tests.core.helpers:ToyAlgorithm")])
+    registry = Registry(
+        entry_points=[entry_point("labeler.oops", "tests.core.helpers:ToyAlgorithm")]
+    )
     with pytest.raises(PluginLoadError, match="is a algorithm"):
         registry.get("labeler", "oops")
 

@@ -93,10 +93,16 @@ class CannedBackend(Backend):
     def generate(self, prompts: list[str], extras: list[dict], n: int, sampling: SamplingParams):
         from alignzoo.batch import RolloutBatch
 
-        texts = [self.params.responses[i % len(self.params.responses)] for i in range(len(prompts) * n)]
+        texts = [
+            self.params.responses[i % len(self.params.responses)] for i in range(len(prompts) * n)
+        ]
         encode = self.tokenizer
-        prompt_enc = encode([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True)
-        resp = [encode(t, add_special_tokens=False)["input_ids"] + [encode.eos_token_id] for t in texts]
+        prompt_enc = encode(
+            [p for p in prompts for _ in range(n)], return_tensors="pt", padding=True
+        )
+        resp = [
+            encode(t, add_special_tokens=False)["input_ids"] + [encode.eos_token_id] for t in texts
+        ]
         width = max(len(r) for r in resp)
         ids = torch.full((len(resp), width), encode.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(resp), width)
