@@ -1,0 +1,248 @@
+"""Shared ops: GAE, KL estimators, loss aggregation, group statistics, the clipped surrogate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from alignzoo import ops
+
+from .helpers import any_masks, floats_tensor, padded_masks, right_padded_mask
+
+FAST = settings(max_examples=40, deadline=None)
+
+
+# --------------------------------------------------------------------------- GAE
+
+
+def slow_gae(rewards, values, mask, gamma, lam):
+    """Reference GAE: for each row, the textbook recursion over its valid tokens only."""
+    b, r = mask.shape
+    adv = torch.zeros(b, r)
+    for i in range(b):
+        idx = [t for t in range(r) if mask[i, t] > 0]
+        running = 0.0
+        for k in reversed(range(len(idx))):
+            t = idx[k]
+            next_value = float(values[i, idx[k + 1]]) if k + 1 < len(idx) else 0.0
+            delta = float(rewards[i, t]) + gamma * next_value - float(values[i, t])
+            running = delta + gamma * lam * running
+            adv[i, t] = running
+    return adv, (adv + values) * mask
+
+
+@st.composite
+def gae_inputs(draw):
+    mask = draw(any_masks())
+    rewards = floats_tensor(draw, tuple(mask.shape), -3, 3)
+    values = floats_tensor(draw, tuple(mask.shape), -3, 3)
+    return rewards, values, mask
+
+
+@FAST
+@given(gae_inputs())
+def test_gae_with_gamma_lambda_one_is_returns_minus_values(inputs):
+    rewards, values, mask = inputs
+    advantages, returns = ops.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    masked_rewards = rewards * mask
+    reward_to_go = masked_rewards.flip(-1).cumsum(-1).flip(-1)  # sum_{s >= t} r_s
+    expected = (reward_to_go - values) * mask
+    torch.testing.assert_close(advantages, expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(returns, reward_to_go * mask, atol=1e-4, rtol=1e-5)
+
+
+@FAST
+@given(gae_inputs(), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_gae_matches_slow_reference_loop(inputs, gamma, lam):
+    rewards, values, mask = inputs
+    advantages, returns = ops.gae(rewards, values, mask, gamma=gamma, lam=lam)
+    expected_adv, expected_ret = slow_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(advantages, expected_adv, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(returns, expected_ret, atol=1e-4, rtol=1e-4)
+
+
+def test_gae_golden_value():
+    # One sequence of 3 tokens, the third is padding; gamma = 0.9, lambda = 0.8.
+    rewards = torch.tensor([[0.0, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.25, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    gamma, lam = 0.9, 0.8
+    delta1 = 1.0 + gamma * 0.0 - 0.25  # last valid token: next value is 0
+    delta0 = 0.0 + gamma * 0.25 - 0.5
+    a1 = delta1
+    a0 = delta0 + gamma * lam * a1
+    advantages, returns = ops.gae(rewards, values, mask, gamma, lam)
+    assert advantages[0].tolist() == pytest.approx([a0, a1, 0.0], abs=1e-6)
+    assert returns[0].tolist() == pytest.approx([a0 + 0.5, a1 + 0.25, 0.0], abs=1e-6)
+
+
+# --------------------------------------------------------------------------- KL estimators
+
+
+@FAST
+@given(st.lists(st.floats(-30, 0, allow_nan=False, width=32), min_size=1, max_size=8))
+def test_kl_estimators_are_zero_when_policy_equals_reference(logps):
+    logprobs = torch.tensor(logps)
+    for estimator in ("k1", "k2", "k3"):
+        kl = ops.kl_penalty(logprobs, logprobs.clone(), estimator)
+        assert torch.all(kl == 0), estimator
+
+
+@FAST
+@given(
+    st.lists(
+        st.tuples(st.floats(-30, 0, width=32), st.floats(-30, 0, width=32)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_k2_and_k3_are_non_negative(pairs):
+    logprobs = torch.tensor([p for p, _ in pairs])
+    ref = torch.tensor([q for _, q in pairs])
+    assert torch.all(ops.kl_penalty(logprobs, ref, "k2") >= 0)
+    assert torch.all(ops.kl_penalty(logprobs, ref, "k3") >= 0)
+
+
+def test_kl_estimators_golden():
+    logprobs, ref = torch.tensor([-1.0]), torch.tensor([-2.0])  # log r = ref - logp = -1
+    assert ops.kl_penalty(logprobs, ref, "k1").item() == pytest.approx(1.0, abs=1e-6)
+    assert ops.kl_penalty(logprobs, ref, "k2").item() == pytest.approx(0.5, abs=1e-6)
+    k3 = (math.exp(-1.0) - 1.0) - (-1.0)
+    assert ops.kl_penalty(logprobs, ref, "k3").item() == pytest.approx(k3, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+@st.composite
+def uniform_length_batches(draw):
+    b = draw(st.integers(1, 4))
+    r = draw(st.integers(1, 6))
+    length = draw(st.integers(1, r))
+    mask = right_padded_mask([length] * b, r)
+    loss = floats_tensor(draw, (b, r), -5, 5)
+    return loss, mask
+
+
+@FAST
+@given(uniform_length_batches())
+def test_token_mean_equals_seq_mean_token_mean_on_uniform_lengths(inputs):
+    loss, mask = inputs
+    token_mean = ops.aggregate_loss(loss, mask, "token-mean")
+    seq_mean = ops.aggregate_loss(loss, mask, "seq-mean-token-mean")
+    torch.testing.assert_close(token_mean, seq_mean, atol=1e-5, rtol=1e-5)
+
+
+@FAST
+@given(padded_masks(), st.floats(0.5, 100.0), st.data())
+def test_seq_mean_token_sum_norm_is_token_sum_over_constant(mask, constant, data):
+    loss = floats_tensor(data.draw, tuple(mask.shape), -5, 5)
+    token_sum = ops.aggregate_loss(loss, mask, "seq-mean-token-sum")
+    norm = ops.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_constant=constant)
+    torch.testing.assert_close(norm, token_sum / constant, atol=1e-5, rtol=1e-5)
+
+
+@FAST
+@given(uniform_length_batches())
+def test_token_sum_is_length_times_token_mean_on_uniform_lengths(inputs):
+    loss, mask = inputs
+    length = mask[0].sum()
+    token_sum = ops.aggregate_loss(loss, mask, "seq-mean-token-sum")
+    token_mean = ops.aggregate_loss(loss, mask, "token-mean")
+    torch.testing.assert_close(token_sum, length * token_mean, atol=1e-4, rtol=1e-5)
+
+
+def test_aggregation_modes_golden_on_ragged_batch():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert ops.aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert ops.aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(
+        (2.0 + 4.0) / 2
+    )
+    assert ops.aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(
+        (6.0 + 4.0) / 2
+    )
+    assert ops.aggregate_loss(
+        loss, mask, "seq-mean-token-sum-norm", norm_constant=5.0
+    ).item() == pytest.approx((6.0 / 5 + 4.0 / 5) / 2)
+    # default constant: the padded length R = 3
+    assert ops.aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(
+        (6.0 / 3 + 4.0 / 3) / 2
+    )
+
+
+def test_weight_samples_scales_rows():
+    loss = torch.ones(2, 3)
+    weighted = ops.weight_samples(loss, torch.tensor([2.0, 0.5]))
+    assert weighted.tolist() == [[2.0] * 3, [0.5] * 3]
+    assert ops.weight_samples(loss, None) is loss
+
+
+# --------------------------------------------------------------------------- group stats
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(-5, 5, width=32)), min_size=1, max_size=10))
+def test_group_mean_std_matches_slow_loop_for_unordered_groups(items):
+    group_ids = torch.tensor([g for g, _ in items])
+    values = torch.tensor([v for _, v in items])
+    mean, std, count = ops.group_mean_std(values, group_ids)
+    for i, (g, _) in enumerate(items):
+        members = [v for h, v in items if h == g]
+        m = sum(members) / len(members)
+        s = (
+            math.sqrt(sum((v - m) ** 2 for v in members) / (len(members) - 1))
+            if len(members) > 1
+            else 0.0
+        )
+        assert mean[i].item() == pytest.approx(m, abs=1e-4)
+        assert std[i].item() == pytest.approx(s, abs=1e-4)
+        assert count[i].item() == len(members)
+
+
+def test_last_token_scores_places_score_on_last_valid_token():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    placed = ops.last_token_scores(torch.tensor([2.0, 3.0, 4.0]), mask)
+    assert placed.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, 3.0], [0.0, 0.0, 0.0]]
+
+
+# --------------------------------------------------------------------------- clipped surrogate
+
+
+def test_clipped_surrogate_golden_and_clip_masks():
+    ratio = torch.tensor([1.5, 0.5, 0.9, 1.1, 4.0])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0])
+    loss, low, high = ops.clipped_surrogate(ratio.log(), adv, 0.2, 0.2)
+    # -min(rA, clip(r)A): 1.5 -> -1.2; 0.5 with A<0 -> 0.8; inside the range -> -rA
+    assert loss.tolist() == pytest.approx([-1.2, 0.8, -0.9, 1.1, 4.0], abs=1e-6)
+    assert low.tolist() == [False, True, False, False, False]
+    assert high.tolist() == [True, False, False, False, False]
+    dual, _, high_dual = ops.clipped_surrogate(ratio.log(), adv, 0.2, 0.2, dual_clip=3.0)
+    # dual clip caps the A<0 loss at -c A = 3 (Ye et al. 2020): only the last token changes
+    assert dual.tolist() == pytest.approx([-1.2, 0.8, -0.9, 1.1, 3.0], abs=1e-6)
+    assert high_dual.tolist() == [True, False, False, False, True]
+
+
+def test_clipped_surrogate_is_finite_for_extreme_log_ratios():
+    log_ratio = torch.tensor([-1e4, 1e4, 0.0], requires_grad=True)
+    loss, _, _ = ops.clipped_surrogate(log_ratio, torch.tensor([1.0, 1.0, -1.0]), 0.2, 0.2)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(log_ratio.grad).all()
+
+
+def test_approx_kl_and_clip_fractions_golden():
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    new, old = torch.tensor([[-1.0, -2.0, 50.0]]), torch.tensor([[-1.5, -2.0, 0.0]])
+    # k3 of KL(old || new): log r = new - old; (e^{log r} - 1) - log r averaged over valid tokens
+    expected = ((math.exp(0.5) - 1 - 0.5) + 0.0) / 2
+    assert ops.approx_kl(new, old, mask).item() == pytest.approx(expected, abs=1e-6)
+    fracs = ops.clip_fractions(
+        torch.tensor([[True, False, True]]), torch.tensor([[False, False, True]]), mask
+    )
+    assert fracs["actor/clipfrac_low"].item() == pytest.approx(0.5)
+    assert fracs["actor/clipfrac_high"].item() == pytest.approx(0.0)
+    assert fracs["actor/clipfrac"].item() == pytest.approx(0.5)
