@@ -1,0 +1,150 @@
+"""Loading the run's models: the actor (with LoRA, gradient checkpointing, attention choice),
+the frozen reference and the critic (a token-classification value head), plus the tokenizer.
+
+Everything goes through ``from_pretrained``, exactly the path a user's local checkpoint takes;
+the embedded default only differs in where the folder comes from (the cached warm start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from alignzoo.errors import UserError
+from alignzoo.schema import ModelConfig, TaskConfig
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def policy_path(model_cfg: ModelConfig, task_cfg: TaskConfig, log: Callable[[str], None]) -> str:
+    """The folder the policy loads from: the cached embedded warm start, or the user's path."""
+    if model_cfg.policy == "embedded":
+        from alignzoo.world.warmstart import ensure_policy
+
+        return str(ensure_policy(model_cfg, task_cfg, log=log))
+    return model_cfg.policy
+
+
+def _quiet_transformers() -> contextlib.AbstractContextManager[Any]:
+    """Silence the 'newly initialized weights' chatter while loading (the value head is new)."""
+    from transformers.utils import logging as hf_logging
+
+    @contextlib.contextmanager
+    def quiet() -> Any:
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            hf_logging.set_verbosity(level)
+
+    return quiet()
+
+
+def load_tokenizer(path: str) -> Any:
+    """AutoTokenizer from ``path``; a pad token is guaranteed (EOS when the model has none)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.policy: cannot load a tokenizer from {path!r}: {exc}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _load_kwargs(cfg: ModelConfig, device: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    attn = cfg.attn_implementation
+    if attn == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise UserError(
+                "model.attn_implementation: flash_attention_2 asked for, but flash-attn is not "
+                "installed (pip install alignzoo[flash]); use 'sdpa' or 'auto'"
+            )
+        if not device.startswith("cuda"):
+            raise UserError("model.attn_implementation: flash_attention_2 needs a cuda device")
+        kwargs["dtype"] = _DTYPES.get(cfg.dtype, torch.bfloat16)
+    if attn != "auto":
+        kwargs["attn_implementation"] = attn
+    return kwargs
+
+
+def autocast_factory(cfg: ModelConfig, device: str) -> Callable[[], Any]:
+    """bf16 (or the asked dtype) autocast on GPU; plain fp32 on CPU."""
+    if device.startswith("cuda") and cfg.dtype != "float32":
+        dtype = _DTYPES.get(cfg.dtype, torch.bfloat16)
+        return lambda: torch.autocast("cuda", dtype=dtype)
+    return contextlib.nullcontext
+
+
+def _from_pretrained(auto_cls: Any, path: str, what: str, **kwargs: Any) -> Any:
+    try:
+        with _quiet_transformers():
+            return auto_cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.policy: cannot load the {what} from {path!r}: {exc}") from None
+
+
+def load_actor(path: str, cfg: ModelConfig, device: str) -> Any:
+    """The trainable policy, with LoRA adapters when ``cfg.lora`` is set."""
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(AutoModelForCausalLM, path, "policy", **_load_kwargs(cfg, device))
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        if cfg.gradient_checkpointing:
+            model.enable_input_require_grads()
+        model = get_peft_model(model, lora)
+    return model.to(device).train()
+
+
+def freeze(model: Any) -> Any:
+    """Eval mode and no gradients, for good."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def load_reference(path: str, cfg: ModelConfig, device: str) -> Any:
+    """The frozen reference policy (the starting weights, without adapters)."""
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(AutoModelForCausalLM, path, "reference", **_load_kwargs(cfg, device))
+    return freeze(model.to(device))
+
+
+def load_critic(path: str, cfg: ModelConfig, device: str, seed: int) -> Any:
+    """A value model: the policy's body with a fresh one-output token head (seeded init)."""
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(seed)
+    model = _from_pretrained(
+        AutoModelForTokenClassification, path, "critic", num_labels=1, **_load_kwargs(cfg, device)
+    )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model.to(device).train()
+
+
+def trainable_parameters(model: Any) -> list[torch.nn.Parameter]:
+    """Parameters that require gradients (only the adapters under LoRA)."""
+    return [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,268 @@
+"""One run of one arm with one seed: from a validated experiment to metrics, evaluations and
+checkpoints, with exact resume. The entry point of the A/B runner is :func:`run_one`.
+
+Failures: :func:`run_one` never raises for a failure of the run itself (a bad path, a plugin
+crash, a NaN loss, ...): it writes ``status.json`` with ``"failed"`` and the error, the
+traceback to ``error.log``, and returns ``RunSummary(status="failed", error=...)``. The last
+checkpoint on disk is left as it was. Only ``KeyboardInterrupt`` propagates (status stays
+``"running"``, so the run resumes later).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from alignzoo.config import LoadedExperiment
+from alignzoo.engine.assemble import Engine, assemble
+from alignzoo.engine.checkpoint import (
+    TrainingState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    truncate_jsonl,
+)
+from alignzoo.engine.evaluate import evaluate
+from alignzoo.engine.sinks import EVAL_FILE, METRICS_FILE, SAMPLES_FILE, Sinks
+from alignzoo.engine.step import peak_memory_mb, train_step
+from alignzoo.schema import Budget
+
+STATUS_FILE = "status.json"
+CONFIG_FILE = "config.yaml"
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class RunSummary:
+    """How a run ended."""
+
+    status: str  # "finished" | "failed"
+    error: str | None
+    steps: int
+    wall_clock_s: float
+    tokens_per_s: float
+    peak_memory_mb: float
+    samples: int = 0
+
+
+def resolved_config(loaded: LoadedExperiment, arm: str, seed: int) -> dict[str, Any]:
+    """What config.yaml holds: experiment-level sections, the resolved arm and the seed."""
+    spec = loaded.spec
+    return {
+        "experiment": spec.name,
+        "arm": arm,
+        "seed": seed,
+        "source": loaded.source,
+        "budget": spec.budget.model_dump(mode="json"),
+        "data": spec.data.model_dump(mode="json"),
+        "evaluation": spec.evaluation.model_dump(mode="json"),
+        "logging": spec.logging.model_dump(mode="json"),
+        "arm_spec": spec.arms[arm].model_dump(mode="json"),
+    }
+
+
+def write_status(
+    out_dir: Path, status: str, state: TrainingState, error: str | None, device: str
+) -> None:
+    """status.json, written atomically."""
+    row = {
+        "status": status,
+        "error": error,
+        "step": state.step,
+        "wall_clock_s": state.time_s,
+        "tokens_per_s": state.tokens / state.time_s if state.time_s > 0 else 0.0,
+        "peak_memory_mb": peak_memory_mb(device),
+        "samples": state.samples,
+    }
+    tmp = out_dir / f".{STATUS_FILE}.tmp"
+    tmp.write_text(json.dumps(row, indent=2), encoding="utf-8")
+    tmp.replace(out_dir / STATUS_FILE)
+
+
+def budget_spent(budget: Budget, state: TrainingState) -> bool:
+    """True once the run has used its budget (exactly one of steps, samples, wall-clock)."""
+    if budget.steps is not None:
+        return state.step >= budget.steps
+    if budget.samples is not None:
+        return state.samples >= budget.samples
+    assert budget.wall_clock_s is not None
+    return state.time_s >= budget.wall_clock_s
+
+
+def _last_step(path: Path) -> int | None:
+    if not path.exists():
+        return None
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    return int(json.loads(lines[-1])["step"]) if lines else None
+
+
+def start_or_resume(engine: Engine, resume: bool) -> TrainingState:
+    """Load the latest checkpoint (and cut the jsonl files back to it), or start clean."""
+    out = engine.run.out_dir
+    folder = latest_checkpoint(out / CHECKPOINTS) if resume else None
+    if folder is None:
+        shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
+        for name in (METRICS_FILE, EVAL_FILE, SAMPLES_FILE, "error.log"):
+            (out / name).unlink(missing_ok=True)
+        return TrainingState(sampler=engine.sampler.state_dict())
+    learner = engine.learner
+    state = load_checkpoint(
+        folder,
+        learner.actor,
+        learner.critic,
+        learner.optimizer,
+        learner.scheduler,
+        engine.components,
+    )
+    engine.sampler.load_state_dict(state.sampler)
+    engine.run.state = dict(state.run_state)
+    engine.run.step = state.step
+    for name in (METRICS_FILE, EVAL_FILE, SAMPLES_FILE):
+        truncate_jsonl(out / name, state.step)
+    return state
+
+
+class _Run:
+    """The loop of one run: steps, evaluations and checkpoints on schedule."""
+
+    def __init__(self, engine: Engine, state: TrainingState, sinks: Sinks) -> None:
+        self.engine, self.state, self.sinks = engine, state, sinks
+        self.base_time = state.time_s
+        self.clock_start = time.monotonic()
+        self.last_eval = _last_step(engine.run.out_dir / EVAL_FILE)
+        self.last_ckpt = state.step if state.step > 0 else None
+
+    def tick(self) -> None:
+        self.state.time_s = self.base_time + (time.monotonic() - self.clock_start)
+
+    def evaluate(self) -> None:
+        spec = self.engine.spec
+        cfg = spec.evaluation
+        max_new = cfg.max_new_tokens or self.engine.arm.training.sampling.max_new_tokens
+        metrics = evaluate(
+            self.engine.pm,
+            self.engine.eval_rows,
+            max_new,
+            cfg.pass_at_k,
+            self.engine.arm.training.sampling,
+        )
+        self.tick()
+        row = {"step": self.state.step, "time_s": self.state.time_s, "samples": self.state.samples}
+        self.sinks.evaluation({**row, **metrics})
+        self.last_eval = self.state.step
+
+    def checkpoint(self) -> None:
+        e, learner = self.engine, self.engine.learner
+        self.tick()
+        self.state.sampler = e.sampler.state_dict()
+        self.state.run_state = dict(e.run.state)
+        save_checkpoint(
+            e.run.out_dir / CHECKPOINTS,
+            self.state,
+            learner.actor,
+            learner.critic,
+            learner.optimizer,
+            learner.scheduler,
+            e.components,
+        )
+        self.last_ckpt = self.state.step
+        write_status(e.run.out_dir, "running", self.state, None, e.run.device("actor"))
+
+    def loop(self) -> None:
+        e, spec = self.engine, self.engine.spec
+        if self.state.step == 0 and self.last_eval is None:
+            self.evaluate()
+        while not budget_spent(spec.budget, self.state):
+            step = self.state.step + 1
+            e.run.step = step
+            result = train_step(e, step)
+            self.state.step = step
+            self.state.samples += result.samples
+            self.state.tokens += result.tokens
+            self.tick()
+            row = {"step": step, "time_s": self.state.time_s, "samples": self.state.samples}
+            row.update(result.metrics)
+            e.pm.hook.on_step_end(run=e.run, step=step, metrics=row)
+            self.sinks.step(row, step)
+            self.sinks.samples(result.sample_rows)
+            if step % spec.evaluation.every == 0:
+                self.evaluate()
+            if step % e.arm.training.checkpoint_every == 0:
+                self.checkpoint()
+        if self.last_eval != self.state.step:
+            self.evaluate()
+        if self.last_ckpt != self.state.step:
+            self.checkpoint()
+
+
+def run_one(
+    loaded: LoadedExperiment,
+    arm: str,
+    seed: int,
+    out_dir: Path,
+    resume: bool = False,
+    console: Console | None = None,
+) -> RunSummary:
+    """Train ``arm`` with ``seed`` into ``out_dir`` (resuming from its checkpoint if asked)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = loaded.spec
+    config = resolved_config(loaded, arm, seed)
+    (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    state = TrainingState()
+    engine: Engine | None = None
+    sinks: Sinks | None = None
+    device = "cpu"
+    log = console.log if console is not None else (lambda *_: None)
+    try:
+        engine = assemble(loaded, arm, seed, out_dir, console=console, log=log)
+        device = engine.run.device("actor")
+        state = start_or_resume(engine, resume)
+        write_status(out_dir, "running", state, None, device)
+        sinks = Sinks(
+            out_dir,
+            spec.logging.sinks,
+            console,
+            engine.run.name,
+            spec.logging.wandb,
+            spec.name,
+            config,
+        )
+        _Run(engine, state, sinks).loop()
+        status, error = "finished", None
+    except KeyboardInterrupt:
+        if engine is not None:
+            engine.pm.hook.on_run_end(run=engine.run, status="interrupted")
+        raise
+    except Exception as exc:
+        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        (out_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+        if console is not None:
+            console.print(f"[red]{out_dir}: run failed: {error}[/red]")
+    finally:
+        if sinks is not None:
+            sinks.close()
+    if engine is not None:
+        try:
+            engine.pm.hook.on_run_end(run=engine.run, status=status)
+        except Exception as exc:  # a plugin failing at the end must not hide the run's result
+            if status == "finished":
+                status, error = "failed", f"on_run_end: {type(exc).__name__}: {exc}"
+    write_status(out_dir, status, state, error, device)
+    return RunSummary(
+        status=status,
+        error=error,
+        steps=state.step,
+        wall_clock_s=state.time_s,
+        tokens_per_s=state.tokens / state.time_s if state.time_s > 0 else 0.0,
+        peak_memory_mb=peak_memory_mb(device),
+        samples=state.samples,
+    )
