@@ -156,7 +156,7 @@ def train_on_fixed_batch(
         optimizer.zero_grad()
         out.loss.backward()
         optimizer.step()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     with torch.no_grad():
         after = policy(batch.response_ids).logprobs.clone()
         final = float(algorithm.compute_loss(batch, policy(batch.response_ids)).loss)
