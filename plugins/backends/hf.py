@@ -1,0 +1,287 @@
+"""Rollout backend "hf": batched sampling with Hugging Face ``generate`` on the trainer's own module.
+
+The backend holds a reference to the actor (``sync_weights`` is just a pointer update, since it
+samples with the very module the trainer updates) and the run's tokenizer. One ``generate``
+call per chunk of prompts:
+
+1. each prompt is encoded once, left-padded, and repeated ``n`` times (``repeat_interleave``,
+   so ``group_ids[i] == i // n``);
+2. ``model.generate`` samples with the KV cache; a logits processor of ours records, at every
+   step, the log-softmax of the *raw* logits (temperature 1, before any filtering) and then
+   applies temperature, top-k and top-p itself. The log-prob of the token sampled at step t is
+   read at step t + 1 (and after ``generate`` for the last step), so memory stays one
+   ``[B, V]`` tensor instead of one per generated token;
+3. everything after the first EOS becomes padding with mask 0.
+
+The checkpoint's own ``generation_config`` (a repetition penalty, top-k 20, ...) is set aside
+during the call: the backend samples exactly with the experiment's ``SamplingParams``, so the
+recorded ``old_logprobs`` and the training loss refer to the same distribution.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo._lazy import lazy_import
+from alignzoo.errors import UserError
+from alignzoo.plugin import Backend, hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+    from alignzoo.batch import RolloutBatch
+    from alignzoo.types import SamplingParams
+else:
+    torch = lazy_import("torch")
+
+
+class HFBackend(Backend):
+    """Hugging Face generate on the actor's own weights: batched, KV cache, n samples per prompt."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        max_batch_size: int = Field(
+            64, ge=1, description="Prompts per generate call (each gives n sequences)."
+        )
+        use_cache: bool = Field(True, description="Use the KV cache while decoding.")
+        add_special_tokens: bool = Field(
+            True, description="Let the tokenizer add its special tokens (e.g. BOS) to prompts."
+        )
+
+    def __init__(self, params: BaseModel | dict[str, Any] | None = None) -> None:
+        super().__init__(params)
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.device: str = "cpu"
+
+    # ------------------------------------------------------------------ lifecycle
+    @hookimpl
+    def on_run_start(self, run: Any) -> None:
+        self.tokenizer = run.tokenizer
+        self.device = run.device("rollout")
+        if self.model is None and getattr(run, "actor", None) is not None:
+            self.model = run.actor
+
+    @hookimpl
+    def sync_weights(self, model: Any) -> None:
+        # generate runs on the trainer's module itself: nothing to copy.
+        self.model = model
+
+    # ------------------------------------------------------------------ sampling
+    @hookimpl
+    def generate(
+        self,
+        prompts: list[str],
+        extras: list[dict[str, Any]],
+        n: int,
+        sampling: SamplingParams,
+    ) -> RolloutBatch:
+        if self.model is None or self.tokenizer is None:
+            raise RuntimeError("HFBackend.generate called before on_run_start / sync_weights")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        extras = list(extras) if extras else [{} for _ in prompts]
+        if len(extras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(extras)} extras")
+        encoded = self.tokenizer(list(prompts), add_special_tokens=self.params.add_special_tokens)
+        prompt_tokens: list[list[int]] = encoded["input_ids"]
+        for i, ids in enumerate(prompt_tokens):
+            if not ids:
+                raise UserError(f"prompt {i} encodes to no tokens: {prompts[i]!r}")
+
+        size = self.params.max_batch_size
+        chunks = []
+        with _eval_mode(self.model), torch.no_grad():
+            for start in range(0, len(prompts), size):
+                chunks.append(
+                    self._generate_chunk(prompt_tokens[start : start + size], n, sampling)
+                )
+        pad = self._pad_id()
+        prompt_ids = _pad_rows([c[0] for c in chunks], pad, left=True)
+        prompt_mask = _pad_rows([c[1] for c in chunks], 0, left=True)
+        response_ids = _pad_rows([c[2] for c in chunks], pad, left=False)
+        response_mask = _pad_rows([c[3] for c in chunks], 0, left=False)
+        old_logprobs = _pad_rows([c[4] for c in chunks], 0, left=False)
+
+        lengths = response_mask.sum(dim=1).long().tolist()
+        responses = self.tokenizer.batch_decode(
+            [ids[:length] for ids, length in zip(response_ids.tolist(), lengths, strict=True)],
+            skip_special_tokens=True,
+        )
+        from alignzoo.batch import RolloutBatch
+
+        return RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            group_ids=torch.arange(len(prompts)).repeat_interleave(n),
+            prompts=[p for p in prompts for _ in range(n)],
+            responses=responses,
+            extras=[dict(e) for e in extras for _ in range(n)],
+            old_logprobs=old_logprobs,
+        )
+
+    def _generate_chunk(
+        self, prompt_tokens: list[list[int]], n: int, sampling: SamplingParams
+    ) -> tuple[torch.Tensor, ...]:
+        """Sample n continuations of each prompt; tensors on CPU: prompt ids/mask, response ids/mask/logprobs."""
+        from transformers import GenerationConfig
+
+        pad = self._pad_id()
+        eos_ids = self._eos_ids()
+        device = _model_device(self.model)
+        width = max(len(ids) for ids in prompt_tokens)
+        ids = torch.full((len(prompt_tokens), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompt_tokens), width), dtype=torch.long)
+        for row, tokens in enumerate(prompt_tokens):  # left padding
+            ids[row, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, width - len(tokens) :] = 1
+        ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
+
+        greedy = sampling.temperature == 0
+        recorder = _SamplingProcessor(sampling)
+        # Filtering is done by `recorder`, after it has read the raw logits: generate's own
+        # warpers stay off (top_k must be 0 explicitly, or generate defaults it to 50).
+        warpers_off = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=not greedy,
+            num_beams=1,
+            eos_token_id=eos_ids,
+            pad_token_id=pad,
+            use_cache=self.params.use_cache,
+            **warpers_off,
+        )
+        with _own_generation_config(self.model, config):
+            sequences = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=config,
+                logits_processor=[recorder],
+            )
+        response = sequences[:, width:]
+        logprobs = recorder.finish(response)
+        response, response_mask = _cut_after_eos(response, eos_ids, pad)
+        logprobs = logprobs.masked_fill(response_mask == 0, 0.0)
+        return ids, mask, response.cpu(), response_mask.cpu(), logprobs.float().cpu()
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad) if pad is not None else self._eos_ids()[0]
+
+    def _eos_ids(self) -> list[int]:
+        """The tokenizer's EOS plus any EOS the checkpoint's generation config lists."""
+        ids: list[int] = []
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(int(self.tokenizer.eos_token_id))
+        extra = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        for token in [extra] if isinstance(extra, int) else list(extra or []):
+            if int(token) not in ids:
+                ids.append(int(token))
+        if not ids:
+            raise UserError("the tokenizer has no eos_token: generation could never stop")
+        return ids
+
+
+class _SamplingProcessor:
+    """A logits processor that records raw-logit log-probs, then applies temperature/top-k/top-p.
+
+    ``generate`` calls it once per step with the tokens so far and that step's logits.
+    """
+
+    def __init__(self, sampling: SamplingParams) -> None:
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.warpers: list[Any] = []
+        if sampling.temperature > 0:
+            if sampling.temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_k > 0:
+                self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+            if sampling.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+        self.token_logprobs: list[torch.Tensor] = []  # [B] per generated token, in order
+        self.last: torch.Tensor | None = None  # [B, V] log-softmax of the latest step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:  # the previous step's token is now the last input id
+            self.token_logprobs.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.last = torch.log_softmax(scores.float(), dim=-1)
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        return scores
+
+    def finish(self, response: torch.Tensor) -> torch.Tensor:
+        """``[B, R]`` log-probs of ``response`` (generate may have run steps it then dropped)."""
+        length = response.shape[1]
+        if len(self.token_logprobs) < length and self.last is not None:
+            token = response[:, len(self.token_logprobs)].unsqueeze(1)
+            self.token_logprobs.append(self.last.gather(1, token).squeeze(1))
+        if length == 0:
+            return torch.zeros_like(response, dtype=torch.float32)
+        return torch.stack(self.token_logprobs[:length], dim=1)
+
+
+def _cut_after_eos(
+    response: torch.Tensor, eos_ids: list[int], pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask 1.0 up to and including the first EOS, 0.0 after; tokens after it become ``pad``."""
+    is_eos = torch.isin(response, torch.tensor(eos_ids, device=response.device))
+    after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
+    mask = (~after).float()
+    return response.masked_fill(after, pad), mask
+
+
+def _pad_rows(tensors: list[torch.Tensor], value: float, left: bool) -> torch.Tensor:
+    """Concatenate ``[b_i, L_i]`` tensors along rows, padding columns on the left or right."""
+    width = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        gap = width - t.shape[1]
+        padded.append(torch.nn.functional.pad(t, (gap, 0) if left else (0, gap), value=value))
+    return torch.cat(padded)
+
+
+def _model_device(model: Any) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
+
+
+class _eval_mode:
+    """Put every submodule in eval mode; restore each one's own mode afterwards."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.modes: list[tuple[Any, bool]] = []
+
+    def __enter__(self) -> None:
+        self.modes = [(module, module.training) for module in self.model.modules()]
+        self.model.eval()
+
+    def __exit__(self, *exc: object) -> None:
+        for module, mode in self.modes:
+            module.training = mode
+
+
+class _own_generation_config:
+    """Set the checkpoint's generation_config aside so none of its defaults leak into sampling."""
+
+    def __init__(self, model: Any, config: Any) -> None:
+        # A peft model generates through its base model, which owns the generation config.
+        get_base = getattr(model, "get_base_model", None)
+        self.owner = get_base() if callable(get_base) else model
+        self.config = config
+        self.saved: Any = None
+
+    def __enter__(self) -> None:
+        self.saved = getattr(self.owner, "generation_config", None)
+        self.owner.generation_config = self.config
+
+    def __exit__(self, *exc: object) -> None:
+        self.owner.generation_config = self.saved

@@ -1,0 +1,252 @@
+"""The Hugging Face rollout backend: layout, masks, log-probs, greedy decoding, sampling controls."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from alignzoo.errors import UserError
+from alignzoo.plugins.backends.hf import HFBackend
+from alignzoo.registry import build_plugin_manager
+from alignzoo.types import SamplingParams
+
+from .conftest import load_policy
+
+PROMPTS = ["12+7=", "3+45=", "1+1=", "100+250="]  # different lengths: left padding matters
+
+
+def make_backend(folder, **params) -> tuple[HFBackend, object, object]:
+    model, tokenizer = load_policy(folder)
+    backend = HFBackend(params)
+    run = SimpleNamespace(tokenizer=tokenizer, device=lambda role: "cpu", actor=None)
+    backend.on_run_start(run)
+    backend.sync_weights(model)
+    return backend, model, tokenizer
+
+
+def full_forward_logprobs(model, batch) -> torch.Tensor:
+    """Log-probs of the response tokens from one forward pass over prompt + response (no cache)."""
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
+    mask = torch.cat([batch.prompt_mask, batch.response_mask.long()], dim=1)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    width = batch.prompt_ids.shape[1]
+    logits = logits[:, width - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(2, batch.response_ids.unsqueeze(2)).squeeze(2)
+
+
+def greedy_by_hand(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    """Argmax continuation of one unpadded prompt, one full forward pass per token."""
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(input_ids=ids).logits[0, -1].argmax())
+            out.append(token)
+            if token == tokenizer.eos_token_id:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def test_layout_masks_and_padding_after_eos(policy_dirs):
+    backend, _, tokenizer = make_backend(policy_dirs["stopping"], max_batch_size=3)
+    n = 4
+    extras = [{"answer": str(i)} for i in range(len(PROMPTS))]
+    torch.manual_seed(0)
+    batch = backend.generate(PROMPTS, extras, n, SamplingParams(max_new_tokens=10))
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    B = len(PROMPTS) * n
+    R = batch.response_ids.shape[1]
+    assert batch.size == B and batch.prompt_ids.shape[0] == B
+    assert batch.response_mask.shape == batch.old_logprobs.shape == (B, R)
+    assert batch.response_mask.dtype == torch.float32 and batch.prompt_mask.dtype == torch.long
+    lengths = batch.response_mask.sum(dim=1).long()
+    # The fixture policy must give both stopped and unstopped samples, or this test tests little.
+    stopped = [i for i in range(B) if eos in batch.response_ids[i].tolist()]
+    assert 0 < len(stopped) < B and lengths.min() < lengths.max()
+    for i in range(B):
+        row, length = batch.response_ids[i].tolist(), int(lengths[i])
+        mask = batch.response_mask[i]
+        assert mask[:length].eq(1).all() and mask[length:].eq(0).all()  # contiguous
+        if eos in row:
+            first = row.index(eos)
+            assert length == first + 1  # the EOS is included
+            assert all(t == pad for t in row[first + 1 :])  # padded after it
+        else:
+            assert length == R == 10  # ran to max_new_tokens, which sets the width
+        assert batch.old_logprobs[i, length:].eq(0).all()
+        assert (batch.old_logprobs[i, :length] < 0).all()
+        expected_text = tokenizer.decode(row[:length], skip_special_tokens=True)
+        assert batch.responses[i] == expected_text and "<|endoftext|>" not in expected_text
+    assert batch.prompts == [p for p in PROMPTS for _ in range(n)]
+    assert batch.extras == [e for e in extras for _ in range(n)]
+    batch.extras[0]["answer"] = "changed"  # one dict per sample, not shared
+    assert batch.extras[1]["answer"] == "0" and extras[0]["answer"] == "0"
+
+
+def test_group_layout_and_left_padded_prompts(policy_dirs):
+    backend, _, tokenizer = make_backend(policy_dirs["plain"], max_batch_size=2)
+    n = 3
+    torch.manual_seed(1)
+    batch = backend.generate(PROMPTS, [], n, SamplingParams(max_new_tokens=4))
+    assert batch.group_ids.tolist() == [i // n for i in range(len(PROMPTS) * n)]
+    width = batch.prompt_ids.shape[1]
+    for i in range(batch.size):
+        prompt = PROMPTS[i // n]
+        tokens = tokenizer(prompt)["input_ids"]
+        assert batch.prompt_ids[i, width - len(tokens) :].tolist() == tokens
+        assert batch.prompt_ids[i, : width - len(tokens)].eq(tokenizer.pad_token_id).all()
+        assert batch.prompt_mask[i].tolist() == [0] * (width - len(tokens)) + [1] * len(tokens)
+        assert tokenizer.decode(tokens) == prompt
+    # Samples of one group come from one prompt encoding but are sampled independently.
+    group0 = batch.response_ids[:n]
+    assert not (group0[0].equal(group0[1]) and group0[1].equal(group0[2]))
+
+
+@pytest.mark.parametrize("policy", ["plain", "stopping"])
+def test_old_logprobs_equal_full_forward(policy_dirs, policy):
+    backend, model, _ = make_backend(policy_dirs[policy], max_batch_size=2)
+    # Filtering (temperature, top-k, top-p) shapes the sampling but the recorded log-probs are
+    # those of the temperature-1 distribution of the weights.
+    sampling = SamplingParams(temperature=0.7, top_k=20, top_p=0.95, max_new_tokens=8)
+    torch.manual_seed(2)
+    batch = backend.generate(PROMPTS, [], 3, sampling)
+    expected = full_forward_logprobs(model, batch) * batch.response_mask
+    torch.testing.assert_close(batch.old_logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_greedy_is_deterministic_and_is_the_argmax_continuation(policy_dirs):
+    backend, model, tokenizer = make_backend(policy_dirs["plain"], max_batch_size=3)
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    torch.manual_seed(0)
+    first = backend.generate(PROMPTS, [], 2, greedy)
+    torch.manual_seed(123)
+    second = backend.generate(PROMPTS, [], 2, greedy)
+    assert first.response_ids.equal(second.response_ids)
+    assert first.response_ids[0].equal(first.response_ids[1])  # n greedy samples agree
+    lengths = first.response_mask.sum(dim=1).long()
+    for i, prompt in enumerate(PROMPTS):
+        by_hand = greedy_by_hand(model, tokenizer, prompt, 6)
+        assert first.response_ids[2 * i, : lengths[2 * i]].tolist() == by_hand
+    # The continuations differ between prompts (the fixture model is not degenerate).
+    assert len({tuple(r) for r in first.response_ids.tolist()}) > 1
+
+
+def test_greedy_on_a_stopping_model_stops_at_eos(policy_dirs):
+    backend, model, tokenizer = make_backend(policy_dirs["stopping"])
+    batch = backend.generate(PROMPTS, [], 1, SamplingParams(temperature=0, max_new_tokens=5))
+    for i, prompt in enumerate(PROMPTS):
+        by_hand = greedy_by_hand(model, tokenizer, prompt, 5)
+        length = int(batch.response_mask[i].sum())
+        assert batch.response_ids[i, :length].tolist() == by_hand
+
+
+def test_seeded_sampling_is_reproducible(policy_dirs):
+    backend, _, _ = make_backend(policy_dirs["plain"])
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    torch.manual_seed(7)
+    a = backend.generate(PROMPTS, [], 2, sampling)
+    torch.manual_seed(7)
+    b = backend.generate(PROMPTS, [], 2, sampling)
+    torch.manual_seed(8)
+    c = backend.generate(PROMPTS, [], 2, sampling)
+    assert a.response_ids.equal(b.response_ids) and a.old_logprobs.equal(b.old_logprobs)
+    assert not a.response_ids.equal(c.response_ids)
+
+
+def test_top_k_one_equals_greedy(policy_dirs):
+    backend, _, _ = make_backend(policy_dirs["plain"])
+    greedy = backend.generate(PROMPTS, [], 1, SamplingParams(temperature=0, max_new_tokens=6))
+    torch.manual_seed(5)
+    top1 = backend.generate(PROMPTS, [], 3, SamplingParams(top_k=1, max_new_tokens=6))
+    assert top1.response_ids.equal(greedy.response_ids.repeat_interleave(3, dim=0))
+    # old_logprobs stay the temperature-1 log-probs, not the filtered (log 1 = 0) ones.
+    assert (top1.old_logprobs[top1.response_mask > 0] < 0).all()
+
+
+def test_chunking_does_not_change_greedy_results(policy_dirs):
+    one, _, _ = make_backend(policy_dirs["plain"], max_batch_size=1)
+    many, _, _ = make_backend(policy_dirs["plain"], max_batch_size=64)
+    greedy = SamplingParams(temperature=0, max_new_tokens=5)
+    a, b = one.generate(PROMPTS, [], 2, greedy), many.generate(PROMPTS, [], 2, greedy)
+    assert a.prompt_ids.equal(b.prompt_ids) and a.prompt_mask.equal(b.prompt_mask)
+    assert a.response_ids.equal(b.response_ids) and a.response_mask.equal(b.response_mask)
+    torch.testing.assert_close(a.old_logprobs, b.old_logprobs, atol=1e-5, rtol=0)
+
+
+def test_training_modes_and_generation_config_are_restored(policy_dirs):
+    backend, model, _ = make_backend(policy_dirs["plain"])
+    model.train()
+    frozen = model.model.layers[0].mlp
+    frozen.eval()  # a submodule deliberately in eval mode stays so
+    config = model.generation_config
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    backend.generate(PROMPTS[:1], [], 2, SamplingParams(max_new_tokens=3))
+    assert seen and not any(seen)  # every forward of generate ran in eval mode
+    assert model.training and model.model.training and not frozen.training
+    assert model.generation_config is config
+    model.eval()
+    backend.generate(PROMPTS[:1], [], 1, SamplingParams(max_new_tokens=2))
+    assert not model.training
+
+
+def test_checkpoint_generation_defaults_do_not_leak(policy_dirs):
+    backend, model, tokenizer = make_backend(policy_dirs["stopping"])
+    # A checkpoint that suppresses EOS and penalises repetition: the experiment's sampling wins.
+    model.generation_config.suppress_tokens = [tokenizer.eos_token_id]
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.top_k = 1
+    batch = backend.generate(PROMPTS, [], 1, SamplingParams(temperature=0, max_new_tokens=5))
+    for i, prompt in enumerate(PROMPTS):
+        length = int(batch.response_mask[i].sum())
+        assert batch.response_ids[i, :length].tolist() == greedy_by_hand(
+            model, tokenizer, prompt, 5
+        )
+    assert model.generation_config.suppress_tokens == [tokenizer.eos_token_id]
+
+
+def test_extra_eos_from_the_checkpoint_generation_config_stops(policy_dirs):
+    backend, model, tokenizer = make_backend(policy_dirs["plain"])
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    before = backend.generate(PROMPTS[:1], [], 1, greedy)
+    stop_token = int(before.response_ids[0, 2])
+    assert stop_token not in before.response_ids[0, :2].tolist()
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop_token]
+    after = backend.generate(PROMPTS[:1], [], 1, greedy)
+    assert after.response_ids[0, :3].equal(before.response_ids[0, :3])
+    assert after.response_mask[0].sum() == 3 and after.response_ids.shape[1] == 3
+
+
+def test_generates_through_the_hook_and_with_a_peft_model(policy_dirs):
+    peft = pytest.importorskip("peft")
+    backend, model, _ = make_backend(policy_dirs["plain"])
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    backend.sync_weights(lora)
+    config = lora.get_base_model().generation_config
+    pm = build_plugin_manager([backend])
+    batch = pm.hook.generate(
+        prompts=PROMPTS[:2], extras=[{}, {}], n=2, sampling=SamplingParams(max_new_tokens=3)
+    )
+    assert batch.size == 4 and batch.group_ids.tolist() == [0, 0, 1, 1]
+    assert lora.get_base_model().generation_config is config
+    torch.testing.assert_close(
+        batch.old_logprobs,
+        full_forward_logprobs(lora, batch) * batch.response_mask,
+        atol=1e-4,
+        rtol=0,
+    )
+
+
+def test_bad_calls(policy_dirs):
+    with pytest.raises(RuntimeError, match="before on_run_start"):
+        HFBackend().generate(PROMPTS, [], 1, SamplingParams())
+    backend, _, _ = make_backend(policy_dirs["plain"])
+    with pytest.raises(UserError, match="prompt 1 encodes to no tokens"):
+        backend.generate(["1+1=", ""], [], 1, SamplingParams())
+    with pytest.raises(ValueError, match="2 prompts but 1 extras"):
+        backend.generate(["1+1=", "2+2="], [{}], 1, SamplingParams())
