@@ -82,15 +82,22 @@ def group_advantages(
     scale: ScaleRewards = "group",
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Sequence advantages ``[B]``: reward minus its group's mean, scaled as asked."""
+    """Sequence advantages ``[B]``: reward minus its group's mean, scaled as asked.
+
+    A group whose rewards are all equal (up to rounding) gets advantage 0 exactly, as does a
+    group of one: it carries no learning signal.
+    """
+    scores = scores.float()
     mean, group_std, _ = ops.group_mean_std(scores, group_ids)
-    centred = scores.float() - mean  # A_i = r_i - mean(r)  (outcome supervision, Shao et al. 2024)
+    flat = group_std <= 1e-6 * (1.0 + mean.abs())  # equal rewards: float rounding only
+    centred = torch.where(flat, 0.0, scores - mean)  # r_i - mean(r)  (outcome supervision)
     if scale == "group":
-        return centred / (group_std + eps)  # ... / std(r)  (outcome supervision, Shao et al.)
+        # ... / std(r)  (outcome supervision, Shao et al.)
+        return torch.where(flat, 0.0, centred / (group_std + eps).clamp(min=1e-12))
     if scale == "batch":
-        batch_std = scores.float().std() if scores.numel() > 1 else scores.new_zeros(())
-        return centred / (batch_std + eps)
-    return centred  # Dr. GRPO: no std normalisation (Dr. GRPO, Liu et al. 2025)
+        batch_std = scores.std() if scores.numel() > 1 else scores.new_zeros(())
+        return centred / (batch_std + eps).clamp(min=1e-12)
+    return centred  # Dr. GRPO: no std normalisation (Liu et al. 2025)
 
 
 def policy_log_ratio(
