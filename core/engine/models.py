@@ -36,11 +36,15 @@ def _quiet_transformers() -> contextlib.AbstractContextManager[Any]:
     @contextlib.contextmanager
     def quiet() -> Any:
         level = hf_logging.get_verbosity()
+        bars = hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
         try:
             yield
         finally:
             hf_logging.set_verbosity(level)
+            if bars:
+                hf_logging.enable_progress_bar()
 
     return quiet()
 

@@ -102,7 +102,7 @@ class Sinks:
             m = metrics
             self.console.print(
                 f"[bold]{self.run_name}[/bold] step {step}: "
-                f"{m.get('batch/prompts', '-')} prompts → {m.get('batch/responses', '-')} responses "
+                f"{_fmt(m, 'batch/prompts', '.0f')} prompts → {_fmt(m, 'batch/responses', '.0f')} responses "
                 f"(mean len {_fmt(m, 'response_length/mean', '.1f')}) │ "
                 f"reward {_fmt(m, 'reward/mean')} ± {_fmt(m, 'reward/std')} │ "
                 f"loss {_fmt(m, 'loss', '.4f')} │ kl {_fmt(m, 'kl', '.4f')} │ "

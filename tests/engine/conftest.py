@@ -1,0 +1,87 @@
+"""Engine fixtures: a tiny embedded world (cached per test session) and experiment writers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+# A tiny policy on 1-digit addition: warm-starts in a few seconds on one core.
+TINY_MODEL = {
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "sft_steps": 60,
+    "sft_batch_size": 64,
+}
+TINY_TASK = {"digits": 1, "operations": ["+"], "train_size": 80, "eval_size": 20}
+
+
+def tiny_experiment(**overrides: Any) -> dict[str, Any]:
+    """A small GRPO experiment dict; ``overrides`` are deep-merged on top."""
+    base: dict[str, Any] = {
+        "name": "tiny",
+        "seeds": [0],
+        "budget": {"steps": 4},
+        "model": {"embedded": dict(TINY_MODEL)},
+        "data": {"task": dict(TINY_TASK)},
+        "training": {
+            "lr": 1e-3,
+            "prompts_per_step": 4,
+            "samples_per_prompt": 4,
+            "micro_batch_size": 8,
+            "checkpoint_every": 2,
+            "sampling": {"max_new_tokens": 4},
+        },
+        "evaluation": {"every": 2, "num_prompts": 8},
+        "logging": {"sinks": ["jsonl"]},
+        "arms": {"grpo": {"algorithm": "grpo", "labeler": "arithmetic"}},
+    }
+    return _merge(base, overrides)
+
+
+def _merge(base: Any, over: Any) -> Any:
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = copy.deepcopy(base)
+        for k, v in over.items():
+            out[k] = _merge(out[k], v) if k in out else copy.deepcopy(v)
+        return out
+    return copy.deepcopy(over)
+
+
+@pytest.fixture(scope="session")
+def engine_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """ALIGNZOO_CACHE pointed at a session folder (so warm starts are built once per session)."""
+    cache = tmp_path_factory.mktemp("alignzoo-cache")
+    old = os.environ.get("ALIGNZOO_CACHE")
+    os.environ["ALIGNZOO_CACHE"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("ALIGNZOO_CACHE", None)
+    else:
+        os.environ["ALIGNZOO_CACHE"] = old
+
+
+@pytest.fixture
+def write_experiment(tmp_path: Path, engine_cache: Path) -> Callable[..., Path]:
+    """Write ``tiny_experiment(**overrides)`` (or a given dict) to a YAML file; return its path."""
+
+    def write(spec: dict[str, Any] | None = None, name: str = "exp.yaml", **overrides: Any) -> Path:
+        data = spec if spec is not None else tiny_experiment(**overrides)
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(data), encoding="utf-8")
+        return path
+
+    return write
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a jsonl file."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]

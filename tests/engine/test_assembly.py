@@ -1,0 +1,93 @@
+"""Assembly: roles placed before models load, only the models the algorithm needs, fresh components."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from alignzoo.config import load_experiment
+from alignzoo.engine import assemble as assemble_mod
+from alignzoo.engine import models
+from alignzoo.engine.assemble import assemble
+from alignzoo.errors import UserError
+
+
+def _engine(write_experiment: Callable[..., Path], tmp_path: Path, arm: dict, name: str = "a"):
+    loaded = load_experiment(write_experiment(arms={name: arm}))
+    return loaded, assemble(loaded, name, 0, tmp_path / "run", log=lambda *_: None)
+
+
+def test_grpo_without_kl_loads_no_reference_and_no_critic(write_experiment, tmp_path) -> None:
+    loaded, engine = _engine(
+        write_experiment, tmp_path, {"algorithm": {"name": "grpo", "params": {"beta": 0.0}}}
+    )
+    run = engine.run
+    assert run.reference is None and run.critic is None
+    assert set(run.devices) == {"actor", "rollout", "labeler"}
+    assert all(d == "cpu" for d in run.devices.values())
+    assert run.actor.training and next(run.actor.parameters()).requires_grad
+    # Fresh instances: the run never touches the components held by the loaded experiment.
+    assert all(c is not loaded.components["a"][slot] for slot, c in engine.components.items())
+    assert engine.pm.is_registered(engine.components["algorithm"])
+    assert not engine.pm.is_registered(loaded.components["a"]["algorithm"])
+    # The backend got the run's tokenizer and samples from the actor.
+    assert engine.components["backend"].model is run.actor
+
+
+def test_ppo_loads_a_frozen_reference_and_a_value_head(write_experiment, tmp_path) -> None:
+    _, engine = _engine(write_experiment, tmp_path, {"algorithm": "ppo"})
+    run = engine.run
+    assert set(run.devices) == {"actor", "rollout", "labeler", "ref", "critic"}
+    assert run.reference is not None and not run.reference.training
+    assert not any(p.requires_grad for p in run.reference.parameters())
+    assert type(run.critic).__name__.endswith("ForTokenClassification")
+    assert run.critic.config.num_labels == 1
+    # The critic's parameters are trained (second param group), the reference's are not.
+    groups = engine.learner.optimizer.param_groups
+    assert len(groups) == 2
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in run.critic.parameters()}
+
+
+def test_critic_head_init_is_seeded(write_experiment, tmp_path) -> None:
+    loaded = load_experiment(write_experiment(arms={"ppo": {"algorithm": "ppo"}}))
+    a = assemble(loaded, "ppo", 5, tmp_path / "a", log=lambda *_: None).run.critic
+    b = assemble(loaded, "ppo", 5, tmp_path / "b", log=lambda *_: None).run.critic
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert (pa == pb).all(), name
+
+
+def test_lora_trains_only_adapters(write_experiment, tmp_path) -> None:
+    loaded = load_experiment(
+        write_experiment(
+            arms={"a": {"algorithm": "rloo", "model": {"lora": {"r": 2, "alpha": 4}}}}
+        )
+    )
+    engine = assemble(loaded, "a", 0, tmp_path / "run", log=lambda *_: None)
+    trainable = [n for n, p in engine.run.actor.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_a_missing_device_fails_before_any_model_loads(write_experiment, tmp_path, monkeypatch) -> None:
+    loaded = load_experiment(
+        write_experiment(
+            arms={"a": {"algorithm": "grpo", "devices": {"name": "single", "params": {"device": "cuda:7"}}}}
+        )
+    )
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the devices were checked")
+
+    monkeypatch.setattr(models, "load_actor", no_loading)
+    monkeypatch.setattr(models, "policy_path", no_loading)
+    with pytest.raises(UserError, match="cuda:7"):
+        assemble(loaded, "a", 0, tmp_path / "run", log=lambda *_: None)
+
+
+def test_online_preference_needs_two_samples_per_prompt(write_experiment, tmp_path) -> None:
+    loaded = load_experiment(
+        write_experiment(arms={"a": {"algorithm": "dpo", "training": {"samples_per_prompt": 1}}})
+    )
+    with pytest.raises(UserError, match="samples_per_prompt"):
+        assemble_mod.assemble(loaded, "a", 0, tmp_path / "run", log=lambda *_: None)

@@ -1,0 +1,126 @@
+"""Unit tests of the engine's pieces that need no model: sampler, pairing, schedules, files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from alignzoo.batch import RolloutBatch
+from alignzoo.engine.checkpoint import latest_checkpoint, truncate_jsonl
+from alignzoo.engine.prepare import mismatch_partners
+from alignzoo.engine.rollout import label_desirable, pair_by_score
+from alignzoo.engine.sampler import PromptSampler
+from alignzoo.engine.trainer import _split, _units, lr_factor
+from alignzoo.schema import Budget
+from alignzoo.engine.checkpoint import TrainingState
+from alignzoo.engine.train import budget_spent
+
+
+def _dataset(n: int) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"prompt": [f"p{i}" for i in range(n)], "answer": list(range(n))})
+
+
+def test_sampler_order_depends_on_seed_only_and_covers_each_epoch() -> None:
+    a, b, c = PromptSampler(_dataset(10), 3), PromptSampler(_dataset(10), 3), PromptSampler(_dataset(10), 4)
+    first = [r["prompt"] for r in a.next(10)]
+    assert first == [r["prompt"] for r in b.next(10)]
+    assert sorted(first) == sorted(f"p{i}" for i in range(10))  # one epoch = a permutation
+    assert first != [r["prompt"] for r in c.next(10)]
+    second = [r["prompt"] for r in a.next(10)]
+    assert second != first and sorted(second) == sorted(first)  # a new order each epoch
+    assert a.next(1)[0]["answer"] is not None
+
+
+def test_sampler_cursor_resumes_the_exact_sequence() -> None:
+    ref = PromptSampler(_dataset(7), 11)
+    ref.next(5)
+    expected = [r["prompt"] for r in ref.next(9)]
+    run = PromptSampler(_dataset(7), 11)
+    run.next(5)
+    state = run.state_dict()
+    resumed = PromptSampler(_dataset(7), 11)
+    resumed.load_state_dict(state)
+    assert [r["prompt"] for r in resumed.next(9)] == expected
+
+
+def _batch(scores: list[float], groups: list[int]) -> RolloutBatch:
+    b = len(scores)
+    return RolloutBatch(
+        prompt_ids=torch.ones(b, 2, dtype=torch.long),
+        prompt_mask=torch.ones(b, 2, dtype=torch.long),
+        response_ids=torch.arange(b).unsqueeze(1).repeat(1, 3),
+        response_mask=torch.ones(b, 3),
+        group_ids=torch.tensor(groups),
+        prompts=[f"q{g}" for g in groups],
+        responses=[f"r{i}" for i in range(b)],
+        extras=[{} for _ in range(b)],
+        scores=torch.tensor(scores),
+    )
+
+
+def test_online_dpo_pairs_best_and_worst_and_drops_ties() -> None:
+    batch = _batch([0.0, 1.0, 0.5, 1.0, 1.0, 1.0, 0.2, 0.0, 0.9], [0, 0, 0, 1, 1, 1, 2, 2, 2])
+    pairs = pair_by_score(batch)
+    assert pairs is not None
+    assert pairs.responses == ["r1", "r0", "r8", "r7"]  # group 1 is all ties: dropped
+    assert pairs.group_ids.tolist() == [0, 0, 1, 1]
+    assert pairs.labels.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert pair_by_score(_batch([1.0, 1.0], [0, 0])) is None
+
+
+def test_online_kto_desirable_above_group_mean_or_correct() -> None:
+    batch = _batch([0.0, 1.0, 0.0, 0.0, 0.0, 0.0], [0, 0, 0, 1, 1, 1])
+    labels = label_desirable(batch, [False, False, False, False, True, False]).labels
+    assert labels.tolist() == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_mismatched_partner_is_the_next_sample() -> None:
+    assert mismatch_partners(4) == [1, 2, 3, 0]
+
+
+def test_minibatches_keep_preference_pairs_together() -> None:
+    batch = _batch([0.0] * 6, [0, 0, 1, 1, 2, 2])
+    units = _units(batch, paired=True)
+    assert units == [[0, 1], [2, 3], [4, 5]]
+    assert _split(units, 3) == [[0, 1], [2, 3], [4, 5]]  # 3 samples -> one pair per micro-batch
+    assert _split(_units(batch, paired=False), 4) == [[0, 1, 2, 3], [4, 5]]
+
+
+def test_lr_schedules() -> None:
+    assert lr_factor(0, 4, 20, "constant") == pytest.approx(0.25)
+    assert lr_factor(3, 4, 20, "linear") == pytest.approx(1.0)
+    assert lr_factor(12, 4, 20, "linear") == pytest.approx(0.5)
+    assert lr_factor(12, 4, 20, "cosine") == pytest.approx(0.5)
+    assert lr_factor(20, 4, 20, "cosine") == pytest.approx(0.0, abs=1e-9)
+    assert lr_factor(8, 0, 16, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(100, 0, None, "cosine") == 1.0  # wall-clock budget: no known end
+
+
+def test_budget_kinds() -> None:
+    assert budget_spent(Budget(steps=3), TrainingState(step=3))
+    assert not budget_spent(Budget(steps=3), TrainingState(step=2))
+    assert budget_spent(Budget(samples=10), TrainingState(samples=12))
+    assert not budget_spent(Budget(wall_clock_s=5), TrainingState(time_s=4.9))
+
+
+def test_truncate_jsonl_keeps_complete_rows_up_to_the_step(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    rows = [json.dumps({"step": s, "x": s}) for s in range(1, 6)]
+    path.write_text("\n".join(rows) + '\n{"step": 6, "x"', encoding="utf-8")
+    truncate_jsonl(path, 3)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_latest_checkpoint_ignores_unfinished_folders(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / "step-000002").mkdir()
+    (tmp_path / "step-000002" / "state.json").write_text("{}")
+    (tmp_path / ".tmp-step-000004").mkdir()  # a kill while writing step 4
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000002"
+    (tmp_path / "latest").write_text("step-000002\n")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000002"
