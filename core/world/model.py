@@ -7,10 +7,12 @@ path a user with a real checkpoint takes.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -25,6 +27,7 @@ from transformers import (
 from alignzoo.schema import EmbeddedModelConfig
 
 MAX_POSITIONS = 512
+METADATA_FILE = "alignzoo_world.json"
 
 
 def build_model(cfg: EmbeddedModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
@@ -65,13 +68,16 @@ def build_model(cfg: EmbeddedModelConfig, tokenizer: PreTrainedTokenizerBase) ->
 
 
 def save_policy(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: str | Path
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    folder: str | Path,
+    metadata: dict[str, Any] | None = None,
 ) -> Path:
     """Write model (safetensors) and tokenizer to ``folder`` atomically and return its path.
 
     Everything is written to a temporary sibling folder first, then moved into place with
     ``os.replace``: a reader never sees a half-written folder. An existing ``folder`` is
-    replaced.
+    replaced. ``metadata``, when given, is written inside as ``METADATA_FILE`` (json).
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -79,6 +85,8 @@ def save_policy(
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if metadata is not None:
+            (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         if folder.exists():
             # os.replace cannot replace a non-empty directory: move the old one aside first.
             old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))

@@ -1,0 +1,236 @@
+"""Loading prompt sets, preference pairs and unpaired feedback as ``datasets.Dataset``.
+
+``data.train`` / ``data.eval`` name either ``"embedded"`` (the arithmetic task of
+:mod:`alignzoo.world.task`) or a file: ``.jsonl`` / ``.json`` (JSON lines or one JSON array),
+``.parquet``, or a folder written by ``Dataset.save_to_disk`` (a ``DatasetDict`` folder too:
+the split of the same name is used, or its only split).
+
+The columns are TRL's standard names, by data mode:
+
+========== ===============================
+online     ``prompt``
+preference ``prompt``, ``chosen``, ``rejected``
+unpaired   ``prompt``, ``completion``, ``label`` (bool; 0/1 accepted)
+========== ===============================
+
+Extra columns are kept: the engine passes them to the labeler as ``LabelRequest.extra`` (the
+embedded task adds ``answer``). Text columns must hold strings and prompts must not be blank;
+otherwise a :class:`~alignzoo.errors.UserError` names the file, the row and the column.
+``data.sample_ratio`` keeps a seeded random subset of the *train* split (rows stay in order);
+the eval split is always complete (``evaluation.num_prompts`` shortens it).
+
+Embedded data per mode: online -> ``prompt``, ``answer``; preference -> ``chosen`` is the
+correct answer and ``rejected`` a nearby wrong number; unpaired -> two rows per prompt, the
+correct answer (``label`` true) then the wrong one (false). Completions carry no EOS; the engine
+appends it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import datasets
+from datasets.table import InMemoryTable
+
+from alignzoo.errors import UserError
+from alignzoo.schema import DataConfig
+from alignzoo.types import DataMode
+
+Split = Literal["train", "eval"]
+
+REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
+    "online": ("prompt",),
+    "preference": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label"),
+}
+
+
+def load_split(data: DataConfig, split: Split, mode: DataMode) -> datasets.Dataset:
+    """The ``split`` data of the experiment in the columns ``mode`` needs (plus any extras)."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if mode not in REQUIRED_COLUMNS:
+        raise ValueError(f"mode must be one of {', '.join(REQUIRED_COLUMNS)}, got {mode!r}")
+    source = data.train if split == "train" else data.eval
+    if source == "embedded":
+        dataset = _embedded(data, split, mode)
+    else:
+        dataset = _read(Path(source).expanduser(), split, mode, f"data.{split}")
+    if split == "train" and data.sample_ratio < 1.0:
+        dataset = _sample(dataset, data.sample_ratio, seed=data.task.seed)
+    return dataset
+
+
+# --------------------------------------------------------------------------- embedded
+
+
+def _embedded(data: DataConfig, split: Split, mode: DataMode) -> datasets.Dataset:
+    from alignzoo.world.task import make_examples, wrong_answer
+
+    examples = make_examples(data.task, split)
+    if mode == "online":
+        rows: list[dict[str, Any]] = examples
+    elif mode == "preference":
+        rows = [
+            {
+                "prompt": ex["prompt"],
+                "chosen": ex["answer"],
+                "rejected": wrong_answer(ex["prompt"], ex["answer"]),
+                "answer": ex["answer"],
+            }
+            for ex in examples
+        ]
+    else:
+        rows = []
+        for ex in examples:
+            wrong = wrong_answer(ex["prompt"], ex["answer"])
+            for completion, label in ((ex["answer"], True), (wrong, False)):
+                rows.append(
+                    {
+                        "prompt": ex["prompt"],
+                        "completion": completion,
+                        "label": label,
+                        "answer": ex["answer"],
+                    }
+                )
+    return datasets.Dataset.from_list(rows)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _read(path: Path, split: Split, mode: DataMode, field: str) -> datasets.Dataset:
+    if not path.exists():
+        raise UserError(f"{field}: {path} does not exist (give 'embedded' or a data file)")
+    if path.is_dir():
+        return _checked(_read_folder(path, split), mode, str(path))
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".jsonl", ".json"):
+            return _read_json(path, mode)
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            table = datasets.Dataset(InMemoryTable(pq.read_table(path)))
+            return _checked(table, mode, str(path))
+    except UserError:
+        raise
+    except Exception as exc:  # pyarrow / datasets errors: say which file
+        raise UserError(f"{path}: could not read ({type(exc).__name__}: {exc})") from exc
+    raise UserError(
+        f"{field}: {path} has an unsupported extension {suffix!r} "
+        "(expected .jsonl, .json, .parquet or a save_to_disk folder)"
+    )
+
+
+def _read_folder(path: Path, split: Split) -> datasets.Dataset:
+    if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        raise UserError(f"{path}: not a dataset folder (written by Dataset.save_to_disk)")
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise UserError(f"{path}: could not load ({type(exc).__name__}: {exc})") from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if split in loaded:
+            return loaded[split]
+        if len(loaded) == 1:
+            return next(iter(loaded.values()))
+        raise UserError(
+            f"{path}: a DatasetDict with splits {', '.join(loaded)}; expected a split named "
+            f"{split!r} or a single split"
+        )
+    return loaded
+
+
+def _read_json(path: Path, mode: DataMode) -> datasets.Dataset:
+    text = path.read_text(encoding="utf-8")
+    rows: list[Any]
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: invalid JSON ({exc})") from exc
+        where = [f"row {i + 1}" for i in range(len(rows))]
+    else:
+        rows, where = [], []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}: line {number}: invalid JSON ({exc.msg})") from exc
+            where.append(f"row {len(rows)} (line {number})")
+    for row, loc in zip(rows, where, strict=True):
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: {loc}: expected a JSON object, got {type(row).__name__}")
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    # Check the rows before arrow sees them, so a bad value is reported by row, not by arrow.
+    _check(columns, lambda c: [row.get(c) for row in rows], len(rows), mode, str(path), where)
+    try:
+        dataset = datasets.Dataset.from_list([{c: row.get(c) for c in columns} for row in rows])
+    except Exception as exc:  # a column whose type changes from row to row
+        raise UserError(
+            f"{path}: columns must keep one type in every row ({type(exc).__name__}: {exc})"
+        ) from exc
+    return _bool_labels(dataset, mode)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _checked(dataset: datasets.Dataset, mode: DataMode, source: str) -> datasets.Dataset:
+    where = [f"row {i + 1}" for i in range(len(dataset))]
+    _check(list(dataset.column_names), lambda c: dataset[c], len(dataset), mode, source, where)
+    return _bool_labels(dataset, mode)
+
+
+def _check(
+    found: list[str],
+    values_of: Callable[[str], list[Any]],
+    size: int,
+    mode: DataMode,
+    source: str,
+    where: list[str],
+) -> None:
+    """Raise a UserError naming the file and row of the first problem in the required columns."""
+    if size == 0:
+        raise UserError(f"{source}: no rows")
+    required = REQUIRED_COLUMNS[mode]
+    missing = [c for c in required if c not in found]
+    if missing:
+        raise UserError(
+            f"{source}: missing column(s) {', '.join(missing)} for {mode} data; expected "
+            f"{', '.join(required)}, found {', '.join(found) or 'no columns'}"
+        )
+    for column in required:
+        for loc, value in zip(where, values_of(column), strict=True):
+            at = f"{source}: {loc}: column {column!r}"
+            if column == "label":
+                if not isinstance(value, (bool, int)) or value not in (0, 1):
+                    raise UserError(f"{at}: expected true/false, got {_short(value)}")
+            elif not isinstance(value, str):
+                raise UserError(f"{at}: expected text, got {type(value).__name__} {_short(value)}")
+            elif column == "prompt" and not value.strip():
+                raise UserError(f"{at}: empty prompt")
+
+
+def _bool_labels(dataset: datasets.Dataset, mode: DataMode) -> datasets.Dataset:
+    if mode == "unpaired" and dataset.features["label"].dtype != "bool":
+        return dataset.cast_column("label", datasets.Value("bool"))
+    return dataset
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _sample(dataset: datasets.Dataset, ratio: float, seed: int) -> datasets.Dataset:
+    keep = max(1, round(len(dataset) * ratio))
+    indices = sorted(random.Random(f"sample_ratio/{seed}").sample(range(len(dataset)), keep))
+    return dataset.select(indices)

@@ -1,0 +1,159 @@
+"""The embedded arithmetic task: prompts like ``"12+7="`` whose answer (``"19"``) can be checked.
+
+Examples are drawn deterministically from ``TaskConfig.seed``. Each operation gets an equal share
+of each split (interleaved: +, -, *, +, ...). Operands have at most ``digits`` digits
+(0 .. 10**digits - 1); subtraction keeps the first operand >= the second so answers are never
+negative. The eval split is drawn first and independently of ``train_size``; the train split
+never contains an eval prompt. When an operation has fewer distinct prompts than asked for
+(e.g. 1-digit addition has 100), the train split gets what is left after the eval split.
+
+A response is *well-formed* when its first line, stripped of whitespace (and of anything after
+an end-of-text marker), is an integer; :func:`extract_answer` returns it normalised
+(``"019"`` -> ``"19"``), or ``None`` when malformed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+from alignzoo.errors import UserError
+from alignzoo.schema import TaskConfig
+
+Split = Literal["train", "eval"]
+
+_OPS: dict[str, Callable[[int, int], int]] = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+}
+_INTEGER = re.compile(r"[+-]?\d+")
+_EOS_MARKERS = ("<|endoftext|>", "<|pad|>")
+# Above this many operand pairs per operation, sample by rejection instead of listing them all.
+_ENUMERATE_LIMIT = 200_000
+
+
+def format_prompt(a: int, op: str, b: int) -> str:
+    """The prompt text for ``a op b`` (no spaces): ``format_prompt(12, "+", 7) == "12+7="``."""
+    return f"{a}{op}{b}="
+
+
+def compute_answer(a: int, op: str, b: int) -> str:
+    """The correct answer of ``a op b`` as text."""
+    return str(_OPS[op](a, b))
+
+
+def _valid(op: str, a: int, b: int) -> bool:
+    return op != "-" or a >= b
+
+
+def _shares(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def _draw(
+    rng: random.Random, op: str, limit: int, count: int, exclude: set[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """``count`` distinct valid operand pairs below ``limit``, none in ``exclude`` (fewer if the
+    universe runs out)."""
+    if limit * limit <= _ENUMERATE_LIMIT:
+        pool = [
+            (a, b)
+            for a in range(limit)
+            for b in range(limit)
+            if _valid(op, a, b) and (a, b) not in exclude
+        ]
+        rng.shuffle(pool)
+        return pool[:count]
+    seen: set[tuple[int, int]] = set()
+    out: list[tuple[int, int]] = []
+    while len(out) < count:
+        pair = (rng.randrange(limit), rng.randrange(limit))
+        if not _valid(op, *pair) or pair in exclude or pair in seen:
+            continue
+        seen.add(pair)
+        out.append(pair)
+    return out
+
+
+def _interleave(groups: list[list[dict[str, str]]]) -> Iterator[dict[str, str]]:
+    for i in range(max((len(g) for g in groups), default=0)):
+        for group in groups:
+            if i < len(group):
+                yield group[i]
+
+
+def make_examples(task: TaskConfig, split: Split) -> list[dict[str, str]]:
+    """The ``split`` examples of the task: dicts with ``prompt`` (``"12+7="``) and ``answer``.
+
+    Deterministic from ``task.seed``; the eval split is disjoint from the train split and
+    does not depend on ``task.train_size``.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if not task.operations:
+        raise UserError("data.task.operations: give at least one of '+', '-', '*'")
+    limit = 10**task.digits
+    ops = list(dict.fromkeys(task.operations))  # unique, in the order given
+    groups: list[list[dict[str, str]]] = []
+    for op, n_eval, n_train in zip(
+        ops, _shares(task.eval_size, len(ops)), _shares(task.train_size, len(ops)), strict=True
+    ):
+        eval_pairs = _draw(random.Random(f"{task.seed}/{op}/eval"), op, limit, n_eval, set())
+        if len(eval_pairs) < n_eval:
+            raise UserError(
+                f"data.task: eval_size asks for {n_eval} '{op}' prompts but {task.digits}-digit "
+                f"'{op}' has only {len(eval_pairs)} distinct prompts; lower eval_size"
+            )
+        pairs = eval_pairs
+        if split == "train":
+            rng = random.Random(f"{task.seed}/{op}/train")
+            pairs = _draw(rng, op, limit, n_train, set(eval_pairs))
+            if not pairs:
+                raise UserError(
+                    f"data.task: no '{op}' prompts left for training after the eval split; "
+                    "lower eval_size or raise digits"
+                )
+        groups.append(
+            [
+                {"prompt": format_prompt(a, op, b), "answer": compute_answer(a, op, b)}
+                for a, b in pairs
+            ]
+        )
+    return list(_interleave(groups))
+
+
+def extract_answer(text: str) -> str | None:
+    """The integer a response states, normalised (``" 019\\n..."`` -> ``"19"``), or ``None``.
+
+    Only the first line counts, after cutting at an end-of-text marker and stripping whitespace;
+    it must be an integer and nothing else.
+    """
+    for marker in _EOS_MARKERS:
+        text = text.split(marker, 1)[0]
+    lines = text.strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    if not _INTEGER.fullmatch(first):
+        return None
+    return str(int(first))
+
+
+def is_correct(response: str, answer: str) -> bool:
+    """True when the response is well-formed and states ``answer`` (compared as integers)."""
+    got = extract_answer(response)
+    want = extract_answer(str(answer))
+    return got is not None and got == want
+
+
+def wrong_answer(prompt: str, answer: str) -> str:
+    """A plausible wrong answer to ``prompt``: off by a small amount, the same on every call.
+
+    Used for the rejected side of embedded preference pairs. Never negative when ``answer`` is
+    not, never equal to ``answer``.
+    """
+    value = int(answer)
+    rng = random.Random(f"wrong/{prompt}/{answer}")
+    deltas = [d for d in (-10, -2, -1, 1, 2, 10) if value < 0 or value + d >= 0]
+    return str(value + rng.choice(deltas))

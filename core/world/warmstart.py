@@ -1,0 +1,275 @@
+"""The embedded policy, warm-started by a short supervised phase and cached by its config.
+
+:func:`ensure_policy` is what a run calls: for ``model.policy: embedded`` it returns a model
+folder (save_pretrained layout) under the cache, building it on first use. The cache key is a
+hash of the embedded model config, the task config and :data:`FORMAT_VERSION`; the cache root is
+``$ALIGNZOO_CACHE`` or ``~/.cache/alignzoo``. A build is written to a temporary folder and
+renamed into place, under a per-key file lock: a killed build leaves no half folder, and two
+processes asking for the same key at once build it once.
+
+The warm start is teacher forcing on ``prompt + answer + EOS`` with the loss on the answer and
+EOS tokens only (AdamW, short linear warm-up then cosine decay), seeded by the config's seed.
+The greedy exact match on the eval split is measured and stored in the folder's
+``alignzoo_world.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from alignzoo.errors import UserError
+from alignzoo.schema import EmbeddedModelConfig, ModelConfig, TaskConfig
+from alignzoo.world.model import METADATA_FILE, build_model, save_policy
+from alignzoo.world.task import is_correct, make_examples
+from alignzoo.world.tokenizer import build_tokenizer
+
+FORMAT_VERSION = 1
+"""Bump when the tokenizer, model builder, task or warm start change what a key builds."""
+
+IGNORE_INDEX = -100
+
+
+def cache_root() -> Path:
+    """``$ALIGNZOO_CACHE`` or ``~/.cache/alignzoo``."""
+    env = os.environ.get("ALIGNZOO_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "alignzoo"
+
+
+def cache_key(embedded: EmbeddedModelConfig, task: TaskConfig) -> str:
+    """A short hash naming the cached policy for these configs."""
+    payload = json.dumps(
+        {
+            "format": FORMAT_VERSION,
+            "embedded": embedded.model_dump(mode="json"),
+            "task": task.model_dump(mode="json"),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def read_metadata(folder: str | Path) -> dict[str, Any]:
+    """The warm start's record (configs, steps, final loss, eval exact match) of a cached policy."""
+    return json.loads((Path(folder) / METADATA_FILE).read_text())
+
+
+def ensure_policy(
+    model_cfg: ModelConfig,
+    task_cfg: TaskConfig,
+    cache_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """The folder to ``from_pretrained`` the policy (and its tokenizer) from.
+
+    A path policy is returned as is (it must be an existing folder). ``"embedded"`` is built,
+    warm-started and cached on first use (see the module docstring); later calls return the
+    cached folder at once.
+    """
+    if model_cfg.policy != "embedded":
+        path = Path(model_cfg.policy).expanduser()
+        if not path.is_dir():
+            raise UserError(
+                f"model.policy: {model_cfg.policy!r} is not a folder (give 'embedded' or a local "
+                "folder written by save_pretrained; no hub downloads on this machine)"
+            )
+        return path
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    key = cache_key(model_cfg.embedded, task_cfg)
+    folder = root / "embedded" / key
+    if _complete(folder):
+        log(f"embedded policy: using cached {folder}")
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(folder.parent / f"{key}.lock"):
+        if _complete(folder):  # another process built it while we waited
+            log(f"embedded policy: using cached {folder}")
+            return folder
+        _build(model_cfg.embedded, task_cfg, folder, log)
+    return folder
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / METADATA_FILE).is_file()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (fcntl); without fcntl the atomic rename alone protects."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(cfg: EmbeddedModelConfig, task: TaskConfig, folder: Path, log: Callable[[str], None]):
+    log(
+        f"embedded policy: building {cfg.architecture} (hidden {cfg.hidden_size}, "
+        f"{cfg.num_layers} layers) and warm-starting for {cfg.sft_steps} steps -> {folder}"
+    )
+    start = time.perf_counter()
+    tokenizer = build_tokenizer()
+    model = build_model(cfg, tokenizer)
+    final_loss = supervised_warm_start(model, tokenizer, make_examples(task, "train"), cfg, log)
+    eval_examples = make_examples(task, "eval")
+    exact = greedy_exact_match(model, tokenizer, eval_examples, _max_answer_tokens(eval_examples))
+    seconds = time.perf_counter() - start
+    metadata = {
+        "format": FORMAT_VERSION,
+        "embedded": cfg.model_dump(mode="json"),
+        "task": task.model_dump(mode="json"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "sft_final_loss": final_loss,
+        "eval_exact_match": exact,
+        "eval_size": len(eval_examples),
+        "build_seconds": round(seconds, 1),
+    }
+    save_policy(model, tokenizer, folder, metadata=metadata)
+    log(f"embedded policy: eval exact match {exact:.1%} after {seconds:.0f}s")
+
+
+def _max_answer_tokens(examples: Sequence[dict[str, str]]) -> int:
+    # One token per character, plus EOS and a little slack for longer wrong answers.
+    return max(len(ex["answer"]) for ex in examples) + 2
+
+
+def _encode_sft(
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[dict[str, str]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``prompt + answer + EOS`` ids, attention mask and labels (answer + EOS)."""
+    rows, labels = [], []
+    for ex in examples:
+        prompt = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
+        answer = tokenizer(ex["answer"], add_special_tokens=False)["input_ids"]
+        answer = [*answer, tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        labels.append([IGNORE_INDEX] * len(prompt) + answer)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for i, (row, lab) in enumerate(zip(rows, labels, strict=True)):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+        targets[i, : len(lab)] = torch.tensor(lab)
+    return ids, mask, targets
+
+
+def supervised_warm_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: Sequence[dict[str, str]],
+    cfg: EmbeddedModelConfig,
+    log: Callable[[str], None] = print,
+) -> float:
+    """Train ``model`` in place for ``cfg.sft_steps`` steps of teacher forcing; return the mean
+    loss of the last steps (``nan`` when ``sft_steps`` is 0).
+
+    Each step draws ``cfg.sft_batch_size`` examples with replacement; the loss is the mean
+    cross-entropy of the answer and EOS tokens. Seeded by ``cfg.seed``.
+    """
+    if cfg.sft_steps == 0:
+        return math.nan
+    torch.manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    ids, mask, targets = _encode_sft(tokenizer, examples)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    warmup = max(1, cfg.sft_steps // 20)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, cfg.sft_steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    recent: list[float] = []
+    report_every = max(1, cfg.sft_steps // 5)
+    for step in range(cfg.sft_steps):
+        index = torch.randint(len(examples), (cfg.sft_batch_size,), generator=generator)
+        width = int(mask[index].sum(dim=1).max())
+        batch_ids, batch_mask, batch_targets = (t[index, :width] for t in (ids, mask, targets))
+        logits = model(input_ids=batch_ids, attention_mask=batch_mask).logits
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            batch_targets[:, 1:].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        recent = [*recent[-19:], float(loss.detach())]
+        if (step + 1) % report_every == 0 or step + 1 == cfg.sft_steps:
+            log(
+                f"  warm start step {step + 1}/{cfg.sft_steps} loss {sum(recent) / len(recent):.4f}"
+            )
+    model.eval()
+    return sum(recent) / len(recent)
+
+
+@torch.no_grad()
+def greedy_exact_match(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: Sequence[dict[str, str]],
+    max_new_tokens: int,
+    batch_size: int = 256,
+) -> float:
+    """Fraction of ``examples`` whose greedy completion states the right answer (batched).
+
+    Prompts are left-padded; completions stop at EOS; correctness is
+    :func:`alignzoo.world.task.is_correct`. The model's train/eval mode is restored.
+    """
+    if not examples:
+        return 0.0
+    was_training = model.training
+    model.eval()
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    correct = 0
+    try:
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start : start + batch_size]
+            enc = tokenizer(
+                [ex["prompt"] for ex in chunk],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(device)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            texts = tokenizer.batch_decode(
+                out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
+            )
+            correct += sum(is_correct(t, ex["answer"]) for t, ex in zip(texts, chunk, strict=True))
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+    return correct / len(examples)
