@@ -1,0 +1,175 @@
+"""The report: table numbers, verdicts, plots, a self-contained HTML, failed runs, determinism."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from alignzoo.errors import UserError
+from alignzoo.report import write_report
+from tests.report.conftest import Builder
+
+BASE = [0.52, 0.55, 0.49, 0.53, 0.51]
+SAME_DIST = [0.50, 0.54, 0.53, 0.49, 0.55]  # A/A: the same distribution, other draws
+WORSE = [0.21, 0.18, 0.24, 0.20, 0.22]
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def section(md: str, title: str) -> str:
+    start = md.index(f"## {title}")
+    end = md.find("\n## ", start + 1)
+    return md[start : end if end != -1 else None]
+
+
+def table_row(md: str, title: str, first_cell: str) -> list[str]:
+    for line in section(md, title).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == first_cell:
+            return cells
+    raise AssertionError(f"no row {first_cell!r} in {title!r}")
+
+
+def valid_png(path: Path) -> bool:
+    data = path.read_bytes()
+    if not data.startswith(PNG_MAGIC):
+        return False
+    width, height = struct.unpack(">II", data[16:24])
+    return (
+        data[12:16] == b"IHDR" and width > 100 and height > 100 and data.endswith(b"IEND\xaeB`\x82")
+    )
+
+
+def test_table_numbers_match_the_statistics(experiment_dir: Builder) -> None:
+    root = experiment_dir(finals={"base": BASE, "other": SAME_DIST})
+    paths = write_report(root)
+    assert paths == [root / "report.md", root / "report.html"]
+    md = (root / "report.md").read_text()
+
+    row = table_row(md, "Arms", "base (baseline)")
+    mean = np.mean(BASE)
+    low, high = sps.t.interval(0.95, len(BASE) - 1, loc=mean, scale=sps.sem(BASE))
+    assert row[1] == "5/5"
+    assert row[2] == f"{mean:.4g} ± {(high - low) / 2:.3g}"
+    assert row[3] == f"10 ({mean:.4g})"  # the last evaluation is the best (curves climb)
+    assert row[4] == f"{np.mean([500 + 100 * s for s in range(5)]):.4g}"  # tokens/s
+    assert row[5] == "30.0 s"  # mean of 10, 20, ..., 50
+    assert row[6] == "204"  # peak memory: max over seeds
+
+    cmp = table_row(md, "Against the baseline (base)", "other")
+    assert float(cmp[1]) == pytest.approx(np.mean(SAME_DIST) - np.mean(BASE), abs=1e-4)
+    p_welch = sps.ttest_ind(SAME_DIST, BASE, equal_var=False).pvalue
+    assert cmp[4] == f"{p_welch:.4f}"
+    assert cmp[6] == "no detectable difference"
+    assert int(cmp[7]) > 5  # seeds that would detect a difference this small
+
+
+def test_aa_is_no_detectable_difference_and_broken_arm_is_worse(experiment_dir: Builder) -> None:
+    root = experiment_dir(finals={"grpo": BASE, "grpo_again": SAME_DIST, "lr0": WORSE})
+    write_report(root)
+    md = (root / "report.md").read_text()
+    assert table_row(md, "Against the baseline (grpo)", "grpo_again")[6] == (
+        "no detectable difference"
+    )
+    worse = table_row(md, "Against the baseline (grpo)", "lr0")
+    assert worse[6] == "worse"
+    assert worse[7] == "—"
+    assert "lr0 is worse than grpo on eval/exact_match" in md
+    low, high = (float(x) for x in re.findall(r"[+-][\d.e-]+", worse[2]))
+    assert low < np.mean(WORSE) - np.mean(BASE) < high < 0
+
+
+def test_baseline_from_spec(experiment_dir: Builder) -> None:
+    root = experiment_dir(finals={"a": WORSE, "b": BASE}, baseline="b")
+    write_report(root)
+    md = (root / "report.md").read_text()
+    assert table_row(md, "Against the baseline (b)", "a")[6] == "worse"
+
+
+def test_plots_exist_are_png_and_html_is_self_contained(experiment_dir: Builder) -> None:
+    root = experiment_dir(finals={"base": BASE[:2], "other": WORSE[:2]})
+    write_report(root)
+    expected = {
+        "eval_vs_step.png",
+        "eval_vs_time.png",
+        "train_reward.png",
+        "train_kl.png",
+        "train_response_length.png",
+        "train_entropy.png",
+    }
+    assert {p.name for p in (root / "plots").iterdir()} == expected
+    for name in expected:
+        assert valid_png(root / "plots" / name), name
+    md = (root / "report.md").read_text()
+    for name in expected:
+        assert f"(plots/{name})" in md
+    assert "min–max over seeds" in md
+
+    page = (root / "report.html").read_text()
+    sources = re.findall(r'(?:src|href)="([^"]*)"', page)
+    assert len(sources) == len(expected)
+    assert all(s.startswith("data:image/png;base64,") for s in sources)
+    assert "<script" not in page and "<link" not in page and "url(" not in page
+
+
+def test_failed_and_running_runs_are_listed(experiment_dir: Builder) -> None:
+    root = experiment_dir(
+        finals={"base": BASE[:3], "broken": WORSE[:3]},
+        failed={("broken", 1): "RunError: loss is NaN at step 3"},
+        running=(("base", 2),),
+    )
+    write_report(root)
+    md = (root / "report.md").read_text()
+    assert "broken/seed-1: RunError: loss is NaN at step 3" in section(md, "Failed runs")
+    run_row = table_row(md, "Runs", "broken/seed-1")
+    assert run_row[1] == "failed" and run_row[5] == "RunError: loss is NaN at step 3"
+    assert table_row(md, "Runs", "base/seed-2")[1] == "running"
+    # Statistics use finished runs only.
+    assert table_row(md, "Arms", "base (baseline)")[1] == "2/3"
+    assert table_row(md, "Arms", "broken")[1] == "2/3"
+    assert "RunError: loss is NaN at step 3" in (root / "report.html").read_text()
+
+
+def test_one_seed_reports_na_not_a_crash(experiment_dir: Builder) -> None:
+    root = experiment_dir(finals={"base": [0.5], "other": [0.7]})
+    write_report(root)
+    md = (root / "report.md").read_text()
+    assert table_row(md, "Arms", "base (baseline)")[2] == "0.5 ± n/a (1 seed)"
+    row = table_row(md, "Against the baseline (base)", "other")
+    assert row[2] == "n/a" and row[4] == "n/a" and row[6] == "no detectable difference"
+    assert "at least 2 seeds" in md
+
+
+def test_health_warnings_are_shown_once(experiment_dir: Builder) -> None:
+    warning = {"step": 4, "detected_step": 7, "signal": "kl_runaway", "message": "KL 3 is above 1"}
+    root = experiment_dir(
+        finals={"base": BASE[:2], "other": BASE[:2]},
+        health={("other", 1): [warning, warning]},  # written twice across a resume
+    )
+    write_report(root)
+    md = (root / "report.md").read_text()
+    rows = [line for line in section(md, "Health warnings").splitlines() if "kl_runaway" in line]
+    assert len(rows) == 1
+    assert table_row(md, "Health warnings", "other/seed-1")[1:4] == ["kl_runaway", "4", "7"]
+
+
+def test_report_is_deterministic(experiment_dir: Builder) -> None:
+    root = experiment_dir(finals={"base": BASE, "other": WORSE})
+    write_report(root)
+    first = {p.name: p.read_bytes() for p in [*root.glob("report.*"), *root.glob("plots/*")]}
+    write_report(root)
+    second = {p.name: p.read_bytes() for p in [*root.glob("report.*"), *root.glob("plots/*")]}
+    assert first == second
+
+
+def test_missing_folder_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError):
+        write_report(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"no experiment\.yaml"):
+        write_report(tmp_path / "empty")
