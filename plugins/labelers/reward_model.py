@@ -1,0 +1,161 @@
+"""Labeler "reward_model": scores with any local ``AutoModelForSequenceClassification`` (one output).
+
+The model is loaded in ``on_run_start`` on the device the mapper placed for the ``labeler`` role,
+put in eval mode with every parameter frozen, and run in batches under ``torch.inference_mode``.
+Each (prompt, response) pair is written as ``prompt + response`` (or through the tokenizer's chat
+template), right-padded so that positions match an unpadded forward, and truncated from the
+left so that the end of the response, where the score is read, is always kept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo._lazy import lazy_import
+from alignzoo.errors import UserError
+from alignzoo.plugin import Labeler, hookimpl
+from alignzoo.types import LabelRequest, Score
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch")
+
+
+class RewardModelLabeler(Labeler):
+    """A local sequence-classification reward model (num_labels=1), batched, eval mode, no grad."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        path: str = Field(
+            description="Local folder of an AutoModelForSequenceClassification with num_labels=1 "
+            "and its tokenizer (as written by save_pretrained)."
+        )
+        batch_size: int = Field(16, ge=1, description="Pairs per forward pass.")
+        max_length: int = Field(
+            256, ge=1, description="Tokens per pair; longer pairs lose their beginning."
+        )
+        normalize: bool = Field(
+            False,
+            description="Standardise the scores of each batch to mean 0, std 1 "
+            "(the raw logit stays in Score.info['raw']).",
+        )
+        template: Literal["concat", "chat"] = Field(
+            "concat",
+            description="'concat': prompt + response; 'chat': the tokenizer's chat template with "
+            "a user and an assistant turn.",
+        )
+        dtype: Literal["float32", "bfloat16", "float16"] = Field(
+            "float32", description="Weights dtype of the reward model."
+        )
+
+    def __init__(self, params: BaseModel | dict[str, Any] | None = None) -> None:
+        super().__init__(params)
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.device: str = "cpu"
+
+    # ------------------------------------------------------------------ lifecycle
+    @hookimpl
+    def on_run_start(self, run: Any) -> None:
+        self.load(run.device("labeler"))
+
+    def load(self, device: str = "cpu") -> None:
+        """Load tokenizer and model from ``params.path`` onto ``device``, frozen and in eval mode."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        folder = Path(self.params.path).expanduser()
+        if not folder.is_dir():
+            raise UserError(
+                f"labeler.params.path: reward model folder '{self.params.path}' does not exist "
+                "(expected a local folder written by save_pretrained)"
+            )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                folder, dtype=getattr(torch, self.params.dtype)
+            )
+        except (OSError, ValueError) as exc:
+            raise UserError(
+                f"labeler.params.path: cannot load a sequence-classification model and "
+                f"tokenizer from '{folder}': {exc}"
+            ) from exc
+        if model.config.num_labels != 1:
+            raise UserError(
+                f"labeler.params.path: '{folder}' has num_labels={model.config.num_labels}; "
+                "a reward model has exactly one output (num_labels=1)"
+            )
+        if self.params.template == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise UserError(
+                f"labeler.params.template: 'chat' asked, but the tokenizer in '{folder}' has "
+                "no chat template; use template: concat"
+            )
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        # The score is read at the last non-pad token: the model must know the pad id.
+        model.config.pad_token_id = tokenizer.pad_token_id
+        tokenizer.padding_side = "right"  # positions then match an unpadded forward
+        tokenizer.truncation_side = "left"  # keep the end of the response
+        self.tokenizer = tokenizer
+        self.device = device
+        self.model = model.to(device)
+        self._freeze()
+
+    def _freeze(self) -> None:
+        self.model.eval()
+        self.model.requires_grad_(False)
+
+    # ------------------------------------------------------------------ scoring
+    @hookimpl
+    def score(self, request: LabelRequest) -> Score:
+        return self.score_batch([request])[0]
+
+    @hookimpl
+    def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
+        if self.model is None:
+            raise RuntimeError("RewardModelLabeler used before on_run_start loaded the model")
+        if not requests:
+            return []
+        # Enforced, not assumed: a caller may have flipped the module to training.
+        if self.model.training or any(p.requires_grad for p in self.model.parameters()):
+            self._freeze()
+        texts = [self._text(r) for r in requests]
+        raw: list[float] = []
+        size = self.params.batch_size
+        for start in range(0, len(texts), size):
+            raw += self._forward(texts[start : start + size])
+        values = raw
+        if self.params.normalize:
+            mean = sum(raw) / len(raw)
+            std = (sum((x - mean) ** 2 for x in raw) / len(raw)) ** 0.5
+            values = [(x - mean) / (std + 1e-8) for x in raw]
+        return [Score(value=v, info={"raw": r}) for v, r in zip(values, raw, strict=True)]
+
+    def _text(self, request: LabelRequest) -> str:
+        if self.params.template == "chat":
+            messages = [
+                {"role": "user", "content": request.prompt},
+                {"role": "assistant", "content": request.response},
+            ]
+            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return request.prompt + request.response
+
+    def _forward(self, texts: list[str]) -> list[float]:
+        encoded = self.tokenizer(
+            texts,
+            padding=True,
+            truncation=True,
+            max_length=self.params.max_length,
+            return_tensors="pt",
+            # A chat template already wrote its special tokens into the text.
+            add_special_tokens=self.params.template == "concat",
+        ).to(self.device)
+        with torch.inference_mode():
+            logits = self.model(
+                input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]
+            ).logits
+        return [float(x) for x in logits[:, 0].float().cpu()]
