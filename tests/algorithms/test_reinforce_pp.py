@@ -36,8 +36,8 @@ def golden_batch():
 def test_reinforce_pp_normalisation_golden():
     batch = ReinforcePlusPlus({"kl_coef": 0.5}).compute_advantages(golden_batch())
     # r_t = 1[t = T] score - 0.5 * k1_t
-    rewards = [[-0.1, 1.0 - 0.2], [-0.3, 0.0]]
-    assert batch.token_rewards.flatten().tolist() == pytest.approx(sum(rewards, []), abs=1e-6)
+    rewards = [-0.1, 1.0 - 0.2, -0.3, 0.0]
+    assert batch.token_rewards.flatten().tolist() == pytest.approx(rewards, abs=1e-6)
     # gamma = 1: returns-to-go [0.7, 0.8] and [-0.3]
     assert batch.returns.flatten().tolist() == pytest.approx([0.7, 0.8, -0.3, 0.0], abs=1e-6)
     mean = (0.7 + 0.8 - 0.3) / 3
