@@ -250,3 +250,31 @@ def test_bad_calls(policy_dirs):
         backend.generate(["1+1=", ""], [], 1, SamplingParams())
     with pytest.raises(ValueError, match="2 prompts but 1 extras"):
         backend.generate(["1+1=", "2+2="], [{}], 1, SamplingParams())
+
+
+def test_recorder_reads_each_token_once_and_survives_undone_steps():
+    from alignzoo.plugins.backends.hf import _SamplingProcessor
+
+    torch.manual_seed(0)
+    steps = [torch.randn(2, 5) for _ in range(3)]
+    tokens = torch.tensor([[1, 4, 2], [0, 3, 3]])
+    expected = torch.stack(
+        [
+            torch.log_softmax(s, -1).gather(1, tokens[:, t : t + 1]).squeeze(1)
+            for t, s in enumerate(steps)
+        ],
+        dim=1,
+    )
+
+    def replay(calls: int) -> _SamplingProcessor:
+        recorder = _SamplingProcessor(SamplingParams(temperature=0.5, top_k=2))
+        prompt = torch.zeros(2, 2, dtype=torch.long)
+        for t in range(calls):
+            filtered = recorder(torch.cat([prompt, tokens[:, :t]], dim=1), steps[t].clone())
+            assert torch.isinf(filtered).sum() == 2 * 3  # top-2 of 5 kept, after recording
+        return recorder
+
+    # generate ran exactly as many steps as it returned tokens
+    torch.testing.assert_close(replay(3).finish(tokens), expected)
+    # generate ran one more step and dropped it (deferred stop checks, as on mps)
+    torch.testing.assert_close(replay(3).finish(tokens[:, :2]), expected[:, :2])
