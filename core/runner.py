@@ -1,0 +1,522 @@
+"""The A/B runner: every arm x seed of an experiment under one budget, then the report.
+
+Fairness is the engine's job given the same inputs, and the runner's job is to give every arm
+exactly the same ones: the same seeds (passed unchanged to each arm, so each seed means the same
+prompt order, initial weights and evaluation set in every arm), the same budget and evaluation
+schedule (experiment-level sections of the spec).
+
+Layout: ``<out>/experiment.yaml`` (the resolved spec), ``<out>/<arm>/seed-<n>/`` (one folder per
+run, written by :func:`alignzoo.engine.train.run_one`), ``<out>/report.md``, ``report.html``
+and ``plots/``.
+
+Resuming: with ``resume=True`` a run whose ``status.json`` says finished is skipped and any
+other run continues from its checkpoint; without it, an existing non-empty folder is an error
+(nothing already written is ever overwritten). A failing run is reported with its error and
+the others go on; the result's ``failed`` is then True.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import pickle
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from alignzoo.config import LoadedExperiment
+from alignzoo.errors import UserError
+from alignzoo.schema import ExperimentSpec
+
+EXPERIMENT_FILE = "experiment.yaml"
+RunFn = Callable[..., Any]
+
+# Spec sections that must match for a resumed experiment to stay a fair comparison.
+_SHARED_SECTIONS = ("budget", "data", "evaluation", "model", "training")
+
+
+@dataclass
+class RunResult:
+    """How one arm x seed run ended."""
+
+    arm: str
+    seed: int
+    out_dir: Path
+    status: str  # "finished" | "failed"
+    error: str | None = None
+    skipped: bool = False
+    steps: int | None = None
+    wall_clock_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}/seed-{self.seed}"
+
+
+@dataclass
+class ExperimentResult:
+    """What :func:`run_experiment` did: every run's result and where the report is."""
+
+    out_dir: Path
+    runs: list[RunResult] = field(default_factory=list)
+    failed: bool = False
+    report_paths: list[Path] = field(default_factory=list)
+
+
+def _run_one(
+    loaded: LoadedExperiment,
+    arm: str,
+    seed: int,
+    out_dir: Path,
+    resume: bool = False,
+    console: Any = None,
+) -> Any:
+    """The engine's run_one (imported late: it pulls in torch)."""
+    from alignzoo.engine.train import run_one
+
+    return run_one(loaded, arm, seed, out_dir, resume=resume, console=console)
+
+
+# --------------------------------------------------------------------------- folder
+
+
+def experiment_dir(spec: ExperimentSpec, out_dir: Path | None) -> Path:
+    """``out_dir`` or ``<spec.output_dir>/<spec.name>``."""
+    return Path(out_dir) if out_dir is not None else Path(spec.output_dir) / spec.name
+
+
+def read_status(run_dir: Path) -> dict[str, Any]:
+    """A run's status.json ({} if absent or unreadable)."""
+    try:
+        data = json.loads((run_dir / "status.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def _merge_with_existing(spec: ExperimentSpec, out: Path) -> ExperimentSpec:
+    """On resume: keep the arms and seeds already in the folder, refuse an unfair mix."""
+    path = out / EXPERIMENT_FILE
+    if not path.exists():
+        return spec
+    try:
+        old = ExperimentSpec.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")))
+    except Exception as exc:
+        raise UserError(f"{path}: cannot read the experiment being resumed ({exc})") from None
+    differ = [
+        s
+        for s in _SHARED_SECTIONS
+        if getattr(old, s).model_dump(mode="json") != getattr(spec, s).model_dump(mode="json")
+    ]
+    differ += [
+        f"arms.{a}"
+        for a in spec.arms
+        if a in old.arms
+        and old.arms[a].model_dump(mode="json") != spec.arms[a].model_dump(mode="json")
+    ]
+    if differ:
+        raise UserError(
+            f"cannot resume {out}: the experiment there differs from this one in "
+            f"{', '.join(differ)}; runs with different settings would not be a fair "
+            "comparison. Choose another folder with --out."
+        )
+    arms = dict(old.arms)
+    arms.update({a: s for a, s in spec.arms.items() if a not in arms})
+    seeds = list(old.seeds) + [s for s in spec.seeds if s not in old.seeds]
+    return old.model_copy(update={"arms": arms, "seeds": seeds})
+
+
+def prepare_folder(spec: ExperimentSpec, out: Path, resume: bool) -> None:
+    """Check the experiment folder may be used and write ``experiment.yaml``."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output path {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not resume:
+        raise UserError(
+            f"{out} already holds an experiment; pass --resume to continue it "
+            "(finished runs are kept) or choose another folder with --out"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    recorded = _merge_with_existing(spec, out) if resume else spec
+    text = yaml.safe_dump(recorded.model_dump(mode="json"), sort_keys=False)
+    _write_atomic(out / EXPERIMENT_FILE, text)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _record_failure(run_dir: Path, error: str) -> None:
+    """Make status.json say failed with ``error`` (keeping what the engine wrote)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    status = read_status(run_dir)
+    if status.get("status") == "failed" and status.get("error"):
+        return
+    status.update(status="failed", error=error)
+    _write_atomic(run_dir / "status.json", json.dumps(status, indent=2))
+
+
+def _execute(
+    run_fn: RunFn,
+    loaded: LoadedExperiment,
+    arm: str,
+    seed: int,
+    run_dir: Path,
+    resume: bool,
+    console: Any,
+) -> RunResult:
+    """Run one arm x seed; any exception (not an interrupt) becomes a failed result."""
+    try:
+        summary = run_fn(loaded, arm, seed, run_dir, resume=resume, console=console)
+    except Exception as exc:
+        error = _error_text(exc)
+        _record_failure(run_dir, error)
+        return RunResult(arm, seed, run_dir, "failed", error)
+    status = str(getattr(summary, "status", None) or read_status(run_dir).get("status", "failed"))
+    error = getattr(summary, "error", None)
+    if status != "finished":
+        status = "failed"
+        error = error or read_status(run_dir).get("error") or "the run did not finish"
+        _record_failure(run_dir, error)
+    return RunResult(
+        arm,
+        seed,
+        run_dir,
+        status,
+        error,
+        steps=getattr(summary, "steps", None),
+        wall_clock_s=getattr(summary, "wall_clock_s", None),
+    )
+
+
+@dataclass
+class _Job:
+    """What a worker process needs for one run (picklable)."""
+
+    arm: str
+    seed: int
+    run_dir: Path
+    resume: bool
+    threads: int
+    run_fn: RunFn
+    loaded: LoadedExperiment | None
+    source: str
+    spec: ExperimentSpec
+
+
+def _init_worker(threads: int) -> None:
+    """Worker start-up: cap BLAS / torch threads so that parallel runs do not oversubscribe."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    if "torch" in sys.modules:  # pragma: no cover - torch is normally imported later
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def _worker(job: _Job) -> RunResult:
+    """Run one job in a worker process."""
+    loaded = job.loaded
+    if loaded is None:
+        from alignzoo.config import load_experiment
+
+        loaded = load_experiment(job.source, arms=[job.arm])
+        loaded.spec = job.spec
+    return _execute(job.run_fn, loaded, job.arm, job.seed, job.run_dir, job.resume, None)
+
+
+def _for_arm(loaded: LoadedExperiment, arm: str) -> LoadedExperiment | None:
+    """The experiment restricted to one arm's components, if it can be pickled (else None)."""
+    one = LoadedExperiment(
+        spec=loaded.spec, source=loaded.source, components={arm: loaded.components.get(arm, {})}
+    )
+    try:
+        pickle.dumps(one)
+    except Exception:
+        return None
+    return one
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def _last_row(path: Path) -> dict[str, Any] | None:
+    """The last complete JSON line of a file, reading only its tail."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 16384))
+            tail = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in reversed(tail.splitlines()):
+        with contextlib.suppress(json.JSONDecodeError):
+            row = json.loads(line)
+            if isinstance(row, dict):
+                return row
+    return None
+
+
+class _ProgressView:
+    """One line per run (arm, seed, status, progress, reward), polled from the run folders."""
+
+    def __init__(self, console: Any, spec: ExperimentSpec, runs: list[tuple[str, int, Path]]):
+        self.enabled = console is not None
+        self.tasks: dict[tuple[str, int], Any] = {}
+        self.dirs = {(a, s): d for a, s, d in runs}
+        self.running: set[tuple[str, int]] = set()
+        self.started: set[tuple[str, int]] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        budget = spec.budget
+        if budget.steps is not None:
+            self.total, self.field, self.unit = float(budget.steps), "step", "steps"
+        elif budget.samples is not None:
+            self.total, self.field, self.unit = float(budget.samples), "samples", "samples"
+        else:
+            self.total, self.field, self.unit = float(budget.wall_clock_s or 1), "time_s", "s"
+        if not self.enabled:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            TextColumn("{task.fields[status]:<9}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TextColumn(self.unit),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[reward]}"),
+            console=console,
+            transient=False,
+        )
+        for arm, seed, _ in runs:
+            self.tasks[(arm, seed)] = self.progress.add_task(
+                f"{arm} seed {seed}", total=self.total, status="queued", reward="", start=False
+            )
+
+    def __enter__(self) -> _ProgressView:
+        if self.enabled:
+            self.progress.start()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            self._refresh()
+            self.progress.stop()
+
+    def start(self, arm: str, seed: int) -> None:
+        if self.enabled:
+            self.running.add((arm, seed))
+            self.started.add((arm, seed))
+            self.progress.start_task(self.tasks[(arm, seed)])
+            self.progress.update(self.tasks[(arm, seed)], status="running")
+
+    def done(self, result: RunResult) -> None:
+        key = (result.arm, result.seed)
+        self.running.discard(key)
+        if not self.enabled:
+            return
+        self._update(key)
+        status = "skipped" if result.skipped else result.status
+        color = {"finished": "green", "skipped": "green", "failed": "red"}.get(status, "white")
+        update: dict[str, Any] = {"status": f"[{color}]{status}[/{color}]"}
+        if result.status == "finished":
+            update["completed"] = self.total
+        self.progress.update(self.tasks[key], **update)
+        self.progress.stop_task(self.tasks[key])
+
+    def queue(self, arm: str, seed: int) -> None:
+        """Submitted to a worker pool: shown as running once its folder says so."""
+        self.running.add((arm, seed))
+
+    def _update(self, key: tuple[str, int]) -> None:
+        task = self.tasks[key]
+        if key not in self.started and read_status(self.dirs[key]).get("status") == "running":
+            self.started.add(key)
+            self.progress.start_task(task)
+            self.progress.update(task, status="running")
+        row = _last_row(self.dirs[key] / "metrics.jsonl")
+        if row is None:
+            return
+        done = row.get(self.field)
+        reward = row.get("reward/mean")
+        update: dict[str, Any] = {}
+        if isinstance(done, (int, float)):
+            update["completed"] = min(float(done), self.total)
+        if isinstance(reward, (int, float)):
+            update["reward"] = f"reward {reward:.3f}"
+        self.progress.update(self.tasks[key], **update)
+
+    def _refresh(self) -> None:
+        for key in list(self.running):
+            self._update(key)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(1.0):
+            self._refresh()
+
+
+# --------------------------------------------------------------------------- experiment
+
+
+def run_experiment(
+    loaded: LoadedExperiment,
+    out_dir: Path | None = None,
+    resume: bool = False,
+    jobs: int = 1,
+    console: Any = None,
+    run_fn: RunFn | None = None,
+) -> ExperimentResult:
+    """Train every arm x seed of ``loaded`` and write the report.
+
+    ``jobs > 1`` runs that many worker processes ("spawn" start method), each with
+    ``max(1, cpu_count // jobs)`` BLAS/torch threads. ``run_fn`` replaces the engine's
+    ``run_one`` (same signature; it must be a module-level function when ``jobs > 1``).
+    """
+    from alignzoo.report import write_report
+
+    if jobs < 1:
+        raise UserError(f"--jobs must be at least 1, got {jobs}")
+    spec = loaded.spec
+    out = experiment_dir(spec, out_dir)
+    prepare_folder(spec, out, resume)
+    fn: RunFn = run_fn if run_fn is not None else _run_one
+    say = console.print if console is not None else (lambda *a, **k: None)
+
+    planned = [(arm, seed, out / arm / f"seed-{seed}") for arm in spec.arms for seed in spec.seeds]
+    results: dict[tuple[str, int], RunResult] = {}
+    todo: list[tuple[str, int, Path, bool]] = []
+    for arm, seed, run_dir in planned:
+        status = read_status(run_dir)
+        if resume and status.get("status") == "finished":
+            results[(arm, seed)] = RunResult(
+                arm,
+                seed,
+                run_dir,
+                "finished",
+                skipped=True,
+                steps=status.get("step"),
+                wall_clock_s=status.get("wall_clock_s"),
+            )
+        else:
+            has_state = run_dir.is_dir() and any(run_dir.iterdir())
+            todo.append((arm, seed, run_dir, resume and has_state))
+
+    say(
+        f"experiment [bold]{spec.name}[/bold]: {len(spec.arms)} arms x {len(spec.seeds)} seeds "
+        f"into {out}" + (f" ({len(results)} finished runs kept)" if results else ""),
+        highlight=False,
+    )
+    view = _ProgressView(console, spec, planned)
+    try:
+        with view:
+            for result in results.values():
+                view.done(result)
+            if jobs == 1 or len(todo) <= 1:
+                for arm, seed, run_dir, again in todo:
+                    view.start(arm, seed)
+                    result = _execute(fn, loaded, arm, seed, run_dir, again, console)
+                    results[(arm, seed)] = result
+                    view.done(result)
+                    _say_result(say, result)
+            else:
+                _run_parallel(loaded, todo, jobs, fn, view, results, say)
+    except KeyboardInterrupt:
+        say(f"[yellow]interrupted[/yellow]: rerun with --resume --out {out} to continue")
+        raise
+
+    ordered = [results[(arm, seed)] for arm, seed, _ in planned]
+    failed = any(r.status != "finished" for r in ordered)
+    report_paths: list[Path] = []
+    try:
+        report_paths = write_report(out)
+    except Exception as exc:
+        failed = True
+        say(
+            f"[red]could not write the report[/red]: {_error_text(exc)}; the runs are on disk, "
+            f"rerun `alignzoo report {out}`",
+            highlight=False,
+        )
+    if failed:
+        for r in ordered:
+            if r.status != "finished":
+                say(f"[red]failed[/red] {r.name}: {r.error}", highlight=False, markup=True)
+    if report_paths:
+        say(f"report: {' and '.join(str(p) for p in report_paths)}", highlight=False)
+    return ExperimentResult(out_dir=out, runs=ordered, failed=failed, report_paths=report_paths)
+
+
+def _say_result(say: Callable[..., Any], result: RunResult) -> None:
+    if result.status == "finished":
+        say(f"[green]finished[/green] {result.name}", highlight=False)
+    else:
+        say(f"[red]failed[/red] {result.name}: {result.error}", highlight=False)
+
+
+def _run_parallel(
+    loaded: LoadedExperiment,
+    todo: list[tuple[str, int, Path, bool]],
+    jobs: int,
+    fn: RunFn,
+    view: _ProgressView,
+    results: dict[tuple[str, int], RunResult],
+    say: Callable[..., Any],
+) -> None:
+    workers = min(jobs, len(todo))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    per_arm = {arm: _for_arm(loaded, arm) for arm in {t[0] for t in todo}}
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(threads,)
+    ) as pool:
+        pending: dict[Future[RunResult], tuple[str, int, Path]] = {}
+        try:
+            for arm, seed, run_dir, again in todo:
+                job = _Job(
+                    arm, seed, run_dir, again, threads, fn, per_arm[arm], loaded.source, loaded.spec
+                )
+                pending[pool.submit(_worker, job)] = (arm, seed, run_dir)
+                view.queue(arm, seed)
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    arm, seed, run_dir = pending.pop(future)
+                    try:
+                        result = future.result()
+                    except Exception as exc:  # the worker itself died (out of memory, ...)
+                        error = f"worker process failed: {_error_text(exc)}"
+                        _record_failure(run_dir, error)
+                        result = RunResult(arm, seed, run_dir, "failed", error)
+                    results[(arm, seed)] = result
+                    view.done(result)
+                    _say_result(say, result)
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
