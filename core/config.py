@@ -180,7 +180,7 @@ def _strip_dict_keys(model: type[BaseModel], loc: Path_) -> Path_:
     return loc
 
 
-def _describe_error(err: dict[str, Any], known_fields: list[str]) -> str:
+def _describe_error(err: Any, known_fields: list[str]) -> str:
     kind = err["type"]
     loc = err["loc"]
     if kind == "extra_forbidden":

@@ -167,9 +167,10 @@ class Registry:
     def _check_component(entry: ComponentEntry, obj: Any) -> None:
         if not (isinstance(obj, type) and issubclass(obj, Component)):
             raise PluginLoadError(f"{entry.target} is not an alignzoo Component subclass")
-        if obj.kind != entry.kind:
+        component: type[Component] = obj
+        if component.kind != entry.kind:
             raise PluginLoadError(
-                f"{entry.target} is a {obj.kind or 'component without kind'}, "
+                f"{entry.target} is a {component.kind or 'component without kind'}, "
                 f"but is registered as {entry.kind} {entry.name!r}"
             )
 

@@ -88,7 +88,7 @@ class TaskConfig(_Strict):
     """The embedded arithmetic task: prompts like '12+7=' with a verifiable answer."""
 
     digits: PositiveInt = 2
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    operations: list[Literal["+", "-", "*"]] = Field(default=["+"], min_length=1)
     train_size: PositiveInt = 2000
     eval_size: PositiveInt = 100
     seed: int = 1234
@@ -180,7 +180,7 @@ class LoggingConfig(_Strict):
     """Where metrics go. metrics.jsonl is always written."""
 
     sinks: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["console", "jsonl"]
+        default=["console", "jsonl"]
     )
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
