@@ -1,0 +1,57 @@
+"""A non-finite loss stops the run with a clear message and leaves the last checkpoint intact."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+
+import torch
+
+from alignzoo.config import load_experiment
+from alignzoo.engine.checkpoint import latest_checkpoint
+from alignzoo.engine.train import run_one
+from alignzoo.plugin import hookimpl
+from alignzoo.plugins.algorithms.grpo import GRPO
+from alignzoo.registry import ENTRY_POINT_GROUP, Registry
+
+from .conftest import read_jsonl, tiny_experiment
+
+
+class NaNAfterThree(GRPO):
+    """GRPO whose loss turns NaN from the third optimizer step on (a test plugin)."""
+
+    calls = 0
+
+    @hookimpl
+    def compute_loss(self, batch, outputs):
+        result = super().compute_loss(batch, outputs)
+        NaNAfterThree.calls += 1
+        if NaNAfterThree.calls >= 3:  # one micro-batch per step in this experiment
+            result.loss = result.loss + torch.tensor(float("nan"))
+        return result
+
+
+def test_nan_loss_fails_the_run_naming_step_and_algorithm(write_experiment, tmp_path) -> None:
+    registry = Registry(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    registry.register(NaNAfterThree, "nan_grpo")
+    spec = tiny_experiment(
+        budget={"steps": 6},
+        training={"micro_batch_size": 16, "checkpoint_every": 2},
+        arms={"broken": {"algorithm": "nan_grpo"}},
+    )
+    loaded = load_experiment(write_experiment(spec), registry=registry)
+    out = tmp_path / "run"
+    NaNAfterThree.calls = 0
+    summary = run_one(loaded, "broken", 0, out)
+
+    assert summary.status == "failed"
+    assert "step 3" in summary.error and "nan_grpo" in summary.error
+    status = json.loads((out / "status.json").read_text())
+    assert status["status"] == "failed" and "step 3" in status["error"]
+    # The checkpoint of step 2 is the latest and complete; step 3 was never written anywhere.
+    folder = latest_checkpoint(out / "checkpoints")
+    assert folder is not None and folder.name == "step-000002"
+    assert json.loads((folder / "state.json").read_text())["step"] == 2
+    assert (folder / "actor.safetensors").stat().st_size > 0
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    assert "RunError" in (out / "error.log").read_text()

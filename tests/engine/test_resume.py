@@ -1,0 +1,75 @@
+"""Kill -9 a run after its second checkpoint, resume it, and get exactly the uninterrupted metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import read_jsonl, tiny_experiment
+
+ROOT = Path(__file__).resolve().parents[2]
+VOLATILE = ("timing/", "throughput/")
+
+
+def _worker(exp: Path, out: Path, resume: bool) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.engine._resume_worker", str(exp), "ppo", "3", str(out),
+         "1" if resume else "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _stable(rows: list[dict]) -> list[dict]:
+    return [
+        {k: v for k, v in r.items() if k != "time_s" and not k.startswith(VOLATILE)} for r in rows
+    ]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_an_uninterrupted_run(write_experiment, tmp_path) -> None:
+    spec = tiny_experiment(
+        budget={"steps": 10},
+        training={"checkpoint_every": 2, "micro_batch_size": 8, "epochs": 2, "minibatch_size": 8},
+        evaluation={"every": 3, "num_prompts": 8, "pass_at_k": 2},
+        arms={"ppo": {"algorithm": {"name": "ppo", "params": {"kl_controller": "adaptive"}}}},
+    )
+    exp = write_experiment(spec)
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    proc = _worker(exp, full, resume=False)
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+
+    proc = _worker(exp, killed, resume=False)
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() == "step-000004":
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = [r["step"] for r in read_jsonl(killed / "metrics.jsonl")]
+    assert 4 <= max(done) < 10
+
+    proc = _worker(exp, killed, resume=True)
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+
+    for name in ("metrics.jsonl", "eval.jsonl", "samples.jsonl"):
+        expected, got = read_jsonl(full / name), read_jsonl(killed / name)
+        assert _stable(got) == _stable(expected), name
+    steps = [r["step"] for r in read_jsonl(killed / "metrics.jsonl")]
+    assert steps == list(range(1, 11))
+    assert [r["step"] for r in read_jsonl(killed / "eval.jsonl")] == [0, 3, 6, 9, 10]
+    # time_s keeps counting across the resume
+    times = [r["time_s"] for r in read_jsonl(killed / "metrics.jsonl")]
+    assert times == sorted(times)
+    # two checkpoints kept, the latest is the end
+    kept = sorted(p.name for p in (killed / "checkpoints").glob("step-*"))
+    assert kept == ["step-000008", "step-000010"]
