@@ -3,6 +3,10 @@
 Built-in plugin modules write ``torch = lazy_import("torch")`` instead of ``import torch``;
 the module object is created at once and executed on first attribute access. Outside plugins
 may do the same, or simply ``import torch`` and accept the slower listing.
+
+Not for ``transformers``: it replaces its own module object in ``sys.modules`` while loading,
+which the standard library's LazyLoader refuses. Import transformers inside the functions that
+use it (it is already lazy about its submodules).
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class EmbeddedModelConfig(_Strict):
     num_layers: PositiveInt = 2
     num_heads: PositiveInt = 4
     intermediate_size: PositiveInt = 256
-    sft_steps: int = Field(1500, ge=0)
+    # 800 steps: 29% greedy exact match on 2-digit addition with seed 0, ~30 s on 2 cores.
+    sft_steps: int = Field(800, ge=0)
     sft_lr: float = Field(3e-3, gt=0)
     sft_batch_size: PositiveInt = 64
     seed: int = 0
