@@ -204,12 +204,10 @@ def arm_row(arm: str, runs: list[RunData], key: str, higher: bool) -> ArmRow:
             best_step, best_value = step, mean
 
     def mean_of(field_name: str) -> float | None:
-        found = [_num(r.info.get(field_name)) for r in done]
-        found = [v for v in found if v is not None]
+        found = [v for r in done if (v := _num(r.info.get(field_name))) is not None]
         return sum(found) / len(found) if found else None
 
-    memory = [_num(r.info.get("peak_memory_mb")) for r in done]
-    memory = [m for m in memory if m is not None]
+    memory = [m for r in done if (m := _num(r.info.get("peak_memory_mb"))) is not None]
     return ArmRow(
         arm=arm,
         finished=len(done),

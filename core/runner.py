@@ -185,14 +185,14 @@ def _execute(
     try:
         summary = run_fn(loaded, arm, seed, run_dir, resume=resume, console=console)
     except Exception as exc:
-        error = _error_text(exc)
-        _record_failure(run_dir, error)
-        return RunResult(arm, seed, run_dir, "failed", error)
+        message = _error_text(exc)
+        _record_failure(run_dir, message)
+        return RunResult(arm, seed, run_dir, "failed", message)
     status = str(getattr(summary, "status", None) or read_status(run_dir).get("status", "failed"))
-    error = getattr(summary, "error", None)
+    error: str | None = getattr(summary, "error", None)
     if status != "finished":
         status = "failed"
-        error = error or read_status(run_dir).get("error") or "the run did not finish"
+        error = str(error or read_status(run_dir).get("error") or "the run did not finish")
         _record_failure(run_dir, error)
     return RunResult(
         arm,
@@ -464,10 +464,13 @@ def run_experiment(
             f"rerun `alignzoo report {out}`",
             highlight=False,
         )
-    if failed:
-        for r in ordered:
-            if r.status != "finished":
-                say(f"[red]failed[/red] {r.name}: {r.error}", highlight=False, markup=True)
+    bad = [r.name for r in ordered if r.status != "finished"]
+    if bad:
+        say(
+            f"[red]{len(bad)} of {len(ordered)} runs failed[/red]: {', '.join(bad)} "
+            "(errors above and in the report)",
+            highlight=False,
+        )
     if report_paths:
         say(f"report: {' and '.join(str(p) for p in report_paths)}", highlight=False)
     return ExperimentResult(out_dir=out, runs=ordered, failed=failed, report_paths=report_paths)

@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 from scipy import stats as sps
 
-Values = Sequence[float]
+Values = Sequence[float] | np.ndarray
 Verdict = Literal["better", "worse", "no detectable difference"]
 
 ALPHA = 0.05
