@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
@@ -67,9 +67,19 @@ class GRPOParams(BaseModel):
     norm_constant: float | None = Field(
         None,
         gt=0.0,
-        description="constant of seq-mean-token-sum-norm (the max response length); "
-        "None uses the batch's padded length",
+        description="Dr. GRPO's constant divisor for seq-mean-token-sum-norm (set it to the "
+        "generation budget, max_new_tokens); required by that mode, unused by the others",
     )
+
+    @model_validator(mode="after")
+    def _norm_mode_needs_constant(self) -> GRPOParams:
+        if self.loss_aggregation == "seq-mean-token-sum-norm" and self.norm_constant is None:
+            raise ValueError(
+                "loss_aggregation 'seq-mean-token-sum-norm' needs norm_constant (a fixed "
+                "divisor such as the generation budget max_new_tokens)"
+            )
+        return self
+
     eps: float = Field(1e-6, gt=0.0, description="added to the std before dividing")
 
 
@@ -84,12 +94,16 @@ def group_advantages(
 ) -> torch.Tensor:
     """Sequence advantages ``[B]``: reward minus its group's mean, scaled as asked.
 
-    A group whose rewards are all equal (up to rounding) gets advantage 0 exactly, as does a
-    group of one: it carries no learning signal.
+    A group whose rewards are all equal gets advantage 0 exactly (not rounding noise divided by
+    a tiny std), as does a group of one: it carries no learning signal.
     """
     scores = scores.float()
     mean, group_std, _ = ops.group_mean_std(scores, group_ids)
-    flat = group_std <= 1e-6 * (1.0 + mean.abs())  # equal rewards: float rounding only
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    empty = scores.new_zeros(int(inverse.max()) + 1 if inverse.numel() else 0)
+    group_max = empty.scatter_reduce(0, inverse, scores, "amax", include_self=False)
+    group_min = empty.scatter_reduce(0, inverse, scores, "amin", include_self=False)
+    flat = (group_max == group_min)[inverse]
     centred = torch.where(flat, 0.0, scores - mean)  # r_i - mean(r)  (outcome supervision)
     if scale == "group":
         # ... / std(r)  (outcome supervision, Shao et al.)

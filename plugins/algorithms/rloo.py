@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
@@ -53,8 +53,20 @@ class RLOOParams(BaseModel):
         "log-probs over the response",
     )
     norm_constant: float | None = Field(
-        None, gt=0.0, description="constant of seq-mean-token-sum-norm; None: padded length"
+        None,
+        gt=0.0,
+        description="Dr. GRPO's constant divisor for seq-mean-token-sum-norm (set it to the "
+        "generation budget, max_new_tokens); required by that mode, unused by the others",
     )
+
+    @model_validator(mode="after")
+    def _norm_mode_needs_constant(self) -> RLOOParams:
+        if self.loss_aggregation == "seq-mean-token-sum-norm" and self.norm_constant is None:
+            raise ValueError(
+                "loss_aggregation 'seq-mean-token-sum-norm' needs norm_constant (a fixed "
+                "divisor such as the generation budget max_new_tokens)"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- pure functions

@@ -232,3 +232,24 @@ def test_grpo_training_lowers_loss_and_raises_high_reward_tokens(params):
     up, down = valid & (ids == 1), valid & (ids == 2)
     assert torch.all(result.logprobs_after[up] > result.logprobs_before[up])
     assert torch.all(result.logprobs_after[down] < result.logprobs_before[down])
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo", "rloo", "reinforce_pp"])
+def test_every_online_algorithm_requires_a_constant_for_the_norm_mode(name):
+    from importlib import import_module
+
+    from pydantic import ValidationError
+
+    module = import_module(f"alignzoo.plugins.algorithms.{name}")
+    cls = next(
+        v
+        for v in vars(module).values()
+        if isinstance(v, type)
+        and v.__module__ == module.__name__
+        and hasattr(v, "kind")
+        and v.kind == "algorithm"
+    )
+    with pytest.raises(ValidationError, match="norm_constant"):
+        cls({"loss_aggregation": "seq-mean-token-sum-norm"})
+    algo = cls({"loss_aggregation": "seq-mean-token-sum-norm", "norm_constant": 64})
+    assert algo.params.norm_constant == 64.0
