@@ -49,6 +49,7 @@ def test_welch_matches_scipy(x: list[float], y: list[float]) -> None:
     assert stats.welch_pvalue(x, y) == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.filterwarnings("ignore:Precision loss")
 def test_welch_edge_cases() -> None:
     assert stats.welch_pvalue([0.5], [0.4, 0.6]) is None
     assert stats.welch_pvalue([0.5, 0.5], [0.5, 0.5]) == 1.0
