@@ -60,19 +60,24 @@ def test_critic_head_init_is_seeded(write_experiment, tmp_path) -> None:
 
 def test_lora_trains_only_adapters(write_experiment, tmp_path) -> None:
     loaded = load_experiment(
-        write_experiment(
-            arms={"a": {"algorithm": "rloo", "model": {"lora": {"r": 2, "alpha": 4}}}}
-        )
+        write_experiment(arms={"a": {"algorithm": "rloo", "model": {"lora": {"r": 2, "alpha": 4}}}})
     )
     engine = assemble(loaded, "a", 0, tmp_path / "run", log=lambda *_: None)
     trainable = [n for n, p in engine.run.actor.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
 
 
-def test_a_missing_device_fails_before_any_model_loads(write_experiment, tmp_path, monkeypatch) -> None:
+def test_a_missing_device_fails_before_any_model_loads(
+    write_experiment, tmp_path, monkeypatch
+) -> None:
     loaded = load_experiment(
         write_experiment(
-            arms={"a": {"algorithm": "grpo", "devices": {"name": "single", "params": {"device": "cuda:7"}}}}
+            arms={
+                "a": {
+                    "algorithm": "grpo",
+                    "devices": {"name": "single", "params": {"device": "cuda:7"}},
+                }
+            }
         )
     )
 

@@ -20,9 +20,21 @@ VOLATILE = ("timing/", "throughput/")
 def _worker(exp: Path, out: Path, resume: bool) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.engine._resume_worker", str(exp), "ppo", "3", str(out),
-         "1" if resume else "0"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tests.engine._resume_worker",
+            str(exp),
+            "ppo",
+            "3",
+            str(out),
+            "1" if resume else "0",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 

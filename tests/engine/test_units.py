@@ -11,22 +11,27 @@ import pytest
 import torch
 
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.checkpoint import latest_checkpoint, truncate_jsonl
+from alignzoo.engine.checkpoint import TrainingState, latest_checkpoint, truncate_jsonl
 from alignzoo.engine.prepare import mismatch_partners
 from alignzoo.engine.rollout import label_desirable, pair_by_score
 from alignzoo.engine.sampler import PromptSampler
+from alignzoo.engine.train import budget_spent
 from alignzoo.engine.trainer import _split, _units, lr_factor
 from alignzoo.schema import Budget
-from alignzoo.engine.checkpoint import TrainingState
-from alignzoo.engine.train import budget_spent
 
 
 def _dataset(n: int) -> datasets.Dataset:
-    return datasets.Dataset.from_dict({"prompt": [f"p{i}" for i in range(n)], "answer": list(range(n))})
+    return datasets.Dataset.from_dict(
+        {"prompt": [f"p{i}" for i in range(n)], "answer": list(range(n))}
+    )
 
 
 def test_sampler_order_depends_on_seed_only_and_covers_each_epoch() -> None:
-    a, b, c = PromptSampler(_dataset(10), 3), PromptSampler(_dataset(10), 3), PromptSampler(_dataset(10), 4)
+    a, b, c = (
+        PromptSampler(_dataset(10), 3),
+        PromptSampler(_dataset(10), 3),
+        PromptSampler(_dataset(10), 4),
+    )
     first = [r["prompt"] for r in a.next(10)]
     assert first == [r["prompt"] for r in b.next(10)]
     assert sorted(first) == sorted(f"p{i}" for i in range(10))  # one epoch = a permutation

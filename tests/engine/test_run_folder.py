@@ -1,0 +1,69 @@
+"""A run from experiments/smoke.yaml (on the tiny world): the run folder the report reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from alignzoo.config import load_experiment
+from alignzoo.engine.train import run_one
+
+from .conftest import TINY_MODEL, TINY_TASK, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+STABLE = ("reward/mean", "reward/std", "response_length/mean", "entropy", "actor/grad_norm", "loss")
+
+
+def test_smoke_experiment_validates() -> None:
+    loaded = load_experiment(ROOT / "experiments" / "smoke.yaml")
+    assert loaded.spec.arms["grpo"].algorithm.name == "grpo"
+    assert loaded.spec.budget.steps is not None
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_the_run_folder(write_experiment, tmp_path) -> None:
+    raw = yaml.safe_load((ROOT / "experiments" / "smoke.yaml").read_text())
+    raw["model"]["embedded"] = dict(TINY_MODEL)
+    raw["data"]["task"] = dict(TINY_TASK)
+    loaded = load_experiment(write_experiment(raw))
+    steps = loaded.spec.budget.steps
+    out = tmp_path / "runs" / "smoke" / "grpo" / "seed-0"
+    summary = run_one(loaded, "grpo", 0, out)
+
+    assert summary.status == "finished", summary.error
+    assert summary.steps == steps and summary.wall_clock_s > 0 and summary.peak_memory_mb > 0
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["seed"] == 0 and config["arm"] == "grpo"
+    assert config["arm_spec"]["algorithm"]["name"] == "grpo" and "budget" in config
+
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    per_step = loaded.spec.training.prompts_per_step * loaded.spec.training.samples_per_prompt
+    assert [m["samples"] for m in metrics] == [per_step * s for s in range(1, steps + 1)]
+    for m in metrics:
+        for key in (
+            *STABLE,
+            "timing/generate",
+            "timing/label",
+            "timing/update",
+            "time_s",
+            "throughput/tokens_per_s",
+            "actor/clipfrac",
+        ):
+            assert key in m and m[key] is not None, key
+    evals = read_jsonl(out / "eval.jsonl")
+    every = loaded.spec.evaluation.every
+    assert [e["step"] for e in evals] == sorted({0, *range(every, steps + 1, every), steps})
+    assert all(0.0 <= e["eval/exact_match"] <= 1.0 and "eval/score" in e for e in evals)
+    samples = read_jsonl(out / "samples.jsonl")
+    assert {s["step"] for s in samples} == set(range(1, steps + 1))
+    assert all({"prompt", "response", "score"} <= set(s) for s in samples)
+
+    status = json.loads((out / "status.json").read_text())
+    assert status["status"] == "finished" and status["step"] == steps and status["error"] is None
+    kept = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert len(kept) == 2 and kept[-1] == f"step-{steps:06d}"
+    assert (out / "checkpoints" / "latest").read_text().strip() == kept[-1]
