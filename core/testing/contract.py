@@ -1,0 +1,496 @@
+"""The algorithm contract suite: properties every registered algorithm must satisfy.
+
+:func:`check_algorithm` runs each property with hypothesis on batches drawn for the
+algorithm's own :class:`~alignzoo.types.AlgorithmRequirements` (see
+:func:`alignzoo.testing.strategies.batch_cases`) and returns one :class:`CheckResult` per
+property. Each evaluation goes through the real hook path: a fresh instance (default params, or
+a copy of the instance given) is registered alone in a PluginManager built by
+:func:`alignzoo.registry.build_plugin_manager`; ``compute_advantages`` runs on the whole batch,
+then ``compute_loss`` on the result, then ``loss.backward()``.
+
+The properties (check names):
+
+- ``instantiate``: the class builds with its default params and its ``algorithm_requirements``
+  hook returns an :class:`AlgorithmRequirements`.
+- ``output_types``: ``compute_loss`` returns a :class:`LossOutput` whose loss is a 0-dim floating
+  tensor that requires grad and back-propagates to ``outputs.logprobs``; ``compute_advantages``
+  returns a batch of the same size whose ``advantages`` / ``returns`` (when set) are ``[B, R]``,
+  finite, and 0 on padding.
+- ``metrics_finite_floats``: every metric is a finite Python float under a ``str`` key.
+- ``finite_extreme_logprobs``: with every log-prob (policy, old, reference, mismatched) drawn
+  near 0 or near -50, the loss and the gradients are finite.
+- ``padding_invariance``: overwriting padding with arbitrary values and appending more masked
+  columns changes neither the loss nor the gradient on real tokens (and gives none on padding).
+- ``sample_permutation``: shuffling the samples (with their group ids) keeps the loss and the
+  metrics, and permutes the gradient rows the same way.
+- ``group_permutation``: reordering whole groups and renaming their ids keeps the same.
+
+Use it from pytest in a plugin's own test suite::
+
+    from alignzoo.testing import assert_algorithm_contract
+
+    def test_my_algorithm_meets_the_contract():
+        assert_algorithm_contract(MyAlgorithm)          # or a registered name, or an instance
+
+and from the command line: ``alignzoo check algorithm NAME``. Runs are deterministic
+(``derandomize=True``) and write no hypothesis database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import math
+import traceback
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import HypothesisException
+from hypothesis.reporting import with_reporter
+
+from alignzoo.batch import PolicyOutputs, RolloutBatch
+from alignzoo.plugin import Algorithm
+from alignzoo.registry import build_plugin_manager, get_registry
+from alignzoo.testing.strategies import (
+    BatchCase,
+    batch_cases,
+    extreme_logprob_values,
+    padding_fill,
+)
+from alignzoo.types import AlgorithmRequirements, LossOutput
+
+__all__ = [
+    "CHECKS",
+    "CheckResult",
+    "ContractViolation",
+    "Evaluation",
+    "assert_algorithm_contract",
+    "check_algorithm",
+    "evaluate",
+]
+
+RTOL = 1e-4
+"""Relative tolerance of the invariance checks (float32 sums in another order differ slightly)."""
+ATOL = 1e-5
+"""Absolute tolerance of the invariance checks."""
+
+
+CHECKS = (
+    "instantiate",
+    "output_types",
+    "metrics_finite_floats",
+    "finite_extreme_logprobs",
+    "padding_invariance",
+    "sample_permutation",
+    "group_permutation",
+)
+"""The names of the checks, in the order :func:`check_algorithm` reports them."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one contract check: ``detail`` explains a failure and shows the example."""
+
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+class ContractViolation(AssertionError):
+    """Raised inside a property when an algorithm breaks the contract."""
+
+
+@dataclass
+class Evaluation:
+    """One pass through the hooks: the loss, its metrics and the gradients it produced."""
+
+    batch: RolloutBatch
+    outputs: PolicyOutputs
+    result: LossOutput
+    loss: float = math.nan
+    logprob_grad: torch.Tensor | None = None
+    extra_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- running the hooks
+
+
+def _resolve(algorithm: str | type[Algorithm] | Algorithm) -> tuple[str, Callable[[], Any]]:
+    """A label for messages and a factory of fresh, independent algorithm instances."""
+    if isinstance(algorithm, str):
+        cls = get_registry().get("algorithm", algorithm)
+        return algorithm, cls
+    if isinstance(algorithm, type):
+        return algorithm.__qualname__, algorithm
+    return type(algorithm).__qualname__, lambda: copy.deepcopy(algorithm)
+
+
+def evaluate(component: Any, case: BatchCase, backward: bool = True) -> Evaluation:
+    """Run ``compute_advantages`` then ``compute_loss`` on ``case`` through a PluginManager.
+
+    With ``backward`` the loss is back-propagated and the gradients w.r.t. ``outputs.logprobs``
+    (and ``outputs.values`` / ``outputs.mismatched_logprobs`` when present) are collected.
+    Warnings the algorithm emits are silenced.
+    """
+    pm = build_plugin_manager([component])
+    batch, outputs = case.build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        advantaged = pm.hook.compute_advantages(batch=batch)
+        if advantaged is not None:
+            batch = advantaged
+        result = pm.hook.compute_loss(batch=batch, outputs=outputs)
+    if not isinstance(result, LossOutput):
+        raise ContractViolation(f"compute_loss returned {type(result).__name__}, not LossOutput")
+    loss = result.loss
+    if not isinstance(loss, torch.Tensor):
+        raise ContractViolation(f"LossOutput.loss is a {type(loss).__name__}, not a torch.Tensor")
+    evaluation = Evaluation(batch=batch, outputs=outputs, result=result)
+    evaluation.loss = float(loss.detach().reshape(-1)[0]) if loss.numel() else math.nan
+    if backward and loss.requires_grad and loss.numel() == 1:
+        loss.reshape(()).backward()
+        evaluation.logprob_grad = outputs.logprobs.grad
+        for name in ("values", "mismatched_logprobs"):
+            tensor = getattr(outputs, name)
+            if tensor is not None and tensor.grad is not None:
+                evaluation.extra_grads[name] = tensor.grad
+    return evaluation
+
+
+def _close(a: float, b: float) -> bool:
+    """a ≈ b within the tolerances; non-finite values are close only to themselves."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return abs(a - b) <= ATOL + RTOL * max(abs(a), abs(b))
+
+
+def _grad(evaluation: Evaluation) -> torch.Tensor:
+    grad = evaluation.logprob_grad
+    return torch.zeros_like(evaluation.outputs.logprobs) if grad is None else grad.detach()
+
+
+def _assert_grads_close(
+    expected: torch.Tensor, actual: torch.Tensor, what: str, mask: torch.Tensor
+) -> None:
+    same = (expected == actual) | (expected.isnan() & actual.isnan())
+    finite = torch.isfinite(expected) & torch.isfinite(actual)
+    scale = float(torch.where(finite, expected.abs().maximum(actual.abs()), 0.0).max())
+    diff = torch.where(same | ~mask.bool(), 0.0, (expected - actual).abs().nan_to_num(math.inf))
+    worst = float(diff.max()) if diff.numel() else 0.0
+    if not worst <= ATOL + RTOL * scale:
+        row, col = divmod(int(diff.argmax()), diff.shape[1])
+        raise ContractViolation(
+            f"{what}: d loss / d logprobs[{row}, {col}] is {float(actual[row, col])!r}, "
+            f"expected {float(expected[row, col])!r}"
+        )
+
+
+def _assert_metrics_close(expected: dict[str, Any], actual: dict[str, Any], what: str) -> None:
+    if set(expected) != set(actual):
+        raise ContractViolation(
+            f"{what}: metric keys differ: {sorted(set(expected) ^ set(actual))}"
+        )
+    for key, value in expected.items():
+        other = actual[key]
+        if isinstance(value, float) and isinstance(other, float) and not _close(value, other):
+            raise ContractViolation(f"{what}: metric {key!r} is {other!r}, expected {value!r}")
+
+
+# --------------------------------------------------------------------------- the properties
+
+
+def _prop_output_types(factory: Callable[[], Any], case: BatchCase) -> None:
+    ev = evaluate(factory(), case, backward=False)
+    loss = ev.result.loss
+    if loss.dim() != 0:
+        raise ContractViolation(f"loss has shape {tuple(loss.shape)}; expected a 0-dim scalar")
+    if not loss.dtype.is_floating_point:
+        raise ContractViolation(f"loss has dtype {loss.dtype}; expected a floating dtype")
+    if not loss.requires_grad:
+        raise ContractViolation("loss does not require grad: it is not connected to the policy")
+    loss.backward()
+    if ev.outputs.logprobs.grad is None:
+        raise ContractViolation("loss.backward() gave no gradient for outputs.logprobs")
+    if not isinstance(ev.batch, RolloutBatch):
+        raise ContractViolation(
+            f"compute_advantages returned {type(ev.batch).__name__}, not RolloutBatch"
+        )
+    if ev.batch.size != case.size:
+        raise ContractViolation(
+            f"compute_advantages changed the batch size from {case.size} to {ev.batch.size}"
+        )
+    mask = ev.batch.response_mask.bool()
+    for name in ("advantages", "returns"):
+        tensor = getattr(ev.batch, name)
+        if tensor is None:
+            continue
+        if tuple(tensor.shape) != (case.size, case.width):
+            raise ContractViolation(
+                f"batch.{name} has shape {tuple(tensor.shape)}; expected [B, R] = "
+                f"{[case.size, case.width]}"
+            )
+        if not torch.isfinite(tensor[mask]).all():
+            raise ContractViolation(f"batch.{name} is not finite on real tokens")
+    if ev.batch.advantages is not None and (ev.batch.advantages.detach()[~mask] != 0).any():
+        raise ContractViolation("batch.advantages is not 0 on padding (see the hookspec)")
+
+
+def _prop_metrics(factory: Callable[[], Any], case: BatchCase) -> None:
+    ev = evaluate(factory(), case, backward=False)
+    metrics = ev.result.metrics
+    if not isinstance(metrics, dict):
+        raise ContractViolation(f"LossOutput.metrics is a {type(metrics).__name__}, not a dict")
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise ContractViolation(f"metric key {key!r} is not a str")
+        if isinstance(value, bool) or not isinstance(value, float):
+            raise ContractViolation(
+                f"metric {key!r} is a {type(value).__name__} ({value!r}); expected a Python "
+                "float (use float(tensor))"
+            )
+        if not math.isfinite(value):
+            raise ContractViolation(f"metric {key!r} is {value!r}; expected a finite float")
+
+
+def _prop_finite(factory: Callable[[], Any], case: BatchCase) -> None:
+    ev = evaluate(factory(), case)
+    if not math.isfinite(ev.loss):
+        raise ContractViolation(f"loss is {ev.loss!r}")
+    grad = _grad(ev)
+    if not torch.isfinite(grad).all():
+        row, col = divmod(int((~torch.isfinite(grad)).float().argmax()), grad.shape[1])
+        raise ContractViolation(f"d loss / d logprobs[{row}, {col}] is {float(grad[row, col])!r}")
+    for name, extra in ev.extra_grads.items():
+        if not torch.isfinite(extra).all():
+            raise ContractViolation(f"the gradient w.r.t. outputs.{name} is not finite")
+
+
+def _prop_padding(factory: Callable[[], Any], case: BatchCase, padded: BatchCase) -> None:
+    base = evaluate(factory(), case)
+    more = evaluate(factory(), padded)
+    if not _close(base.loss, more.loss):
+        raise ContractViolation(
+            f"loss changed from {base.loss!r} to {more.loss!r} when padding was changed/added"
+        )
+    width = case.width
+    real = base.batch.response_mask.detach()
+    g_base, g_more = _grad(base), _grad(more)
+    _assert_grads_close(g_base, g_more[:, :width], "padding changed the gradient", real)
+    pad = ~more.batch.response_mask.detach().bool()
+    leaked = torch.where(pad, g_more.abs().nan_to_num(math.inf), 0.0)
+    if float(leaked.max()) > 0.0:
+        row, col = divmod(int(leaked.argmax()), leaked.shape[1])
+        raise ContractViolation(
+            f"padding position logprobs[{row}, {col}] gets gradient {float(g_more[row, col])!r}"
+        )
+
+
+def _prop_permutation(
+    factory: Callable[[], Any], case: BatchCase, moved: BatchCase, order: list[int], what: str
+) -> None:
+    base = evaluate(factory(), case)
+    perm = evaluate(factory(), moved)
+    if not _close(base.loss, perm.loss):
+        raise ContractViolation(f"{what} changed the loss from {base.loss!r} to {perm.loss!r}")
+    expected = _grad(base)[torch.tensor(order)]
+    mask = perm.batch.response_mask.detach()
+    _assert_grads_close(expected, _grad(perm), f"{what} (rows in the new order)", mask)
+    _assert_metrics_close(base.result.metrics, perm.result.metrics, what)
+
+
+# --------------------------------------------------------------------------- strategies per check
+
+
+@st.composite
+def _padded_pair(
+    draw: st.DrawFn, cases: st.SearchStrategy[BatchCase]
+) -> tuple[BatchCase, BatchCase]:
+    case = draw(cases)
+    fill, ids = draw(padding_fill(case))
+    return case, case.repadded(fill, ids)
+
+
+@st.composite
+def _sample_permutation(
+    draw: st.DrawFn, cases: st.SearchStrategy[BatchCase]
+) -> tuple[BatchCase, list[int]]:
+    case = draw(cases)
+    return case, list(draw(st.permutations(range(case.size))))
+
+
+@st.composite
+def _group_permutation(
+    draw: st.DrawFn, cases: st.SearchStrategy[BatchCase]
+) -> tuple[BatchCase, list[int], dict[int, int]]:
+    case = draw(cases)
+    groups = sorted(set(case.group_ids))
+    new_ids = draw(
+        st.lists(st.integers(0, 999), min_size=len(groups), max_size=len(groups), unique=True)
+    )
+    mapping = dict(zip(groups, new_ids, strict=True))
+    group_order = draw(st.permutations(groups))
+    rank = {g: i for i, g in enumerate(group_order)}
+    order = sorted(range(case.size), key=lambda i: (rank[case.group_ids[i]], i))
+    return case, order, mapping
+
+
+# --------------------------------------------------------------------------- running a check
+
+
+def _format_failure(exc: BaseException, last_example: list[Any]) -> str:
+    if isinstance(exc, ContractViolation):
+        message = str(exc)
+    else:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        message = f"{type(exc).__name__}: {exc}{where}"
+    notes = [n for n in getattr(exc, "__notes__", []) if n.strip()]
+    lines = [message]
+    if any("Falsifying" in n or "Failing" in n for n in notes):
+        lines.extend(notes)
+    elif last_example:
+        lines.append(f"Falsifying example: {last_example[-1]!r}")
+        lines.extend(notes)
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _shrink_budget(seconds: float) -> Iterator[None]:
+    """Cap the time hypothesis spends shrinking a failure (its default is 5 minutes).
+
+    Uses a module constant of hypothesis' engine when it exists; otherwise does nothing.
+    """
+    engine = importlib.import_module("hypothesis.internal.conjecture.engine")
+    previous = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    if previous is None:
+        yield
+        return
+    engine.MAX_SHRINKING_SECONDS = seconds
+    try:
+        yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = previous
+
+
+def _run(
+    name: str,
+    strategy: st.SearchStrategy[Any],
+    prop: Callable[[Any], None],
+    max_examples: int,
+    shrink_seconds: float = 10.0,
+) -> CheckResult:
+    last_example: list[Any] = []
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        report_multiple_bugs=False,
+        phases=(Phase.explicit, Phase.generate, Phase.shrink),
+    )
+    @given(strategy)
+    def check(example: Any) -> None:
+        try:
+            prop(example)
+        except Exception:
+            last_example.append(example)
+            raise
+
+    reports: list[str] = []  # hypothesis' own messages (a shrink timeout): kept out of stdout
+    try:
+        with _shrink_budget(shrink_seconds), with_reporter(lambda text: reports.append(str(text))):
+            check()
+    except HypothesisException as exc:
+        return CheckResult(name, False, f"hypothesis could not run the check: {exc}")
+    except Exception as exc:
+        return CheckResult(name, False, _format_failure(exc, last_example))
+    return CheckResult(name, True, f"{max_examples} examples")
+
+
+def check_algorithm(
+    algorithm: str | type[Algorithm] | Algorithm,
+    max_examples: int = 50,
+    shrink_seconds: float = 10.0,
+) -> list[CheckResult]:
+    """Run the contract suite on an algorithm; one :class:`CheckResult` per name in :data:`CHECKS`.
+
+    ``algorithm`` is a registered name (looked up with
+    ``get_registry().get("algorithm", name)``; an unknown or broken name raises its UserError),
+    an :class:`Algorithm` subclass (instantiated with default params) or an instance (copied
+    for every evaluation, so its params are checked). ``max_examples`` is the number of
+    hypothesis examples per property; ``shrink_seconds`` caps the time spent shrinking a
+    failing example before it is reported.
+    """
+    label, factory = _resolve(algorithm)
+    try:
+        instance = factory()
+        requirements = build_plugin_manager([instance]).hook.algorithm_requirements()
+        if not isinstance(requirements, AlgorithmRequirements):
+            raise ContractViolation(
+                f"algorithm_requirements returned {requirements!r}, not AlgorithmRequirements"
+            )
+    except Exception as exc:
+        detail = f"{label}: {type(exc).__name__}: {exc}"
+        return [CheckResult("instantiate", False, detail)] + [
+            CheckResult(name, False, "not run: the algorithm could not be instantiated")
+            for name in CHECKS[1:]
+        ]
+
+    cases = batch_cases(requirements)
+    extreme = batch_cases(requirements, logprobs=extreme_logprob_values())
+
+    def shuffled(ex: tuple[BatchCase, list[int]]) -> None:
+        case, order = ex
+        _prop_permutation(factory, case, case.permuted(order), order, "shuffling the samples")
+
+    def regrouped(ex: tuple[BatchCase, list[int], dict[int, int]]) -> None:
+        case, order, mapping = ex
+        moved = case.permuted(order).relabeled(mapping)
+        _prop_permutation(factory, case, moved, order, "reordering and renaming whole groups")
+
+    checks: list[tuple[str, st.SearchStrategy[Any], Callable[[Any], None]]] = [
+        ("output_types", cases, lambda c: _prop_output_types(factory, c)),
+        ("metrics_finite_floats", cases, lambda c: _prop_metrics(factory, c)),
+        ("finite_extreme_logprobs", extreme, lambda c: _prop_finite(factory, c)),
+        ("padding_invariance", _padded_pair(cases), lambda ex: _prop_padding(factory, *ex)),
+        ("sample_permutation", _sample_permutation(cases), shuffled),
+        ("group_permutation", _group_permutation(cases), regrouped),
+    ]
+    results = [CheckResult("instantiate", True, f"{label}: {requirements}")]
+    for name, strategy, prop in checks:
+        results.append(_run(name, strategy, prop, max_examples, shrink_seconds))
+    return results
+
+
+def assert_algorithm_contract(
+    algorithm: str | type[Algorithm] | Algorithm,
+    max_examples: int = 50,
+    skip: Iterable[str] = (),
+    shrink_seconds: float = 10.0,
+) -> list[CheckResult]:
+    """Run :func:`check_algorithm` and raise AssertionError listing every failed check.
+
+    ``skip`` names checks not to hold against the algorithm (documented exceptions). Returns
+    the results when every other check passed.
+    """
+    skipped = set(skip)
+    unknown = skipped - set(CHECKS)
+    if unknown:
+        raise ValueError(f"unknown check names {sorted(unknown)}; known: {', '.join(CHECKS)}")
+    results = check_algorithm(algorithm, max_examples=max_examples, shrink_seconds=shrink_seconds)
+    failed = [r for r in results if not r.passed and r.name not in skipped]
+    if failed:
+        report = "\n\n".join(f"[{r.name}] {r.detail}" for r in failed)
+        raise AssertionError(f"{len(failed)} contract check(s) failed:\n\n{report}")
+    return results
