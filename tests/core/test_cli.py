@@ -177,3 +177,11 @@ def test_bad_option_is_a_usage_error():
 
 def test_report_on_missing_folder(tmp_path):
     assert_user_error(alignzoo("report", str(tmp_path / "nothing")), "run folder not found")
+
+
+def test_doctor_reports_versions_devices_and_plugins():
+    result = alignzoo("doctor")
+    assert result.returncode == 0, result.stderr
+    assert "torch" in result.stdout and "2.13" in result.stdout
+    assert "devices" in result.stdout and "cpu" in result.stdout
+    assert "plugins" in result.stdout and "load" in result.stdout
