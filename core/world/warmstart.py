@@ -258,7 +258,7 @@ def greedy_exact_match(
                 padding=True,
                 add_special_tokens=False,
             ).to(device)
-            out = model.generate(
+            out = model.generate(  # type: ignore[operator]
                 **enc,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
