@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from alignzoo.cli import main
 from alignzoo.errors import PluginLoadError, UnknownComponentError
 from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.plugins.algorithms.dpo import DPO
+from alignzoo.plugins.algorithms.dpo import DPO, pair_indices
 from alignzoo.plugins.algorithms.kto import KTO
 from alignzoo.registry import Registry, get_registry
-from alignzoo.testing import CHECKS, assert_algorithm_contract, check_algorithm
+from alignzoo.testing import (
+    CHECKS,
+    BatchCase,
+    assert_algorithm_contract,
+    batch_cases,
+    check_algorithm,
+    group_ids,
+    preference_pairs,
+    response_masks,
+)
 from alignzoo.testing import contract as contract_module
 from alignzoo.types import AlgorithmRequirements, LossOutput
 
@@ -227,3 +237,57 @@ def test_cli_check_reports_the_failing_example(capsys, monkeypatch):
 
 def test_cli_check_unknown_name_exits_2():
     assert main(["check", "algorithm", "no_such_algorithm", "--max-examples", "2"]) == 2
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+@pytest.mark.parametrize(
+    "requirements",
+    [
+        AlgorithmRequirements(data="online", critic=True, reference=True),
+        AlgorithmRequirements(data="online", entropy=False),
+        AlgorithmRequirements(data="preference", reference=True, entropy=False),
+        AlgorithmRequirements(data="unpaired", reference=True, mismatched_pairs=True),
+    ],
+    ids=lambda r: f"{r.data}-ref{int(r.reference)}-critic{int(r.critic)}",
+)
+@given(data=st.data())
+def test_batch_cases_follow_the_requirements(requirements, data):
+    case = data.draw(batch_cases(requirements))
+    assert eval(repr(case), {"BatchCase": BatchCase}) == case  # a falsifying example reproduces
+    batch, outputs = case.build()
+    size, width = case.size, case.width
+    assert outputs.logprobs.shape == (size, width) and outputs.logprobs.requires_grad
+    mask = batch.response_mask
+    assert (mask.sum(-1) >= 1).all()  # at least one real token per row
+    assert (mask[:, 1:] <= mask[:, :-1]).all()  # right-padded
+    assert (batch.ref_logprobs is not None) == requirements.reference
+    assert (batch.values is not None) == requirements.critic == (outputs.values is not None)
+    assert (outputs.entropy is not None) == requirements.entropy
+    assert (outputs.mismatched_logprobs is not None) == requirements.mismatched_pairs
+    online = requirements.data == "online"
+    assert (batch.scores is not None) == online == (batch.old_logprobs is not None)
+    assert (batch.labels is not None) == (not online)
+    if requirements.data == "preference":
+        chosen, rejected = pair_indices(batch.group_ids, batch.labels)  # raises if malformed
+        assert len(chosen) + len(rejected) == size
+    if online:
+        counts = torch.unique(batch.group_ids, return_counts=True)[1]
+        assert (counts >= 2).all()
+
+
+@given(masks=st.integers(1, 5).flatmap(lambda b: response_masks(b, 4)))
+def test_response_masks_have_a_real_token_per_row(masks):
+    assert masks.shape[1] == 4
+    assert (masks[:, 0] == 1).all()
+    assert (masks[:, 1:] <= masks[:, :-1]).all()
+
+
+@given(pairs=preference_pairs(), ids=group_ids())
+def test_pairs_and_groups(pairs, ids):
+    groups, labels = pairs
+    for g in set(groups):
+        assert sorted(lab for gg, lab in zip(groups, labels, strict=True) if gg == g) == [0.0, 1.0]
+    sizes = [ids.count(g) for g in set(ids)]
+    assert all(2 <= n <= 4 for n in sizes)

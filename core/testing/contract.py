@@ -372,16 +372,19 @@ def _shrink_budget(seconds: float) -> Iterator[None]:
 
     Uses a module constant of hypothesis' engine when it exists; otherwise does nothing.
     """
-    engine = importlib.import_module("hypothesis.internal.conjecture.engine")
+    try:
+        engine = importlib.import_module("hypothesis.internal.conjecture.engine")
+    except ImportError:  # pragma: no cover - a hypothesis without this module
+        engine = None
     previous = getattr(engine, "MAX_SHRINKING_SECONDS", None)
     if previous is None:
         yield
         return
-    engine.MAX_SHRINKING_SECONDS = seconds
+    setattr(engine, "MAX_SHRINKING_SECONDS", seconds)  # noqa: B010 - a module constant
     try:
         yield
     finally:
-        engine.MAX_SHRINKING_SECONDS = previous
+        setattr(engine, "MAX_SHRINKING_SECONDS", previous)  # noqa: B010
 
 
 def _run(
@@ -390,6 +393,7 @@ def _run(
     prop: Callable[[Any], None],
     max_examples: int,
     shrink_seconds: float,
+    legend: str = "",
 ) -> CheckResult:
     last_example: list[Any] = []
 
@@ -418,7 +422,10 @@ def _run(
     except HypothesisException as exc:
         return CheckResult(name, False, f"hypothesis could not run the check: {exc}")
     except Exception as exc:
-        return CheckResult(name, False, _format_failure(exc, last_example))
+        detail = _format_failure(exc, last_example)
+        if legend:
+            detail += f"\n({legend}; rebuild a case's tensors with BatchCase(...).build())"
+        return CheckResult(name, False, detail)
     return CheckResult(name, True, f"{max_examples} examples")
 
 
@@ -472,18 +479,34 @@ def check_algorithm(
         moved = case.permuted(order).relabeled(mapping)
         _prop_permutation(factory, case, moved, order, "reordering and renaming whole groups")
 
-    properties: list[tuple[str, st.SearchStrategy[Any], Callable[[Any], None]]] = [
-        ("output_types", cases, lambda c: _prop_output_types(factory, c)),
-        ("metrics_finite_floats", cases, lambda c: _prop_metrics(factory, c)),
-        ("finite_extreme_logprobs", extreme, lambda c: _prop_finite(factory, c)),
-        ("padding_invariance", _padded_pair(cases), lambda ex: _prop_padding(factory, *ex)),
-        ("sample_permutation", _sample_permutation(cases), shuffled),
-        ("group_permutation", _group_permutation(cases), regrouped),
+    one = "example = one batch"
+    properties: list[tuple[str, st.SearchStrategy[Any], Callable[[Any], None], str]] = [
+        ("output_types", cases, lambda c: _prop_output_types(factory, c), one),
+        ("metrics_finite_floats", cases, lambda c: _prop_metrics(factory, c), one),
+        ("finite_extreme_logprobs", extreme, lambda c: _prop_finite(factory, c), one),
+        (
+            "padding_invariance",
+            _padded_pair(cases),
+            lambda ex: _prop_padding(factory, *ex),
+            "example = (batch, the same batch with its padding rewritten and extended)",
+        ),
+        (
+            "sample_permutation",
+            _sample_permutation(cases),
+            shuffled,
+            "example = (batch, order): row i of the shuffled batch is row order[i]",
+        ),
+        (
+            "group_permutation",
+            _group_permutation(cases),
+            regrouped,
+            "example = (batch, order, renaming of group ids)",
+        ),
     ]
     results = [CheckResult("instantiate", True, f"{label}: {requirements}")]
-    for name, strategy, prop in properties:
+    for name, strategy, prop, legend in properties:
         if name in selected:
-            results.append(_run(name, strategy, prop, max_examples, shrink_seconds))
+            results.append(_run(name, strategy, prop, max_examples, shrink_seconds, legend))
     return results
 
 
