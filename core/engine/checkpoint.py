@@ -43,10 +43,10 @@ class TrainingState:
 
 def _rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
     return {
         "python": [version, list(internal), gauss],
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
     }
 
 

@@ -101,7 +101,8 @@ def micro_step(
     )
     outputs = PolicyOutputs(logprobs=logprobs, entropy=entropy)
     if learner.critic is not None:
-        outputs.values = critic_forward(learner.critic, mb, autocast=learner.autocast)
+        values = critic_forward(learner.critic, mb, autocast=learner.autocast)
+        outputs.values = values.to(logprobs.device)  # the critic may sit on another device
     if req.mismatched_pairs:
         partner = [(i + 1) % step_batch.size for i in index]
         view = mismatched_view(mb, step_batch.select(partner))
