@@ -67,3 +67,28 @@ def test_smoke_run_writes_the_run_folder(write_experiment, tmp_path) -> None:
     kept = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     assert len(kept) == 2 and kept[-1] == f"step-{steps:06d}"
     assert (out / "checkpoints" / "latest").read_text().strip() == kept[-1]
+
+
+def test_resuming_a_finished_run_changes_nothing(write_experiment, tmp_path) -> None:
+    loaded = load_experiment(write_experiment(budget={"steps": 3}))
+    out = tmp_path / "run"
+    assert run_one(loaded, "grpo", 0, out).status == "finished"
+    before = {n: (out / n).read_text() for n in ("metrics.jsonl", "eval.jsonl", "samples.jsonl")}
+    summary = run_one(loaded, "grpo", 0, out, resume=True)
+    assert summary.status == "finished" and summary.steps == 3
+    assert {n: (out / n).read_text() for n in before} == before
+
+
+def test_sample_budget_stops_at_the_first_step_reaching_it(write_experiment, tmp_path) -> None:
+    # 4 prompts x 4 samples = 16 per step: 40 samples need 3 steps.
+    loaded = load_experiment(write_experiment(budget={"steps": None, "samples": 40}))
+    summary = run_one(loaded, "grpo", 0, tmp_path / "run")
+    assert summary.status == "finished" and summary.steps == 3 and summary.samples == 48
+
+
+def test_a_bad_policy_path_fails_the_run_with_its_error(write_experiment, tmp_path) -> None:
+    loaded = load_experiment(write_experiment(model={"policy": str(tmp_path / "nowhere")}))
+    summary = run_one(loaded, "grpo", 0, tmp_path / "run")
+    assert summary.status == "failed" and "nowhere" in summary.error
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and "model.policy" in status["error"]
