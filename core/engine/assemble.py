@@ -117,8 +117,8 @@ def assemble(
 ) -> Engine:
     """Build the run: components, devices, models, data, optimizer. Calls ``on_run_start``."""
     spec = loaded.spec
-    arm_spec = spec.arms[arm]
     components = fresh_components(loaded, arm)
+    arm_spec = spec.arms[arm]
     pm = build_plugin_manager(components.values())
     req = pm.hook.algorithm_requirements()
     if req is None:
