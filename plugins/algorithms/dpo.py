@@ -170,7 +170,9 @@ def dpo_loss(
             1.0 - 2.0 * eps
         )
     else:
-        raise UserError(f"unknown DPO loss_type {loss_type!r}; expected sigmoid, ipo, hinge, robust")
+        raise UserError(
+            f"unknown DPO loss_type {loss_type!r}; expected sigmoid, ipo, hinge, robust"
+        )
     chosen_rewards = beta * chosen_ratio.detach()  # r(x, y_w) = β log π/π_ref
     rejected_rewards = beta * rejected_ratio.detach()  # r(x, y_l)
     return losses, chosen_rewards, rejected_rewards

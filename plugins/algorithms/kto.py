@@ -69,9 +69,7 @@ class KTOParams(BaseModel):
 
     beta: float = Field(0.1, gt=0.0, description="β: risk aversion / KL regularisation strength")
     desirable_weight: float = Field(1.0, gt=0.0, description="λ_D: weight of desirable samples")
-    undesirable_weight: float = Field(
-        1.0, gt=0.0, description="λ_U: weight of undesirable samples"
-    )
+    undesirable_weight: float = Field(1.0, gt=0.0, description="λ_U: weight of undesirable samples")
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -94,8 +92,10 @@ def kto_loss(
     undesirable_weight: float = 1.0,
 ) -> torch.Tensor:
     """Per-sample KTO losses ``[B]`` from sequence log-ratios r ``[B]`` and a bool mask ``[B]``."""
-    desirable_loss = desirable_weight * (1.0 - torch.sigmoid(beta * (logratios - z0)))  # λ_D(1-σ(β(r-z0)))
-    undesirable_loss = undesirable_weight * (1.0 - torch.sigmoid(beta * (z0 - logratios)))  # λ_U(1-σ(β(z0-r)))
+    value_desirable = torch.sigmoid(beta * (logratios - z0))  # v(x, y) / λ_D = σ(β(r - z0))
+    value_undesirable = torch.sigmoid(beta * (z0 - logratios))  # v(x, y) / λ_U = σ(β(z0 - r))
+    desirable_loss = desirable_weight * (1.0 - value_desirable)  # λ_D - v(x, y)
+    undesirable_loss = undesirable_weight * (1.0 - value_undesirable)  # λ_U - v(x, y)
     return torch.where(desirable, desirable_loss, undesirable_loss)
 
 
