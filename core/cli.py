@@ -86,14 +86,14 @@ def validate(
 def run(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
     arms: Annotated[
-        Optional[str], typer.Option(help="Comma-separated arms to run (default all).")
-    ] = None,  # noqa: UP045
+        str | None, typer.Option(help="Comma-separated arms to run (default all).")
+    ] = None,
     seeds: Annotated[
-        Optional[str], typer.Option(help="Comma-separated seeds (default: the file's).")
-    ] = None,  # noqa: UP045
+        str | None, typer.Option(help="Comma-separated seeds (default: the file's).")
+    ] = None,
     out: Annotated[
-        Optional[Path], typer.Option(help="Output folder (default: output_dir/name).")
-    ] = None,  # noqa: UP045
+        Path | None, typer.Option(help="Output folder (default: output_dir/name).")
+    ] = None,
     resume: Annotated[
         bool, typer.Option(help="Skip finished runs and continue unfinished ones.")
     ] = False,
@@ -133,8 +133,8 @@ def report(
 @app.command()
 def plugins(
     kind: Annotated[
-        Optional[str], typer.Option(help="Only this kind (algorithm, labeler, ...).")
-    ] = None,  # noqa: UP045
+        str | None, typer.Option(help="Only this kind (algorithm, labeler, ...).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """List every installed component: kind, name, provider and version, and what it does."""
@@ -190,9 +190,7 @@ def plugins(
 
 @app.command()
 def schema(
-    out: Annotated[
-        Optional[Path], typer.Option(help="Write to this file instead of stdout.")
-    ] = None,  # noqa: UP045
+    out: Annotated[Path | None, typer.Option(help="Write to this file instead of stdout.")] = None,
 ) -> None:
     """Write the JSON Schema of experiment files (for editor autocompletion and checking)."""
     from alignzoo.jsonschema import experiment_json_schema

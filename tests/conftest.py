@@ -21,7 +21,7 @@ settings.register_profile("thorough", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def pytest_configure(config):  # noqa: ARG001 - pytest hook signature
+def pytest_configure(config):
     try:
         import torch
     except ImportError:  # pragma: no cover
