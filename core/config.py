@@ -324,4 +324,10 @@ def _build_components(
             )
             continue
         built[field_path] = cls(params)
+    listed = {ref.name for ref in arm.modifiers}
+    for entry in registry.load_all("modifier"):
+        component = entry.component
+        if component is not None and getattr(component, "default_on", False):
+            if entry.name not in listed:
+                built[f"modifiers.default.{entry.name}"] = component()
     return built, issues

@@ -97,6 +97,11 @@ class DeviceMapper(Component):
 
 
 class Modifier(Component):
-    """Base for modifiers: hook wrappers around algorithm hooks, batch transforms, lifecycle hooks."""
+    """Base for modifiers: hook wrappers around algorithm hooks, batch transforms, lifecycle hooks.
+
+    A modifier with ``default_on = True`` joins every arm that does not list it, with default
+    params (an arm lists it to change its params, e.g. ``enabled: false``).
+    """
 
     kind = "modifier"
+    default_on: ClassVar[bool] = False

@@ -153,3 +153,20 @@ def test_several_problems_are_reported_together(tmp_path):
         load(tmp_path, text)
     paths = {i.path for i in info.value.issues}
     assert "foo" in paths
+
+
+def test_default_on_modifiers_join_every_arm_unless_listed(tmp_path):
+    from alignzoo import Modifier
+
+    class Watchdog(Modifier):
+        """Always on."""
+
+        default_on = True
+
+    registry = toy_registry()
+    registry.register(Watchdog, "watchdog")
+    text = VALID + "    modifiers: [watchdog]\n"
+    loaded = load_experiment(write(tmp_path, text), registry=registry)
+    assert isinstance(loaded.components["grpo"]["modifiers.default.watchdog"], Watchdog)
+    assert "modifiers.default.watchdog" not in loaded.components["ppo"]
+    assert isinstance(loaded.components["ppo"]["modifiers.0"], Watchdog)
