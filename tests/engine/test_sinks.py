@@ -52,3 +52,41 @@ def test_tensorboard_sink_writes_events(tmp_path: Path) -> None:
 def test_wandb_missing_is_a_user_error_naming_the_extra(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"pip install alignzoo\[wandb\]"):
         Sinks(tmp_path, ["wandb"], None, "r", WandbConfig())
+
+
+class _FakeWandbRun:
+    def __init__(self, **kwargs: object) -> None:
+        self.init_kwargs = kwargs
+        self.logged: list[tuple[dict, int]] = []
+        self.finished = False
+
+    def log(self, data: dict, step: int) -> None:
+        self.logged.append((data, step))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_sink_groups_by_experiment_and_logs_config(tmp_path: Path, monkeypatch) -> None:
+    """The W&B calls alignzoo makes, checked against a stand-in module (no account needed)."""
+    import sys
+    import types
+
+    runs: list[_FakeWandbRun] = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: runs.append(_FakeWandbRun(**kw)) or runs[-1]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = {"arm": "grpo", "seed": 1, "arm_spec": {"algorithm": {"name": "grpo"}}}
+    sinks = Sinks(
+        tmp_path, ["jsonl", "wandb"], None, "exp/grpo/seed-1", WandbConfig(), "exp", config
+    )
+    sinks.step({"step": 3, "reward/mean": 0.5, "note": "text is not logged"}, 3)
+    sinks.evaluation({"step": 3, "eval/exact_match": 0.25})
+    sinks.close()
+    (run,) = runs
+    kwargs = run.init_kwargs
+    assert kwargs["mode"] == "offline" and kwargs["group"] == "exp" and kwargs["name"] == "grpo-1"
+    assert kwargs["config"] == config and kwargs["project"] == "alignzoo"
+    assert ({"reward/mean": 0.5}, 3) in run.logged
+    assert any(d.get("eval/exact_match") == 0.25 and s == 3 for d, s in run.logged)
+    assert run.finished
