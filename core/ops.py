@@ -237,3 +237,54 @@ def approx_kl(
     new = torch.where(mask_b, logprobs.detach().float(), 0.0)
     old = torch.where(mask_b, old_logprobs.float(), 0.0)
     return masked_mean(kl_penalty(old, new, "k3"), mask)
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    aggregation: LossAggregation = "token-mean",
+    norm_constant: float | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped policy-gradient loss of critic-free methods (RLOO, REINFORCE++), aggregated.
+
+    Per token ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (PPO eq. 7 with the
+    advantage given), padding ignored whatever it holds, per-sample ``weights`` applied, then
+    :func:`aggregate_loss`. Returns the loss and detached metric tensors (pg loss, clip
+    fractions, approximate KL to the sampling policy).
+    """
+    mask_b = mask.bool()
+    log_ratio = torch.where(mask_b, logprobs, 0.0) - torch.where(mask_b, old_logprobs, 0.0)
+    pg_mat, clipped_low, clipped_high = clipped_surrogate(
+        log_ratio, torch.where(mask_b, advantages, 0.0), clip_low, clip_high
+    )
+    loss = aggregate_loss(weight_samples(pg_mat, weights), mask, aggregation, norm_constant)
+    metrics = {"actor/pg_loss": loss.detach(), **clip_fractions(clipped_low, clipped_high, mask)}
+    metrics["actor/approx_kl"] = approx_kl(logprobs, old_logprobs, mask)
+    return loss, metrics
+
+
+def policy_diagnostics(
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    estimator: KLEstimator = "k3",
+) -> dict[str, torch.Tensor]:
+    """Detached ``kl`` (to the reference, when given) and ``entropy`` means over response tokens."""
+    mask_b = mask.bool()
+    metrics: dict[str, torch.Tensor] = {}
+    if ref_logprobs is not None:
+        kl = kl_penalty(
+            torch.where(mask_b, logprobs.detach(), 0.0),
+            torch.where(mask_b, ref_logprobs, 0.0),
+            estimator,
+        )
+        metrics["kl"] = masked_mean(kl, mask)
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+    return metrics

@@ -93,28 +93,6 @@ def leave_one_out_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> 
     return torch.where(others > 0, rewards - baseline, 0.0)
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    params: RLOOParams,
-    weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped REINFORCE loss (PPO eq. 7 without a critic) and detached metric tensors."""
-    mask_b = mask.bool()
-    log_ratio = torch.where(mask_b, logprobs, 0.0) - torch.where(mask_b, old_logprobs, 0.0)
-    pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
-        log_ratio, torch.where(mask_b, advantages, 0.0), params.clip_eps, params.clip_eps
-    )
-    weighted = ops.weight_samples(pg_mat, weights)
-    loss = ops.aggregate_loss(weighted, mask, params.loss_aggregation, params.norm_constant)
-    metrics = {"actor/pg_loss": loss.detach()}
-    metrics.update(ops.clip_fractions(clipped_low, clipped_high, mask))
-    metrics["actor/approx_kl"] = ops.approx_kl(logprobs, old_logprobs, mask)
-    return loss, metrics
-
-
 # --------------------------------------------------------------------------- plugin
 
 
@@ -153,22 +131,25 @@ class RLOO(Algorithm):
     def compute_loss(self, batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
         if batch.advantages is None or batch.old_logprobs is None:
             raise UserError("rloo: compute_loss needs batch.advantages and batch.old_logprobs")
-        loss, metrics = policy_loss(
+        params = self.params
+        loss, metrics = ops.clipped_policy_loss(
             outputs.logprobs,
             batch.old_logprobs,
             batch.advantages,
             batch.response_mask,
-            self.params,
+            params.clip_eps,
+            params.clip_eps,
+            params.loss_aggregation,
+            params.norm_constant,
             batch.weights,
-        )
-        mask_b = batch.response_mask.bool()
-        if batch.ref_logprobs is not None:
-            kl = ops.kl_penalty(
-                torch.where(mask_b, outputs.logprobs.detach(), 0.0),
-                torch.where(mask_b, batch.ref_logprobs, 0.0),
-                self.params.kl_estimator,
+        )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated
+        metrics.update(
+            ops.policy_diagnostics(
+                outputs.logprobs,
+                batch.response_mask,
+                batch.ref_logprobs,
+                outputs.entropy,
+                params.kl_estimator,
             )
-            metrics["kl"] = ops.masked_mean(kl, batch.response_mask)
-        if outputs.entropy is not None:
-            metrics["entropy"] = ops.masked_mean(outputs.entropy.detach(), batch.response_mask)
+        )
         return LossOutput(loss, {name: float(value) for name, value in metrics.items()})
