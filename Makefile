@@ -21,7 +21,7 @@ setup: $(VENV)/.installed
 
 ## Build the embedded world (cached) and run the default A/B experiment; prints where the report is.
 demo: setup
-	$(VENV)/bin/alignzoo run experiments/quickstart.yaml --resume
+	$(VENV)/bin/alignzoo run experiments/quickstart.yaml --resume --jobs 2
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.
 test: setup
