@@ -1,0 +1,122 @@
+"""`alignzoo run` with the real engine: killed mid-experiment and rerun with --resume, the report
+equals an uninterrupted run's (timing columns aside); a failing arm makes the command exit 1."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+TINY = {
+    "name": "killme",
+    "seeds": [0, 1],
+    "budget": {"steps": 24},
+    "model": {
+        "embedded": {
+            "hidden_size": 32,
+            "num_layers": 1,
+            "num_heads": 2,
+            "intermediate_size": 64,
+            "sft_steps": 200,
+            "sft_batch_size": 64,
+        }
+    },
+    "data": {"task": {"digits": 1, "operations": ["+"], "train_size": 80, "eval_size": 20}},
+    "training": {
+        "lr": 5.0e-4,
+        "prompts_per_step": 8,
+        "samples_per_prompt": 4,
+        "micro_batch_size": 32,
+        "checkpoint_every": 4,
+        "sampling": {"temperature": 1.0, "max_new_tokens": 4},
+    },
+    "evaluation": {"every": 8},
+    "logging": {"sinks": ["jsonl"]},
+    "arms": {"grpo": {"algorithm": "grpo"}, "rloo": {"algorithm": "rloo"}},
+}
+TIMING_COLUMNS = {"tokens/s", "wall-clock", "peak memory (MB)"}
+
+
+def alignzoo(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "alignzoo.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def without_timing(report: str) -> list[str]:
+    """The report's lines, with the timing columns of its tables and timing sentences removed."""
+    lines, header = [], None
+    for line in report.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if header is None or len(cells) != len(header):
+                header = cells
+            keep = [c for c, name in zip(cells, header, strict=True) if name not in TIMING_COLUMNS]
+            lines.append("|".join(keep))
+        else:
+            header = None
+            lines.append(re.sub(r"\d+(\.\d+)? ?s\b", "<time>", line))
+    return lines
+
+
+@pytest.mark.slow
+def test_killed_experiment_resumes_to_the_same_report(tmp_path: Path) -> None:
+    env = {**os.environ, "ALIGNZOO_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(TINY, sort_keys=False))
+
+    straight = alignzoo("run", str(exp), "--out", str(tmp_path / "straight"), env=env)
+    assert straight.wait(timeout=600) == 0, straight.stdout.read() if straight.stdout else ""
+
+    out = tmp_path / "killed"
+    victim = alignzoo("run", str(exp), "--out", str(out), env=env)
+    # Kill once the second run has written a checkpoint: one run finished, one half done.
+    deadline = time.monotonic() + 300
+    second = out / "grpo" / "seed-1" / "checkpoints"
+    while not (second.exists() and any(second.iterdir())):
+        assert victim.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "no checkpoint of the second run appeared"
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+
+    again = alignzoo("run", str(exp), "--out", str(out), env=env)
+    assert again.wait(timeout=600) == 2  # an existing folder needs --resume
+    resumed = alignzoo("run", str(exp), "--out", str(out), "--resume", env=env)
+    assert resumed.wait(timeout=600) == 0, resumed.stdout.read() if resumed.stdout else ""
+
+    expected = (tmp_path / "straight" / "report.md").read_text()
+    got = (out / "report.md").read_text()
+    assert without_timing(got) == without_timing(expected)
+    assert "| grpo (baseline) | 2/2 |" in got
+
+
+@pytest.mark.slow
+def test_a_failing_arm_exits_1_and_the_others_finish(tmp_path: Path) -> None:
+    env = {**os.environ, "ALIGNZOO_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    spec = {**TINY, "seeds": [0], "budget": {"steps": 2}}
+    spec["arms"] = {
+        "grpo": {"algorithm": "grpo"},
+        "broken": {"algorithm": "grpo", "model": {"policy": str(tmp_path / "no-such-model")}},
+    }
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(spec, sort_keys=False))
+    proc = alignzoo("run", str(exp), "--out", str(tmp_path / "out"), env=env)
+    assert proc.wait(timeout=600) == 1
+    output = proc.stdout.read() if proc.stdout else ""
+    assert "broken" in output and "no-such-model" in output and "Traceback" not in output
+    assert (tmp_path / "out" / "grpo" / "seed-0" / "status.json").read_text().count("finished")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "broken/seed-0 | failed" in report
