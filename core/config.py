@@ -327,7 +327,8 @@ def _build_components(
     listed = {ref.name for ref in arm.modifiers}
     for entry in registry.load_all("modifier"):
         component = entry.component
-        if component is not None and getattr(component, "default_on", False):
-            if entry.name not in listed:
-                built[f"modifiers.default.{entry.name}"] = component()
+        default_on = component is not None and getattr(component, "default_on", False)
+        if default_on and entry.name not in listed:
+            assert component is not None
+            built[f"modifiers.default.{entry.name}"] = component()
     return built, issues
