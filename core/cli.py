@@ -30,8 +30,8 @@ check_app = typer.Typer(
 )
 app.add_typer(check_app, name="check")
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)  # long paths and messages stay on one line in logs
+err_console = Console(stderr=True, soft_wrap=True)
 _state = {"debug": False}
 
 

@@ -115,7 +115,7 @@ def test_a_failing_arm_exits_1_and_the_others_finish(tmp_path: Path) -> None:
     exp.write_text(yaml.safe_dump(spec, sort_keys=False))
     proc = alignzoo("run", str(exp), "--out", str(tmp_path / "out"), env=env)
     assert proc.wait(timeout=600) == 1
-    output = proc.stdout.read() if proc.stdout else ""
+    output = (proc.stdout.read() if proc.stdout else "").replace("\n", "")
     assert "broken" in output and "no-such-model" in output and "Traceback" not in output
     assert (tmp_path / "out" / "grpo" / "seed-0" / "status.json").read_text().count("finished")
     report = (tmp_path / "out" / "report.md").read_text()
