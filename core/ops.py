@@ -10,9 +10,8 @@ from typing import Literal
 
 import torch
 
-LossAggregation = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-]
+from alignzoo.types import LossAggregation
+
 KLEstimator = Literal["k1", "k2", "k3"]
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DataMode = Literal["online", "preference", "unpaired"]
+LossAggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
 ROLES = ("actor", "ref", "critic", "reward", "rollout", "labeler")
 
 
@@ -76,3 +79,33 @@ class LossOutput:
 
     loss: Any  # torch.Tensor, scalar, requires grad
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+class AggregationParams(BaseModel):
+    """Params shared by policy-gradient algorithms: how per-token losses become one number.
+
+    Algorithms subclass it for their Params and redeclare ``loss_aggregation`` with their
+    paper's default. See :func:`alignzoo.ops.aggregate_loss` for the modes.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    loss_aggregation: LossAggregation = Field(
+        "token-mean", description="how per-token losses are reduced (see ops.aggregate_loss)"
+    )
+    norm_constant: float | None = Field(
+        None,
+        gt=0.0,
+        description="Dr. GRPO's constant divisor for seq-mean-token-sum-norm (set it to the "
+        "generation budget, max_new_tokens); required by that mode, unused by the others",
+    )
+
+    @model_validator(mode="after")
+    def _norm_mode_needs_constant(self) -> AggregationParams:
+        # A divisor that silently followed the padded width would change from batch to batch.
+        if self.loss_aggregation == "seq-mean-token-sum-norm" and self.norm_constant is None:
+            raise ValueError(
+                "loss_aggregation 'seq-mean-token-sum-norm' needs norm_constant (a fixed "
+                "divisor such as the generation budget max_new_tokens)"
+            )
+        return self

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.types import AlgorithmRequirements, LossOutput
+from alignzoo.types import AggregationParams, AlgorithmRequirements, LossAggregation, LossOutput
 
 if TYPE_CHECKING:
     import torch
@@ -30,12 +30,8 @@ if TYPE_CHECKING:
 torch = lazy_import("torch")
 ops = lazy_import("alignzoo.ops")
 
-LossAggregation = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-]
 
-
-class ReinforcePlusPlusParams(BaseModel):
+class ReinforcePlusPlusParams(AggregationParams):
     """Parameters of REINFORCE++; defaults follow Hu et al. 2025."""
 
     model_config = ConfigDict(extra="forbid")
@@ -49,21 +45,6 @@ class ReinforcePlusPlusParams(BaseModel):
     loss_aggregation: LossAggregation = Field(
         "token-mean", description="how per-token losses are reduced (see ops.aggregate_loss)"
     )
-    norm_constant: float | None = Field(
-        None,
-        gt=0.0,
-        description="Dr. GRPO's constant divisor for seq-mean-token-sum-norm (set it to the "
-        "generation budget, max_new_tokens); required by that mode, unused by the others",
-    )
-
-    @model_validator(mode="after")
-    def _norm_mode_needs_constant(self) -> ReinforcePlusPlusParams:
-        if self.loss_aggregation == "seq-mean-token-sum-norm" and self.norm_constant is None:
-            raise ValueError(
-                "loss_aggregation 'seq-mean-token-sum-norm' needs norm_constant (a fixed "
-                "divisor such as the generation budget max_new_tokens)"
-            )
-        return self
 
 
 # --------------------------------------------------------------------------- pure functions

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.types import AlgorithmRequirements, LossOutput
+from alignzoo.types import AggregationParams, AlgorithmRequirements, LossAggregation, LossOutput
 
 if TYPE_CHECKING:
     import torch
@@ -30,12 +30,8 @@ if TYPE_CHECKING:
 torch = lazy_import("torch")
 ops = lazy_import("alignzoo.ops")
 
-LossAggregation = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-]
 
-
-class RLOOParams(BaseModel):
+class RLOOParams(AggregationParams):
     """Parameters of RLOO; defaults follow Ahmadian et al. 2024."""
 
     model_config = ConfigDict(extra="forbid")
@@ -52,21 +48,6 @@ class RLOOParams(BaseModel):
         description="how per-token losses are reduced; the paper's sequence-level REINFORCE sums "
         "log-probs over the response",
     )
-    norm_constant: float | None = Field(
-        None,
-        gt=0.0,
-        description="Dr. GRPO's constant divisor for seq-mean-token-sum-norm (set it to the "
-        "generation budget, max_new_tokens); required by that mode, unused by the others",
-    )
-
-    @model_validator(mode="after")
-    def _norm_mode_needs_constant(self) -> RLOOParams:
-        if self.loss_aggregation == "seq-mean-token-sum-norm" and self.norm_constant is None:
-            raise ValueError(
-                "loss_aggregation 'seq-mean-token-sum-norm' needs norm_constant (a fixed "
-                "divisor such as the generation budget max_new_tokens)"
-            )
-        return self
 
 
 # --------------------------------------------------------------------------- pure functions
