@@ -23,8 +23,8 @@ Signals (each fires at most once per run; a threshold set to ``null`` disables i
 - ``reward_std_flat``: after ``std_after_steps`` steps the within-group reward std has not
   narrowed by at least ``std_min_narrowing`` (relative) from its initial level while the mean
   reward has not risen by ``reward_min_rise`` either: the policy is neither becoming more
-  consistent nor better (with binary rewards the std grows while accuracy climbs to 50%, so a
-  learning run is not flagged).
+  consistent nor better. Skipped while every step's rewards are 0/1 (then the std is
+  sqrt(mean (1 - mean)), a function of the mean, and says nothing the mean does not).
 
 Values are smoothed by an exponential moving average (``smoothing``) before checking. When a
 signal fires, ``metrics["health/<signal>"] = 1.0`` is added to that step's metrics, a warning
@@ -143,6 +143,9 @@ class HealthChecks(Modifier):
         state["n"] += 1
         smoothed: dict[str, float] = {}
         p = self.params
+        mean, std = metrics.get(p.reward_key), metrics.get(p.reward_std_key)
+        if mean is not None and std is not None and not _bernoulli(float(mean), float(std)):
+            state["graded_rewards"] = True
         for key in (p.reward_key, p.reward_std_key, p.length_key, p.entropy_key, p.kl_key):
             value = metrics.get(key)
             if value is None or not math.isfinite(float(value)):
@@ -278,7 +281,8 @@ class HealthChecks(Modifier):
                         )
                     )
 
-        if p.reward_std_key in smoothed and p.std_after_steps is not None:
+        graded = state.get("graded_rewards", False)
+        if p.reward_std_key in smoothed and p.std_after_steps is not None and graded:
             s = smoothed[p.reward_std_key]
             initial = state.get("std_initial")
             if initial is None:
@@ -299,3 +303,8 @@ class HealthChecks(Modifier):
                         )
                     )
         return found
+
+
+def _bernoulli(mean: float, std: float) -> bool:
+    """Whether (mean, population std) are those of 0/1 rewards: std^2 == mean (1 - mean)."""
+    return 0.0 <= mean <= 1.0 and abs(std * std - mean * (1.0 - mean)) < 1e-6

@@ -147,6 +147,18 @@ def test_reward_std_not_narrowing(tmp_path: Path) -> None:
     assert got["reward_std_flat"]["detected_step"] == 50
 
 
+def test_reward_std_check_is_skipped_for_binary_rewards(tmp_path: Path) -> None:
+    """0/1 rewards: the std is sqrt(p (1 - p)), so a flat std only repeats a flat mean."""
+    run = make_run(tmp_path)
+    means = [0.3 + 0.01 * math.sin(s) for s in range(1, 80)]
+    seq = [
+        with_(s, **{"reward/mean": m, "reward/std": math.sqrt(m * (1 - m))})
+        for s, m in zip(range(1, 80), means, strict=True)
+    ]
+    drive(HealthChecks(), run, seq)
+    assert "reward_std_flat" not in fired(run)
+
+
 def test_disabled_and_threshold_off(tmp_path: Path) -> None:
     seq = [with_(s, entropy=max(0.5 - 0.02 * s, 0.0)) for s in range(1, 60)]
     run = make_run(tmp_path)
