@@ -169,6 +169,7 @@ class ArmRow:
     total: int
     final: list[float]
     summary: stats.Summary | None
+    start_value: float | None
     best_step: int | None
     best_value: float | None
     tokens_per_s: float | None
@@ -197,6 +198,8 @@ def arm_row(arm: str, runs: list[RunData], key: str, higher: bool) -> ArmRow:
             value = _num(row.get(key))
             if value is not None:
                 per_step.setdefault(int(row["step"]), []).append(value)
+    first = min(per_step, default=None)
+    start_value = None if first is None else sum(per_step[first]) / len(per_step[first])
     best_step = best_value = None
     for step in sorted(per_step):
         mean = sum(per_step[step]) / len(per_step[step])
@@ -214,6 +217,7 @@ def arm_row(arm: str, runs: list[RunData], key: str, higher: bool) -> ArmRow:
         total=len(runs),
         final=values,
         summary=stats.mean_ci(values) if values else None,
+        start_value=start_value,
         best_step=best_step,
         best_value=best_value,
         tokens_per_s=mean_of("tokens_per_s"),
@@ -445,6 +449,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
             headers=[
                 "arm",
                 "seeds finished",
+                f"start {key}",
                 f"final {key} (mean ± 95% CI)",
                 "best step (mean)",
                 "tokens/s",
@@ -455,6 +460,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
                 [
                     arm + (" (baseline)" if arm == baseline else ""),
                     f"{r.finished}/{r.total}",
+                    fmt(r.start_value),
                     fmt_summary(r.summary),
                     "n/a" if r.best_step is None else f"{r.best_step} ({fmt(r.best_value)})",
                     fmt(r.tokens_per_s),
@@ -468,6 +474,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks.append(
         Block(
             "p",
+            "Start: the first evaluation (before training), mean over seeds. "
             "The 95% CI is the t-interval of the mean over seeds (n/a with one seed). Best step: "
             "the evaluation step where the mean over seeds is best. tokens/s and wall-clock are "
             "means over seeds; peak memory is the maximum.",

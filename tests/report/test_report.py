@@ -55,11 +55,12 @@ def test_table_numbers_match_the_statistics(experiment_dir: Builder) -> None:
     mean = np.mean(BASE)
     low, high = sps.t.interval(0.95, len(BASE) - 1, loc=mean, scale=sps.sem(BASE))
     assert row[1] == "5/5"
-    assert row[2] == f"{mean:.4g} ± {(high - low) / 2:.3g}"
-    assert row[3] == f"10 ({mean:.4g})"  # the last evaluation is the best (curves climb)
-    assert row[4] == f"{np.mean([500 + 100 * s for s in range(5)]):.4g}"  # tokens/s
-    assert row[5] == "30.0 s"  # mean of 10, 20, ..., 50
-    assert row[6] == "204"  # peak memory: max over seeds
+    assert row[2] == "0.1"  # every synthetic curve starts at 0.1 (the step-0 evaluation)
+    assert row[3] == f"{mean:.4g} ± {(high - low) / 2:.3g}"
+    assert row[4] == f"10 ({mean:.4g})"  # the last evaluation is the best (curves climb)
+    assert row[5] == f"{np.mean([500 + 100 * s for s in range(5)]):.4g}"  # tokens/s
+    assert row[6] == "30.0 s"  # mean of 10, 20, ..., 50
+    assert row[7] == "204"  # peak memory: max over seeds
 
     cmp = table_row(md, "Against the baseline (base)", "other")
     assert float(cmp[1]) == pytest.approx(np.mean(SAME_DIST) - np.mean(BASE), abs=1e-4)
@@ -139,7 +140,7 @@ def test_one_seed_reports_na_not_a_crash(experiment_dir: Builder) -> None:
     root = experiment_dir(finals={"base": [0.5], "other": [0.7]})
     write_report(root)
     md = (root / "report.md").read_text()
-    assert table_row(md, "Arms", "base (baseline)")[2] == "0.5 ± n/a (1 seed)"
+    assert table_row(md, "Arms", "base (baseline)")[3] == "0.5 ± n/a (1 seed)"
     row = table_row(md, "Against the baseline (base)", "other")
     assert row[2] == "n/a" and row[4] == "n/a" and row[6] == "no detectable difference"
     assert "at least 2 seeds" in md
