@@ -324,6 +324,20 @@ def _build_components(
             )
             continue
         built[field_path] = cls(params)
+    algorithm = built.get("algorithm")
+    if arm.online is False and algorithm is not None:
+        requirements = algorithm.algorithm_requirements()  # type: ignore[attr-defined]
+        if requirements is not None and requirements.data == "online":
+            base_path: Path_ = ("arms", arm_name, "online")
+            issues.append(
+                ConfigIssue(
+                    file,
+                    index.line_of(base_path),
+                    "arms." + arm_name + ".online",
+                    f"{arm.algorithm.name} learns from sampled rollouts; 'online: false' applies "
+                    "only to preference or unpaired-feedback algorithms (dpo, simpo, kto, ...)",
+                )
+            )
     listed = {ref.name for ref in arm.modifiers}
     for entry in registry.load_all("modifier"):
         component = entry.component

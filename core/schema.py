@@ -194,6 +194,11 @@ class ArmSpec(_Strict):
     backend: ComponentRef = Field(default_factory=lambda: ComponentRef(name="hf"))
     devices: ComponentRef = Field(default_factory=lambda: ComponentRef(name="single"))
     modifiers: list[ComponentRef] = Field(default_factory=list)
+    online: bool | None = Field(
+        None,
+        description="Preference / unpaired algorithms: override data.online for this arm "
+        "(offline reads data.train; online samples and labels pairs in the loop).",
+    )
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     description: str = ""

@@ -123,7 +123,8 @@ def assemble(
     req = pm.hook.algorithm_requirements()
     if req is None:
         raise UserError(f"arm {arm!r}: the algorithm states no requirements")
-    online = req.data == "online" or spec.data.online
+    data_online = spec.data.online if arm_spec.online is None else arm_spec.online
+    online = req.data == "online" or data_online
     if req.data == "preference" and online and arm_spec.training.samples_per_prompt < 2:
         raise UserError(
             f"arms.{arm}.training.samples_per_prompt: online preference pairs need at least 2 "

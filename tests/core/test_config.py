@@ -170,3 +170,11 @@ def test_default_on_modifiers_join_every_arm_unless_listed(tmp_path):
     assert isinstance(loaded.components["grpo"]["modifiers.default.watchdog"], Watchdog)
     assert "modifiers.default.watchdog" not in loaded.components["ppo"]
     assert isinstance(loaded.components["ppo"]["modifiers.0"], Watchdog)
+
+
+def test_offline_only_for_algorithms_that_read_datasets(tmp_path):
+    issue = only_issue(
+        tmp_path, VALID.replace("    algorithm: ppo\n", "    algorithm: ppo\n    online: false\n")
+    )
+    assert issue.path == "arms.ppo.online" and issue.line == 17
+    assert "only to preference or unpaired" in issue.message

@@ -96,3 +96,18 @@ def test_online_preference_needs_two_samples_per_prompt(write_experiment, tmp_pa
     )
     with pytest.raises(UserError, match="samples_per_prompt"):
         assemble_mod.assemble(loaded, "a", 0, tmp_path / "run", log=lambda *_: None)
+
+
+def test_an_arm_can_read_its_preference_data_offline(write_experiment, tmp_path) -> None:
+    loaded = load_experiment(
+        write_experiment(
+            arms={
+                "online": {"algorithm": "dpo", "training": {"samples_per_prompt": 2}},
+                "offline": {"algorithm": "dpo", "online": False},
+            }
+        )
+    )
+    online = assemble_mod.assemble(loaded, "online", 0, tmp_path / "on", log=lambda *_: None)
+    offline = assemble_mod.assemble(loaded, "offline", 0, tmp_path / "off", log=lambda *_: None)
+    assert online.online and not offline.online
+    assert {"chosen", "rejected"} <= set(offline.sampler.dataset.column_names)
