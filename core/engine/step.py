@@ -80,6 +80,7 @@ def collect(engine: Any, step: int, result: StepResult) -> RolloutBatch | None:
         make = preference_batch if engine.requirements.data == "preference" else unpaired_batch
         batch = make(engine.run.tokenizer, rows, OFFLINE_MAX_TOKENS)
         result.samples = batch.size
+        result.tokens = int(batch.response_mask.sum())  # response tokens trained on
         result.sample_rows = _sample_rows(batch, step)
         m["batch/prompts"], m["batch/responses"] = float(len(rows)), float(batch.size)
         m["response_length/mean"] = float(batch.response_mask.sum(dim=1).mean())
