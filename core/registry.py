@@ -199,11 +199,13 @@ def build_plugin_manager(components: Iterable[Component]) -> pluggy.PluginManage
     """
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
-    for component in components:
-        pm.register(
-            component, name=f"{component.kind}:{type(component).__qualname__}:{id(component)}"
-        )
     try:
+        for component in components:
+            # register() rejects an implementation whose arguments the hookspec lacks
+            # (``def compute_loss(self, batch, output)``): a plugin bug, reported like a typo.
+            pm.register(
+                component, name=f"{component.kind}:{type(component).__qualname__}:{id(component)}"
+            )
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise PluginLoadError(str(exc)) from None
@@ -214,7 +216,9 @@ def chain_transform_batch(pm: pluggy.PluginManager, batch: Any, run: Any) -> Any
     """Call every ``transform_batch`` implementation in turn, each on the previous output."""
     # get_hookimpls() lists in registration order; pluggy calls them reversed (tryfirst first, LIFO).
     for impl in reversed(pm.hook.transform_batch.get_hookimpls()):
-        result = impl.function(batch=batch, run=run)
+        # Like pluggy, pass only the arguments the implementation declares (it may omit ``run``).
+        available = {"batch": batch, "run": run}
+        result = impl.function(**{name: available[name] for name in impl.argnames})
         if result is not None:
             batch = result
     return batch

@@ -129,3 +129,39 @@ def test_hookimpl_with_a_misspelled_hook_name_is_caught_at_assembly():
 
     with pytest.raises(PluginLoadError, match="compute_los"):
         build_plugin_manager([Typo()])
+
+
+def test_hookimpl_with_an_argument_the_hookspec_lacks_is_a_plugin_load_error():
+    from alignzoo import hookimpl
+
+    class WrongArg(ToyAlgorithm):
+        @hookimpl
+        def compute_loss(self, batch, output):  # the hookspec says `outputs`
+            return None
+
+    with pytest.raises(PluginLoadError, match="output"):
+        build_plugin_manager([WrongArg()])
+
+
+def test_chain_transform_batch_passes_only_the_declared_arguments_in_pluggy_order():
+    from alignzoo import Modifier, hookimpl
+    from alignzoo.registry import chain_transform_batch
+
+    class AppendA(Modifier):
+        @hookimpl
+        def transform_batch(self, batch):  # pluggy allows omitting `run`
+            return [*batch, "a"]
+
+    class AppendRun(Modifier):
+        @hookimpl
+        def transform_batch(self, batch, run):
+            batch.append(run)  # mutates in place and returns None: the same batch goes on
+
+    class First(Modifier):
+        @hookimpl(tryfirst=True)
+        def transform_batch(self, run, batch):
+            return [*batch, "first"]
+
+    pm = build_plugin_manager([AppendA(), AppendRun(), First()])
+    # tryfirst first, then last registered first (the order pluggy itself calls them in)
+    assert chain_transform_batch(pm, [], "R") == ["first", "R", "a"]
