@@ -16,9 +16,9 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from alignzoo.errors import ConfigError, ConfigIssue, UserError
+from alignzoo.errors import ConfigError, ConfigIssue, PluginLoadError, UserError
 from alignzoo.plugin import Component
-from alignzoo.registry import Registry, get_registry
+from alignzoo.registry import Registry, build_plugin_manager, get_registry
 from alignzoo.schema import ArmSpec, ExperimentSpec
 
 Path_ = tuple[str | int, ...]
@@ -76,7 +76,14 @@ def read_yaml(path: str | Path) -> tuple[dict[str, Any], _LineIndex]:
         raise UserError(f"experiment file not found: {file}")
     if p.is_dir():
         raise UserError(f"expected an experiment YAML file, got a directory: {file}")
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"{file}: not a UTF-8 text file (byte {exc.start}); expected an experiment YAML"
+        ) from None
+    except OSError as exc:
+        raise UserError(f"cannot read experiment file {file}: {exc.strerror or exc}") from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -345,4 +352,18 @@ def _build_components(
         if default_on and entry.name not in listed:
             assert component is not None
             built[f"modifiers.default.{entry.name}"] = component()
+    # Each component's hook implementations must match the hookspecs (a misspelled hook or
+    # argument): found here, by `alignzoo validate`, rather than when the run is assembled.
+    for slot, component in built.items():
+        try:
+            build_plugin_manager([component])
+        except PluginLoadError as exc:
+            where: Path_ = (
+                "arms",
+                arm_name,
+                *(int(p) if p.isdigit() else p for p in slot.split(".")),
+            )
+            issues.append(
+                ConfigIssue(file, index.line_of(where), ".".join(map(str, where)), str(exc))
+            )
     return built, issues

@@ -178,3 +178,30 @@ def test_offline_only_for_algorithms_that_read_datasets(tmp_path):
     )
     assert issue.path == "arms.ppo.online" and issue.line == 17
     assert "only to preference or unpaired" in issue.message
+
+
+def test_hookimpl_that_does_not_match_its_hookspec_is_found_by_validation(tmp_path):
+    from alignzoo import Modifier, hookimpl
+
+    class Misspelled(Modifier):
+        """Wraps compute_loss with a wrong argument name."""
+
+        @hookimpl(wrapper=True)
+        def compute_loss(self, batch, output):  # the hookspec says `outputs`
+            return (yield)
+
+    registry = toy_registry()
+    registry.register(Misspelled, "misspelled")
+    text = VALID + "    modifiers: [misspelled]\n"
+    with pytest.raises(ConfigError) as info:
+        load_experiment(write(tmp_path, text), registry=registry)
+    [issue] = info.value.issues
+    assert issue.path == "arms.ppo.modifiers.0" and issue.line == 19
+    assert "compute_loss" in issue.message and "output" in issue.message
+
+
+def test_unreadable_file_is_a_user_error(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_bytes(b"name: \xff\xfe demo\n")
+    with pytest.raises(UserError, match="not a UTF-8 text file"):
+        load_experiment(path, registry=toy_registry())
