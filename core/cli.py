@@ -110,6 +110,11 @@ def run(
     if seed_list is not None:
         if not seed_list:
             raise UserError("--seeds is empty")
+        repeated = sorted({s for s in seed_list if seed_list.count(s) > 1})
+        if repeated:  # model_copy skips the spec's validators: keep its rule (distinct seeds)
+            raise UserError(
+                f"--seeds repeats {', '.join(map(str, repeated))}; seeds must be distinct"
+            )
         loaded.spec = loaded.spec.model_copy(update={"seeds": seed_list})
     result = run_experiment(loaded, out_dir=out, resume=resume, jobs=jobs, console=console)
     if result.failed:
@@ -199,7 +204,10 @@ def schema(
     if out is None:
         print(text)
     else:
-        out.write_text(text + "\n", encoding="utf-8")
+        try:
+            out.write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
         console.print(f"wrote {out}")
 
 

@@ -185,3 +185,16 @@ def test_doctor_reports_versions_devices_and_plugins():
     assert "torch" in result.stdout and "2.13" in result.stdout
     assert "devices" in result.stdout and "cpu" in result.stdout
     assert "plugins" in result.stdout and "load" in result.stdout
+
+
+def test_repeated_seeds_on_the_command_line_are_a_user_error(exp, tmp_path, capsys):
+    # The file's seeds are validated as distinct; --seeds must keep that rule, not run twice.
+    code = cli.main(["run", str(exp()), "--seeds", "3,1,3", "--out", str(tmp_path / "o")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--seeds repeats 3" in err and "Traceback" not in err
+
+
+def test_schema_into_a_missing_folder_is_a_user_error(tmp_path):
+    result = alignzoo("schema", "--out", str(tmp_path / "no" / "such" / "schema.json"))
+    assert_user_error(result, "cannot write")
