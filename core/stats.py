@@ -293,9 +293,9 @@ def compare(
 ) -> Comparison:
     """Compare one arm with the baseline and say, in plain words, what can be concluded.
 
-    The deciding test is the exact permutation test when it can reach ``alpha`` at these sample
-    sizes (it assumes nothing about the distribution), and Welch's t-test otherwise (with 2 or 3
-    seeds per arm no permutation can reach 0.05). The difference is detected when that p-value
+    The deciding test is the permutation test when it can reach ``alpha`` at these sample sizes
+    (it assumes nothing about the distribution; exact up to 9,999 splits, Monte Carlo beyond),
+    and Welch's t-test otherwise (with 2 or 3 seeds per arm no permutation can reach 0.05). The difference is detected when that p-value
     is below ``alpha``; its sign and ``higher_is_better`` then give "better" or "worse".
     Otherwise the verdict is "no detectable difference", with the number of seeds per arm
     that would detect the observed difference at 80% power.
@@ -340,13 +340,8 @@ def compare(
             f"No detectable difference between {arm} and {baseline} on {metric}: "
             f"difference {_fmt(diff)}{ci_text}, {reason}."
         )
-        if needed is None:
-            sentence += " The observed difference is zero, so no number of seeds would detect it."
-        else:
-            sentence += (
-                f" About {needed} seeds per arm would detect a difference this large "
-                f"(α = {alpha:g}, {power:.0%} power)."
-            )
+        advice = _seeds_advice(needed, a.size + b.size, min(a.size, b.size), alpha, power)
+        sentence += f" {advice}" if advice else ""
     return Comparison(
         arm=arm,
         baseline=baseline,
@@ -365,6 +360,29 @@ def compare(
         seeds_needed=needed,
         verdict=verdict,
         sentence=sentence,
+    )
+
+
+def _seeds_advice(needed: int | None, total: int, have: int, alpha: float, power: float) -> str:
+    """The sentence about seeds that follows a "no detectable difference" verdict.
+
+    ``total`` is the number of values in both arms, ``have`` the smaller arm's seed count.
+    """
+    if needed is None:
+        if total < 3:  # one seed per arm: no spread, and the reason already says so
+            return ""
+        return "The observed difference is zero, so no number of seeds would detect it."
+    if needed <= have:
+        # Post-hoc power says these seeds should usually suffice, yet the test missed it: do not
+        # tell the reader that fewer seeds than they already ran would settle it.
+        return (
+            f"A t-test would have {power:.0%} power against a difference this large with "
+            f"{needed} seeds per arm, yet it was not detected with {have}: the true difference "
+            "is likely smaller than observed, and more seeds would settle it."
+        )
+    return (
+        f"About {needed} seeds per arm would detect a difference this large "
+        f"(α = {alpha:g}, {power:.0%} power)."
     )
 
 

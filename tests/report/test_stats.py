@@ -199,6 +199,20 @@ def test_compare_identical_and_single_seed() -> None:
     assert one.verdict == "no detectable difference"
     assert one.ci is None and one.p_value is None
     assert "at least 2 seeds" in one.sentence
+    # The difference is +0.4, not zero: the sentence must not say it is.
+    assert "zero" not in one.sentence and one.seeds_needed is None
+
+
+def test_compare_does_not_ask_for_fewer_seeds_than_it_ran() -> None:
+    # 4 vs 4 with one overlap: the exact permutation p is 4/70 > 0.05, yet the observed d is so
+    # large that a t-test would need only 4 seeds per arm for 80% power.
+    cmp = stats.compare([0.0, 0.3, 0.5, 1.55], [1.5, 2.0, 2.2, 2.4])
+    assert cmp.test == "permutation test"
+    assert cmp.p_value == pytest.approx(4 / 70)
+    assert cmp.verdict == "no detectable difference"
+    assert cmp.seeds_needed is not None and cmp.seeds_needed <= 4
+    assert f"About {cmp.seeds_needed} seeds" not in cmp.sentence
+    assert "not detected with 4" in cmp.sentence and "more seeds" in cmp.sentence
 
 
 def test_direction_defaults() -> None:
