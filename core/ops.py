@@ -103,9 +103,14 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of softmax(logits): ``[B, R, V]`` -> ``[B, R]`` (fp32)."""
+    """Per-position entropy of softmax(logits): ``[B, R, V]`` -> ``[B, R]`` (fp32).
+
+    Tokens with probability 0 (logit -inf: a masked vocabulary entry) contribute 0 (as
+    ``0 log 0 = 0``), and so does their gradient, instead of ``0 * -inf = NaN``.
+    """
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    finite_logp = logp.clamp(min=torch.finfo(logp.dtype).min)
+    return -(logp.exp() * finite_logp).sum(-1)
 
 
 # --------------------------------------------------------------------------- policy-gradient ops

@@ -246,3 +246,38 @@ def test_approx_kl_and_clip_fractions_golden():
     assert fracs["actor/clipfrac_low"].item() == pytest.approx(0.5)
     assert fracs["actor/clipfrac_high"].item() == pytest.approx(0.0)
     assert fracs["actor/clipfrac"].item() == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------- from logits
+
+
+def test_entropy_and_logprobs_from_logits_golden():
+    logits = torch.tensor([[[0.0, math.log(3.0)], [5.0, 5.0]]])  # p = [1/4, 3/4] and [1/2, 1/2]
+    entropy = ops.entropy_from_logits(logits)
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert entropy.flatten().tolist() == pytest.approx([h, math.log(2.0)], abs=1e-6)
+    logprobs = ops.logprobs_from_logits(logits, torch.tensor([[1, 0]]))
+    assert logprobs.flatten().tolist() == pytest.approx([math.log(0.75), math.log(0.5)], abs=1e-6)
+
+
+def test_entropy_ignores_masked_vocabulary_entries_and_stays_differentiable():
+    # A vocabulary entry masked to -inf has probability 0: it adds nothing, and no NaN.
+    logits = torch.tensor([[[0.0, float("-inf"), math.log(3.0)]]], requires_grad=True)
+    entropy = ops.entropy_from_logits(logits)
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert entropy.item() == pytest.approx(h, abs=1e-6)
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    assert logits.grad[0, 0, 1].item() == 0.0
+
+
+def test_masked_whiten_and_var_use_only_real_entries():
+    values = torch.tensor([[1.0, 3.0, 100.0], [5.0, -50.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # real entries 1, 3, 5: mean 3, unbiased variance ((-2)^2 + 0 + 2^2) / 2 = 4
+    assert ops.masked_var(values, mask).item() == pytest.approx(4.0)
+    assert ops.masked_var(values, mask, unbiased=False).item() == pytest.approx(8.0 / 3)
+    whitened = ops.masked_whiten(values, mask, eps=0.0)
+    assert whitened.flatten().tolist() == pytest.approx([-1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    scaled = ops.masked_whiten(values, mask, shift_mean=False, eps=0.0)
+    assert scaled.flatten().tolist() == pytest.approx([0.5, 1.5, 0.0, 2.5, 0.0, 0.0])
