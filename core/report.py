@@ -167,7 +167,7 @@ class ArmRow:
     arm: str
     finished: int
     total: int
-    final: list[float]
+    final: list[float]  # one value per finished run that has the metric
     summary: stats.Summary | None
     start_value: float | None
     best_step: int | None
@@ -186,8 +186,10 @@ def final_value(run: RunData, key: str) -> float | None:
     return None
 
 
-def arm_row(arm: str, runs: list[RunData], key: str, higher: bool) -> ArmRow:
-    """Summarise an arm's finished runs."""
+def arm_row(
+    arm: str, runs: list[RunData], key: str, higher: bool, planned: int | None = None
+) -> ArmRow:
+    """Summarise an arm's finished runs (``planned``: the runs the experiment asks for)."""
     done = [r for r in runs if r.status == "finished"]
     finals = [(r, final_value(r, key)) for r in done]
     values = [v for _, v in finals if v is not None]
@@ -214,7 +216,7 @@ def arm_row(arm: str, runs: list[RunData], key: str, higher: bool) -> ArmRow:
     return ArmRow(
         arm=arm,
         finished=len(done),
-        total=len(runs),
+        total=max(planned or 0, len(runs)),
         final=values,
         summary=stats.mean_ci(values) if values else None,
         start_value=start_value,
@@ -441,7 +443,8 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     )
 
     # Arms table.
-    rows = {arm: arm_row(arm, runs_of[arm], key, higher) for arm in arms}
+    planned = len(spec.seeds) if spec is not None else None
+    rows = {arm: arm_row(arm, runs_of[arm], key, higher, planned) for arm in arms}
     blocks.append(Block("h2", "Arms"))
     blocks.append(
         Block(
@@ -459,7 +462,8 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
             rows=[
                 [
                     arm + (" (baseline)" if arm == baseline else ""),
-                    f"{r.finished}/{r.total}",
+                    f"{r.finished}/{r.total}"
+                    + (f" ({len(r.final)} with {key})" if len(r.final) != r.finished else ""),
                     fmt(r.start_value),
                     fmt_summary(r.summary),
                     "n/a" if r.best_step is None else f"{r.best_step} ({fmt(r.best_value)})",
@@ -492,7 +496,8 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
         values = rows[arm].final
         if not values or not base_values:
             missing = arm if not values else baseline
-            sentences.append(f"{arm}: no comparison yet ({missing} has no finished run).")
+            why = "no finished run" if not rows[missing].finished else f"no finished run with {key}"
+            sentences.append(f"{arm}: no comparison yet ({missing} has {why}).")
             continue
         c = stats.compare(
             base_values, values, arm=arm, baseline=baseline, metric=key, higher_is_better=higher
@@ -534,11 +539,14 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks.append(
         Block(
             "p",
-            "Difference: arm minus baseline. The verdict uses the exact permutation test when it "
-            "can reach p < 0.05 at these seed counts, and Welch's t-test otherwise (2 or 3 seeds "
-            "per arm). The bootstrap CI resamples each arm's seeds independently (10,000 "
-            "resamples, fixed seed). Seeds to detect: per arm, for a two-sided t-test at "
-            "α = 0.05 with 80% power, taking the observed difference and spread as the truth.",
+            "Difference: arm minus baseline. The verdict uses the permutation test (exact up to "
+            "9,999 splits of the seeds, Monte Carlo beyond) when it can reach p < 0.05 at these "
+            "seed counts, and Welch's t-test otherwise (2 or 3 seeds per arm). The bootstrap CI "
+            "resamples each arm's seeds independently (10,000 resamples, fixed seed); with few "
+            "seeds it is narrower than the truth (it only reuses the values seen), so it can "
+            "exclude 0 where the test detects nothing: the verdict follows the test. Seeds to "
+            "detect: per arm, for a two-sided t-test at α = 0.05 with 80% power, taking the "
+            "observed difference and spread as the truth.",
         )
     )
 

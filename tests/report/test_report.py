@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 from pathlib import Path
@@ -174,3 +175,24 @@ def test_missing_folder_is_a_user_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match=r"no experiment\.yaml"):
         write_report(tmp_path / "empty")
+
+
+def test_finished_runs_without_the_metric_are_counted_apart(experiment_dir: Builder) -> None:
+    import shutil
+
+    root = experiment_dir(finals={"base": BASE[:3], "other": WORSE[:3], "blind": WORSE[:3]})
+    # other/seed-2 finished but its evaluations lack the metric; blind has none at all.
+    for run in [root / "other" / "seed-2", *(root / "blind").iterdir()]:
+        rows = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+        (run / "eval.jsonl").write_text(
+            "".join(json.dumps({"step": r["step"], "eval/score": 0.5}) + "\n" for r in rows)
+        )
+    # base/seed-2 has not started: no folder, yet the experiment asks for it.
+    shutil.rmtree(root / "base" / "seed-2")
+    write_report(root)
+    md = (root / "report.md").read_text()
+    assert table_row(md, "Arms", "base (baseline)")[1] == "2/3"
+    assert table_row(md, "Arms", "other")[1] == "3/3 (2 with eval/exact_match)"
+    cmp = table_row(md, "Against the baseline (base)", "other")
+    assert float(cmp[1]) == pytest.approx(np.mean(WORSE[:2]) - np.mean(BASE[:2]), abs=1e-4)
+    assert "blind: no comparison yet (blind has no finished run with eval/exact_match)" in md
