@@ -94,17 +94,37 @@ def place_roles(pm: Any, roles: list[str]) -> dict[str, str]:
     return dict(placed)
 
 
-def total_optimizer_steps(spec: ExperimentSpec, arm: ArmSpec) -> int | None:
-    """Optimizer steps the budget allows (None for a wall-clock budget): for lr schedules."""
+def step_sizes(arm: ArmSpec, data: str = "online", online: bool = True) -> tuple[int, int]:
+    """(samples a step counts towards the budget, samples it trains on at most).
+
+    Online: ``prompts x samples_per_prompt`` are sampled; preference pairs keep at most two
+    samples per prompt. Offline: a preference row is two samples, an unpaired row one.
+    """
     cfg = arm.training
-    per_step = cfg.prompts_per_step * cfg.samples_per_prompt
+    if online:
+        sampled = cfg.prompts_per_step * cfg.samples_per_prompt
+        return sampled, 2 * cfg.prompts_per_step if data == "preference" else sampled
+    rows = cfg.prompts_per_step * (2 if data == "preference" else 1)
+    return rows, rows
+
+
+def total_optimizer_steps(
+    spec: ExperimentSpec, arm: ArmSpec, data: str = "online", online: bool = True
+) -> int | None:
+    """Optimizer steps the budget allows (None for a wall-clock budget): for lr schedules.
+
+    ``data`` is the algorithm's data mode and ``online`` whether the arm samples its batches.
+    """
+    cfg = arm.training
+    counted, trained = step_sizes(arm, data, online)
     steps = spec.budget.steps
     if steps is None and spec.budget.samples is not None:
-        steps = math.ceil(spec.budget.samples / per_step)
+        steps = math.ceil(spec.budget.samples / counted)
     if steps is None:
         return None
-    minibatch = cfg.minibatch_size or per_step
-    return steps * cfg.epochs * max(1, math.ceil(per_step / minibatch))
+    unit = 2 if data == "preference" else 1  # pairs are never split (trainer._split)
+    per_minibatch = max(1, (cfg.minibatch_size or trained) // unit)
+    return steps * cfg.epochs * max(1, math.ceil(trained // unit / per_minibatch))
 
 
 def assemble(
@@ -167,7 +187,7 @@ def assemble(
         critic=run.critic,
         optimizer=optimizer,
         scheduler=build_scheduler(
-            optimizer, arm_spec.training, total_optimizer_steps(spec, arm_spec)
+            optimizer, arm_spec.training, total_optimizer_steps(spec, arm_spec, req.data, online)
         ),
         cfg=arm_spec.training,
         requirements=req,

@@ -64,6 +64,22 @@ def critic_forward(
     return out[:, prompt_len - 1 : prompt_len + resp_len - 1, 0].float()
 
 
+@contextlib.contextmanager
+def evaluating(model: Any) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) for the block; its previous mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def mismatch_partners(size: int) -> list[int]:
+    """KTO's mismatched pairs: sample ``i`` is paired with the response of ``(i + 1) mod B``."""
+    return [(i + 1) % size for i in range(size)]
+
+
 def mismatched_view(batch: RolloutBatch, other: RolloutBatch) -> RolloutBatch:
     """Prompt ``i`` of ``batch`` with the response of ``other``'s sample ``i`` (KTO's z0 pairs)."""
     return RolloutBatch(

@@ -13,6 +13,8 @@ from typing import Any
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.forward import (
     critic_forward,
+    evaluating,
+    mismatch_partners,
     mismatched_view,
     no_grad_map,
     policy_forward,
@@ -20,30 +22,24 @@ from alignzoo.engine.forward import (
 )
 
 
-def mismatch_partners(size: int) -> list[int]:
-    """KTO's mismatched pairs: sample ``i`` is paired with the response of ``(i + 1) mod B``."""
-    return [(i + 1) % size for i in range(size)]
-
-
 def prepare(engine: Any, batch: RolloutBatch, generated: bool) -> RolloutBatch:
     """Fill old_logprobs (sampled batches), ref_logprobs, values and mismatched_ref_logprobs."""
     run, ac = engine.run, engine.autocast
     micro = engine.arm.training.micro_batch_size
     if generated:
-        was_training = run.actor.training
-        run.actor.eval()
-        batch.old_logprobs = no_grad_map(
-            lambda b: policy_forward(run.actor, b, autocast=ac)[0], batch, micro
-        )
-        run.actor.train(was_training)
+        with evaluating(run.actor):
+            batch.old_logprobs = no_grad_map(
+                lambda b: policy_forward(run.actor, b, autocast=ac)[0], batch, micro
+            )
     if run.reference is not None:
         batch.ref_logprobs = no_grad_map(
             lambda b: policy_forward(run.reference, b, autocast=ac)[0], batch, micro
         )
     if run.critic is not None:
-        batch.values = no_grad_map(
-            lambda b: critic_forward(run.critic, b, autocast=ac), batch, micro
-        )
+        with evaluating(run.critic):  # values without dropout, like the behaviour log-probs
+            batch.values = no_grad_map(
+                lambda b: critic_forward(run.critic, b, autocast=ac), batch, micro
+            )
     return batch
 
 
@@ -55,9 +51,10 @@ def prepare_mismatched(engine: Any, batch: RolloutBatch) -> RolloutBatch:
     run = engine.run
     view = mismatched_view(batch, batch.select(mismatch_partners(batch.size)))
     scorer = run.reference if run.reference is not None else run.actor
-    batch.mismatched_ref_logprobs = no_grad_map(
-        lambda b: sequence_logprob(scorer, b, engine.autocast),
-        view,
-        engine.arm.training.micro_batch_size,
-    )
+    with evaluating(scorer):
+        batch.mismatched_ref_logprobs = no_grad_map(
+            lambda b: sequence_logprob(scorer, b, engine.autocast),
+            view,
+            engine.arm.training.micro_batch_size,
+        )
     return batch

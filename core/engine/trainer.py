@@ -15,6 +15,7 @@ from alignzoo.batch import PolicyOutputs, RolloutBatch
 from alignzoo.engine.forward import (
     AutocastFactory,
     critic_forward,
+    mismatch_partners,
     mismatched_view,
     policy_forward,
     sequence_logprob,
@@ -77,11 +78,12 @@ class Learner:
     seed: int
 
 
-def _units(batch: RolloutBatch, paired: bool) -> list[list[int]]:
-    """Indivisible index groups: pairs for preference data (kept together), else single samples."""
+def _units(size: int, paired: bool) -> list[list[int]]:
+    """Indivisible index groups of ``range(size)``: pairs for preference data (kept together),
+    else single samples."""
     if paired:
-        return [[i, i + 1] for i in range(0, batch.size, 2)]
-    return [[i] for i in range(batch.size)]
+        return [[i, i + 1] for i in range(0, size, 2)]
+    return [[i] for i in range(size)]
 
 
 def _split(units: list[list[int]], size: int) -> list[list[int]]:
@@ -104,33 +106,45 @@ def micro_step(
         values = critic_forward(learner.critic, mb, autocast=learner.autocast)
         outputs.values = values.to(logprobs.device)  # the critic may sit on another device
     if req.mismatched_pairs:
-        partner = [(i + 1) % step_batch.size for i in index]
+        partners = mismatch_partners(step_batch.size)
+        partner = [partners[i] for i in index]
         view = mismatched_view(mb, step_batch.select(partner))
         outputs.mismatched_logprobs = sequence_logprob(learner.actor, view, learner.autocast)
     device = logprobs.device
     result = learner.pm.hook.compute_loss(batch=mb.to(device), outputs=outputs)
     if result is None:
         raise RunError(f"algorithm {learner.algorithm_name!r} returned no loss")
+    loss = result.loss
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+        got = (
+            f"a tensor of shape {list(loss.shape)}, requires_grad={loss.requires_grad}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise RunError(
+            f"algorithm {learner.algorithm_name!r}: compute_loss must return a scalar tensor "
+            f"that depends on outputs.logprobs; got {got}"
+        )
     metrics = {k: float(v) for k, v in result.metrics.items()}
     if entropy is not None and "entropy" not in metrics:
         metrics["entropy"] = float(masked_mean(entropy.detach(), mb.response_mask.to(device)))
-    return result.loss, metrics
+    return loss, metrics
 
 
 def update(learner: Learner, batch: RolloutBatch, step: int) -> dict[str, float]:
-    """Train on one step's batch; returns the metrics averaged over micro-batches / opt steps."""
+    """Train on one step's batch; returns the metrics averaged over micro-batches / opt steps.
+
+    ``lr`` is the learning rate the step's optimizer steps used (averaged over them).
+    """
     cfg = learner.cfg
     paired = learner.requirements.data == "preference"
-    units = _units(batch, paired)
+    units = _units(batch.size, paired)
     minibatch = cfg.minibatch_size or batch.size
     sums: dict[str, list[float]] = defaultdict(list)
     generator = torch.Generator().manual_seed(abs(learner.seed) * 100_003 + step)
-    actor_params = learner.optimizer.param_groups[0]["params"]
-    critic_params = (
-        learner.optimizer.param_groups[1]["params"]
-        if len(learner.optimizer.param_groups) > 1
-        else []
-    )
+    groups = learner.optimizer.param_groups
+    actor_params = groups[0]["params"]
+    critic_params = groups[1]["params"] if len(groups) > 1 else []
     learner.actor.train()
     for epoch in range(cfg.epochs):
         order = units
@@ -138,8 +152,7 @@ def update(learner: Learner, batch: RolloutBatch, step: int) -> dict[str, float]
             order = [units[i] for i in torch.randperm(len(units), generator=generator).tolist()]
         for mb_index in _split(order, minibatch):
             learner.optimizer.zero_grad(set_to_none=True)
-            mb_units = _units(batch.select(mb_index), paired)
-            for micro in _split(mb_units, cfg.micro_batch_size):
+            for micro in _split(_units(len(mb_index), paired), cfg.micro_batch_size):
                 index = [mb_index[i] for i in micro]
                 loss, metrics = micro_step(learner, batch, index)
                 if not torch.isfinite(loss.detach()).all():
@@ -152,14 +165,21 @@ def update(learner: Learner, batch: RolloutBatch, step: int) -> dict[str, float]
                 sums["loss"].append(float(loss.detach()))
                 for k, v in metrics.items():
                     sums[k].append(v)
-            sums["actor/grad_norm"].append(_clip(actor_params, cfg.max_grad_norm))
+            norms = {"actor": _clip(actor_params, cfg.max_grad_norm)}
             if critic_params:
-                sums["critic/grad_norm"].append(_clip(critic_params, cfg.max_grad_norm))
+                norms["critic"] = _clip(critic_params, cfg.max_grad_norm)
+            for role, norm in norms.items():
+                if not math.isfinite(norm):  # stepping would write NaN into the weights
+                    raise RunError(
+                        f"step {step}: the {role}'s gradient norm is {norm} (algorithm "
+                        f"{learner.algorithm_name!r}, epoch {epoch}); stopping before the "
+                        "optimizer step (the last checkpoint is kept)"
+                    )
+                sums[f"{role}/grad_norm"].append(norm)
+            sums["lr"].append(float(groups[0]["lr"]))
             learner.optimizer.step()
             learner.scheduler.step()
-    out = {k: sum(v) / len(v) for k, v in sums.items()}
-    out["lr"] = float(learner.optimizer.param_groups[0]["lr"])
-    return out
+    return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:

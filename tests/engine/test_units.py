@@ -5,19 +5,21 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
 
 from alignzoo.batch import RolloutBatch
+from alignzoo.engine.assemble import total_optimizer_steps
 from alignzoo.engine.checkpoint import TrainingState, latest_checkpoint, truncate_jsonl
 from alignzoo.engine.prepare import mismatch_partners
 from alignzoo.engine.rollout import label_desirable, pair_by_score
 from alignzoo.engine.sampler import PromptSampler
 from alignzoo.engine.train import budget_spent
 from alignzoo.engine.trainer import _split, _units, lr_factor
-from alignzoo.schema import Budget
+from alignzoo.schema import ArmSpec, Budget, ComponentRef, TrainingConfig
 
 
 def _dataset(n: int) -> datasets.Dataset:
@@ -89,11 +91,40 @@ def test_mismatched_partner_is_the_next_sample() -> None:
 
 
 def test_minibatches_keep_preference_pairs_together() -> None:
-    batch = _batch([0.0] * 6, [0, 0, 1, 1, 2, 2])
-    units = _units(batch, paired=True)
+    units = _units(6, paired=True)
     assert units == [[0, 1], [2, 3], [4, 5]]
     assert _split(units, 3) == [[0, 1], [2, 3], [4, 5]]  # 3 samples -> one pair per micro-batch
-    assert _split(_units(batch, paired=False), 4) == [[0, 1, 2, 3], [4, 5]]
+    assert _split(units, 4) == [[0, 1, 2, 3], [4, 5]]
+    assert _split(_units(6, paired=False), 4) == [[0, 1, 2, 3], [4, 5]]
+
+
+def _arm(**training) -> ArmSpec:
+    base = {"prompts_per_step": 8, "samples_per_prompt": 4}
+    return ArmSpec(
+        algorithm=ComponentRef(name="x"), training=TrainingConfig(**{**base, **training})
+    )
+
+
+def _spec(budget: Budget) -> SimpleNamespace:
+    return SimpleNamespace(budget=budget)
+
+
+def test_scheduler_length_counts_the_optimizer_steps_each_data_mode_takes() -> None:
+    steps = _spec(Budget(steps=10))
+    # online: 8 x 4 = 32 samples; minibatches of 8 -> 4 optimizer steps per step, x 2 epochs
+    assert total_optimizer_steps(steps, _arm(minibatch_size=8, epochs=2)) == 80
+    # online pairs: at most 8 pairs = 16 samples; minibatches of 8 -> 2 per step
+    assert total_optimizer_steps(steps, _arm(minibatch_size=8), "preference", True) == 20
+    # offline preference: 8 rows = 16 samples -> 2 per step; offline unpaired: 8 samples -> 1
+    assert total_optimizer_steps(steps, _arm(minibatch_size=8), "preference", False) == 20
+    assert total_optimizer_steps(steps, _arm(minibatch_size=8), "unpaired", False) == 10
+    # odd minibatch with pairs: 5 samples hold 2 pairs -> 8 pairs take 4 optimizer steps
+    assert total_optimizer_steps(steps, _arm(minibatch_size=5), "preference", False) == 40
+    # a sample budget counts what each mode counts: offline preference 16 per step
+    samples = _spec(Budget(samples=160))
+    assert total_optimizer_steps(samples, _arm(), "preference", False) == 10
+    assert total_optimizer_steps(samples, _arm()) == 5  # online: 32 per step
+    assert total_optimizer_steps(_spec(Budget(wall_clock_s=5)), _arm()) is None
 
 
 def test_lr_schedules() -> None:
