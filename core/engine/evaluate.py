@@ -12,9 +12,8 @@ from typing import Any
 
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.labeling import label
-from alignzoo.engine.rollout import generate, split_rows
+from alignzoo.engine.rollout import generate, split_rows, task_correct
 from alignzoo.types import SamplingParams
-from alignzoo.world.task import is_correct
 
 EVAL_CHUNK = 128
 
@@ -27,11 +26,10 @@ def eval_rows(dataset: Any, num_prompts: int | None) -> list[dict[str, Any]]:
 
 
 def _correct(batch: RolloutBatch) -> list[bool] | None:
+    """The task's check per sample, or None when the eval data has no ``answer`` column."""
     if not batch.extras or "answer" not in batch.extras[0]:
         return None
-    return [
-        is_correct(r, str(e["answer"])) for r, e in zip(batch.responses, batch.extras, strict=True)
-    ]
+    return task_correct(batch)
 
 
 def _sample(pm: Any, rows: list[dict[str, Any]], n: int, sampling: SamplingParams) -> RolloutBatch:

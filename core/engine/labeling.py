@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from alignzoo.batch import RolloutBatch
-from alignzoo.errors import RunError
+from alignzoo.errors import RunError, UserError
 from alignzoo.types import LabelRequest, Score
 
 
@@ -27,13 +27,24 @@ def score_requests(pm: Any, requests: list[LabelRequest]) -> list[Score]:
     """Call the labeler on ``requests`` and check that it answered one Score per request."""
     if not requests:
         return []
-    scores = pm.hook.score_batch(requests=requests)
+    try:
+        scores = pm.hook.score_batch(requests=requests)
+    except (UserError, RunError):
+        raise
+    except Exception as exc:  # name the stage: a bare traceback from a plugin says little
+        raise RunError(f"the labeler failed: {type(exc).__name__}: {exc}") from exc
     if scores is None or len(scores) != len(requests):
         got = "nothing" if scores is None else f"{len(scores)} scores"
         raise RunError(f"the labeler returned {got} for {len(requests)} responses")
     for i, s in enumerate(scores):
         if not isinstance(s, Score):
             raise RunError(f"the labeler returned {type(s).__name__} for response {i}, not a Score")
+        try:
+            float(s.value)
+        except (TypeError, ValueError):
+            raise RunError(
+                f"the labeler returned Score(value={s.value!r}) for response {i}; expected a number"
+            ) from None
     return list(scores)
 
 

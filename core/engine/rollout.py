@@ -14,6 +14,7 @@ import torch
 from alignzoo.batch import RolloutBatch
 from alignzoo.errors import RunError
 from alignzoo.types import SamplingParams
+from alignzoo.world.task import is_correct
 
 PROMPT_COLUMN = "prompt"
 
@@ -38,7 +39,46 @@ def generate(
         raise RunError(f"the backend returned {batch.size} samples for {len(prompts)} x {n}")
     if not batch.extras:
         batch.extras = [dict(e) for e in extras for _ in range(n)]
+    check_layout(batch, n)
     return batch
+
+
+def check_layout(batch: RolloutBatch, n: int) -> None:
+    """Raise a RunError naming the field when a backend's batch breaks the ``generate`` contract
+    (shapes that disagree, texts of the wrong length, groups not ``i // n``)."""
+    b = batch.size
+    shapes = {
+        "prompt_mask": (batch.prompt_mask, tuple(batch.prompt_ids.shape)),
+        "response_mask": (batch.response_mask, tuple(batch.response_ids.shape)),
+        "old_logprobs": (batch.old_logprobs, tuple(batch.response_ids.shape)),
+        "group_ids": (batch.group_ids, (b,)),
+    }
+    for name, (tensor, expected) in shapes.items():
+        if tensor is not None and tuple(tensor.shape) != expected:
+            raise RunError(
+                f"the backend's batch: {name} has shape {list(tensor.shape)}, "
+                f"expected {list(expected)}"
+            )
+    if batch.prompt_ids.shape[0] != b:
+        raise RunError(
+            f"the backend's batch: prompt_ids has {batch.prompt_ids.shape[0]} rows for {b}"
+        )
+    for name in ("prompts", "responses", "extras"):
+        if len(getattr(batch, name)) != b:
+            raise RunError(
+                f"the backend's batch: {name} has {len(getattr(batch, name))} items for {b} samples"
+            )
+    if not torch.equal(batch.group_ids.cpu(), torch.arange(b) // n):
+        raise RunError("the backend's batch: group_ids must be i // n (samples grouped by prompt)")
+
+
+def task_correct(batch: RolloutBatch) -> list[bool]:
+    """Per sample: the response states the ``answer`` column of its row (False without one)."""
+    extras = batch.extras or [{} for _ in range(batch.size)]
+    return [
+        "answer" in e and is_correct(r, str(e["answer"]))
+        for r, e in zip(batch.responses, extras, strict=True)
+    ]
 
 
 # ------------------------------------------------------------------ online preference data
@@ -85,7 +125,7 @@ def label_desirable(batch: RolloutBatch, correct: list[bool]) -> RolloutBatch:
 
 
 def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[list[int]]:
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tokenizer(t, add_special_tokens=special)["input_ids"] for t in texts]
 
 
 def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,12 +18,12 @@ from alignzoo.engine.rollout import (
     pair_by_score,
     preference_batch,
     split_rows,
+    task_correct,
     unpaired_batch,
 )
 from alignzoo.engine.trainer import update
 from alignzoo.ops import masked_mean
 from alignzoo.registry import chain_transform_batch
-from alignzoo.world.task import is_correct
 
 SAMPLES_PER_STEP = 4
 OFFLINE_MAX_TOKENS = 512
@@ -46,13 +46,6 @@ def _reward_stats(batch: RolloutBatch) -> dict[str, float]:
         "reward/std": float(batch.scores.std(unbiased=False)),
         "reward/valid_frac": float(batch.score_valid.float().mean()),
     }
-
-
-def _correct(batch: RolloutBatch) -> list[bool]:
-    return [
-        "answer" in e and is_correct(r, str(e["answer"]))
-        for r, e in zip(batch.responses, batch.extras, strict=True)
-    ]
 
 
 def _sample_rows(batch: RolloutBatch, step: int) -> list[dict[str, Any]]:
@@ -103,7 +96,7 @@ def collect(engine: Any, step: int, result: StepResult) -> RolloutBatch | None:
         m["batch/pairs"] = 0.0 if pairs is None else float(pairs.size // 2)
         return pairs
     if engine.requirements.data == "unpaired":
-        batch = label_desirable(batch, _correct(batch))
+        batch = label_desirable(batch, task_correct(batch))
         assert batch.labels is not None
         m["batch/desirable_frac"] = float(batch.labels.mean())
     return batch
@@ -115,10 +108,11 @@ def train_step(engine: Any, step: int) -> StepResult:
     result = StepResult()
     batch = collect(engine, step, result)
     m = result.metrics
+    t = time.perf_counter()
     if batch is not None:  # online DPO with no untied group has nothing to learn from
-        t = time.perf_counter()
         batch = prepare(engine, batch, generated=engine.online)
         batch = chain_transform_batch(engine.pm, batch, engine.run)
+    if batch is not None and batch.size > 0:  # a transform may filter every sample out
         batch = prepare_mismatched(engine, batch)
         batch = engine.pm.hook.compute_advantages(batch=batch) or batch
         m.update(update(engine.learner, batch, step))

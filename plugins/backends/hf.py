@@ -60,8 +60,15 @@ class HFBackend(Backend):
     # ------------------------------------------------------------------ lifecycle
     @hookimpl
     def on_run_start(self, run: Any) -> None:
+        rollout, actor = run.device("rollout"), run.device("actor")
+        if rollout != actor:
+            raise UserError(
+                f"devices: the hf backend samples with the actor's own module, so role 'rollout' "
+                f"must be on the actor's device ({actor}), not {rollout}; leave rollout unset or "
+                f"set it to {actor}"
+            )
         self.tokenizer = run.tokenizer
-        self.device = run.device("rollout")
+        self.device = rollout
         if self.model is None and getattr(run, "actor", None) is not None:
             self.model = run.actor
 

@@ -1,0 +1,213 @@
+"""The update and scoring stages on a tiny untrained model (no warm start): log-prob alignment
+with the sampler, gradient accumulation, non-finite gradients, the lr metric, contract checks."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from alignzoo.batch import RolloutBatch
+from alignzoo.engine.forward import evaluating, no_autocast, policy_forward
+from alignzoo.engine.labeling import label
+from alignzoo.engine.rollout import check_layout, tokenized_batch
+from alignzoo.engine.trainer import Learner, build_scheduler, update
+from alignzoo.errors import RunError, UserError
+from alignzoo.ops import aggregate_loss
+from alignzoo.plugins.backends.hf import HFBackend
+from alignzoo.schema import EmbeddedModelConfig, TrainingConfig
+from alignzoo.types import AlgorithmRequirements, LossOutput, SamplingParams, Score
+from alignzoo.world.model import build_model
+from alignzoo.world.tokenizer import build_tokenizer
+
+TINY = EmbeddedModelConfig(
+    hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, sft_steps=0, seed=3
+)
+PROMPTS = ["12+7=", "3+45=", "1+1=", "100+250="]  # different lengths: left padding matters
+
+
+@pytest.fixture(scope="module")
+def world() -> tuple[object, object]:
+    tokenizer = build_tokenizer()
+    return build_model(TINY, tokenizer), tokenizer
+
+
+def _sampled(model, tokenizer, n: int = 2) -> RolloutBatch:
+    backend = HFBackend({"max_batch_size": 3})
+    backend.on_run_start(
+        SimpleNamespace(tokenizer=tokenizer, device=lambda role: "cpu", actor=model)
+    )
+    torch.manual_seed(0)
+    return backend.generate(PROMPTS, [], n, SamplingParams(max_new_tokens=6))
+
+
+def test_training_logprobs_are_the_samplers_logprobs(world) -> None:
+    """policy_forward reads the logits of the token *before* each response token: it must give
+    the log-probs the backend recorded while sampling (off by one position, it would not)."""
+    model, tokenizer = world
+    batch = _sampled(model, tokenizer)
+    with evaluating(model), torch.no_grad():
+        logprobs, _ = policy_forward(model, batch)
+    torch.testing.assert_close(
+        logprobs * batch.response_mask, batch.old_logprobs, atol=1e-4, rtol=0
+    )
+
+
+def _learner(model, cfg: TrainingConfig, loss_fn, paired: bool = False) -> Learner:
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+
+    def compute_loss(batch, outputs):
+        return LossOutput(loss_fn(batch, outputs), {})
+
+    return Learner(
+        pm=SimpleNamespace(hook=SimpleNamespace(compute_loss=compute_loss)),
+        actor=model,
+        critic=None,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg, None),
+        cfg=cfg,
+        requirements=AlgorithmRequirements(
+            reference=False, critic=False, data="preference" if paired else "online"
+        ),
+        autocast=no_autocast,
+        algorithm_name="test_algo",
+        seed=0,
+    )
+
+
+def _seq_mean_nll(batch, outputs):
+    return aggregate_loss(-outputs.logprobs, batch.response_mask, "seq-mean-token-mean")
+
+
+def _params(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_gradient_accumulation_matches_one_full_batch_step(world) -> None:
+    model, tokenizer = world
+    batch = _sampled(model, tokenizer)  # 8 samples of varied lengths
+    start = _params(model)
+    deltas = []
+    for micro in (8, 2, 3):  # one forward; four; three of uneven sizes (3, 3, 2)
+        m = copy.deepcopy(model)
+        cfg = TrainingConfig(lr=1.0, micro_batch_size=micro, max_grad_norm=None)
+        update(_learner(m, cfg, _seq_mean_nll), batch, step=1)
+        deltas.append(_params(m) - start)
+    assert deltas[0].abs().max() > 0
+    torch.testing.assert_close(deltas[1], deltas[0], atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(deltas[2], deltas[0], atol=1e-6, rtol=1e-4)
+
+
+def test_minibatches_and_epochs_give_one_optimizer_step_each(world) -> None:
+    model, tokenizer = world
+    batch = _sampled(model, tokenizer)
+    cfg = TrainingConfig(lr=0.0, micro_batch_size=2, minibatch_size=4, epochs=3)
+    seen: list[int] = []
+
+    def counting(batch, outputs):
+        seen.append(batch.size)
+        return _seq_mean_nll(batch, outputs)
+
+    learner = _learner(copy.deepcopy(model), cfg, counting)
+    update(learner, batch, step=1)
+    assert learner.scheduler.last_epoch == 3 * 2  # 3 epochs x 2 minibatches of 4
+    assert seen == [2] * 12  # every sample once per epoch, in micro-batches of 2
+
+
+def test_the_lr_metric_is_the_lr_the_step_used(world) -> None:
+    model, tokenizer = world
+    batch = _sampled(model, tokenizer)
+    cfg = TrainingConfig(lr=1e-3, micro_batch_size=8, warmup_steps=4)
+    learner = _learner(copy.deepcopy(model), cfg, _seq_mean_nll)
+    assert update(learner, batch, step=1)["lr"] == pytest.approx(1e-3 / 4)
+    assert update(learner, batch, step=2)["lr"] == pytest.approx(2e-3 / 4)
+
+
+def test_a_non_finite_gradient_stops_before_the_weights_change(world) -> None:
+    model, tokenizer = world
+    batch = _sampled(model, tokenizer)
+
+    def finite_loss_nan_grad(batch, outputs):
+        return (outputs.logprobs.sum() * 0.0).sqrt()  # value 0, gradient 0 * inf = nan
+
+    m = copy.deepcopy(model)
+    before = _params(m)
+    cfg = TrainingConfig(lr=1.0, micro_batch_size=8)
+    with pytest.raises(RunError, match=r"step 5: the actor's gradient norm is nan.*test_algo"):
+        update(_learner(m, cfg, finite_loss_nan_grad), batch, step=5)
+    assert torch.equal(_params(m), before)
+
+
+def test_a_loss_that_is_not_a_scalar_is_a_clear_error(world) -> None:
+    model, tokenizer = world
+    batch = _sampled(model, tokenizer)
+    cfg = TrainingConfig(lr=1.0, micro_batch_size=8)
+    with pytest.raises(RunError, match=r"scalar tensor.*shape \[8\]"):
+        update(_learner(copy.deepcopy(model), cfg, lambda b, o: -o.logprobs.sum(-1)), batch, 1)
+    with pytest.raises(RunError, match="requires_grad=False"):
+        update(_learner(copy.deepcopy(model), cfg, lambda b, o: torch.tensor(0.0)), batch, 1)
+
+
+def test_offline_prompts_are_encoded_like_the_backend_encodes_them() -> None:
+    calls: list[tuple[str, bool]] = []
+
+    class Tok:
+        eos_token_id, pad_token_id = 1, 0
+
+        def __call__(self, text, add_special_tokens=True):
+            calls.append((text, add_special_tokens))
+            return {"input_ids": ([7] if add_special_tokens else []) + [ord(c) for c in text]}
+
+    batch = tokenized_batch(Tok(), ["ab"], ["c"], [{}], max_new_tokens=8)
+    assert ("ab", True) in calls and ("c", False) in calls  # BOS on prompts, not on responses
+    assert batch.prompt_ids[0].tolist() == [7, ord("a"), ord("b")]
+    assert batch.response_ids[0].tolist() == [ord("c"), 1]
+
+
+def test_a_backend_batch_that_breaks_the_contract_is_named(world) -> None:
+    model, tokenizer = world
+    batch = _sampled(model, tokenizer)
+    check_layout(batch, 2)
+    with pytest.raises(RunError, match="group_ids must be i // n"):
+        check_layout(batch, 4)
+    bad = copy.copy(batch)
+    bad.response_mask = batch.response_mask[:, :-1]
+    with pytest.raises(RunError, match="response_mask has shape"):
+        check_layout(bad, 2)
+    bad = copy.copy(batch)
+    bad.responses = batch.responses[:-1]
+    with pytest.raises(RunError, match="responses has 7 items for 8"):
+        check_layout(bad, 2)
+
+
+def test_a_crashing_or_wrong_labeler_fails_with_a_named_error(world) -> None:
+    model, tokenizer = world
+    batch = _sampled(model, tokenizer)
+
+    def pm(fn):
+        return SimpleNamespace(hook=SimpleNamespace(score_batch=fn))
+
+    with pytest.raises(RunError, match="the labeler failed: KeyError"):
+        label(pm(lambda requests: {}["x"]), batch)
+    with pytest.raises(RunError, match="Score\\(value='high'\\) for response 0"):
+        label(pm(lambda requests: [Score("high") for _ in requests]), batch)  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="fix me"):  # a user error keeps its own message
+        label(pm(lambda requests: (_ for _ in ()).throw(UserError("fix me"))), batch)
+
+
+def test_hf_backend_refuses_a_rollout_device_other_than_the_actors(world) -> None:
+    model, tokenizer = world
+    devices = {"actor": "cpu", "rollout": "cuda:1"}
+    run = SimpleNamespace(tokenizer=tokenizer, device=devices.__getitem__, actor=model)
+    with pytest.raises(UserError, match=r"rollout.*actor's device"):
+        HFBackend().on_run_start(run)
+
+
+def test_evaluating_restores_the_mode(world) -> None:
+    model, _ = world
+    model.train()
+    with evaluating(model):
+        assert not model.training and not any(m.training for m in model.modules())
+    assert model.training
