@@ -96,6 +96,23 @@ def kl_penalty(
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
+def masked_kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: KLEstimator = "k3",
+) -> torch.Tensor:
+    """:func:`kl_penalty` per response token ``[B, R]``, exactly 0 on padding.
+
+    Padding is replaced before the estimator runs, so whatever it holds (even -inf) yields
+    neither a NaN nor a gradient.
+    """
+    mask_b = mask.bool()
+    return kl_penalty(
+        torch.where(mask_b, logprobs, 0.0), torch.where(mask_b, ref_logprobs, 0.0), estimator
+    )
+
+
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[tokens]: ``[B, R, V]`` and ``[B, R]`` -> ``[B, R]`` (computed in fp32)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -132,6 +149,22 @@ def last_token_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     counts = mask_b.long().cumsum(-1)
     is_last = mask_b & (counts == counts[..., -1:])
     return torch.where(is_last, scores.to(torch.float32).unsqueeze(-1), 0.0)
+
+
+def token_level_rewards(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Per-token rewards ``[B, R]``: each score on its last token, minus ``kl_coef * KL_t`` on each.
+
+    r_t = 1[t = T] * score - beta * KL_t   (Ziegler et al. 2019; Ouyang et al. 2022, eq. 2)
+    """
+    rewards = last_token_scores(scores, mask)
+    if kl is not None and kl_coef != 0.0:
+        rewards = rewards - kl_coef * torch.where(mask.bool(), kl.float(), 0.0)
+    return rewards
 
 
 def group_mean_std(
@@ -237,10 +270,8 @@ def approx_kl(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """k3 estimate of KL(pi_old || pi) over the sampled tokens: how far the update has moved."""
-    mask_b = mask.bool()
-    new = torch.where(mask_b, logprobs.detach().float(), 0.0)
-    old = torch.where(mask_b, old_logprobs.float(), 0.0)
-    return masked_mean(kl_penalty(old, new, "k3"), mask)
+    kl = masked_kl_penalty(old_logprobs.float(), logprobs.detach().float(), mask, "k3")
+    return masked_mean(kl, mask)
 
 
 def clipped_policy_loss(
@@ -280,14 +311,9 @@ def policy_diagnostics(
     estimator: KLEstimator = "k3",
 ) -> dict[str, torch.Tensor]:
     """Detached ``kl`` (to the reference, when given) and ``entropy`` means over response tokens."""
-    mask_b = mask.bool()
     metrics: dict[str, torch.Tensor] = {}
     if ref_logprobs is not None:
-        kl = kl_penalty(
-            torch.where(mask_b, logprobs.detach(), 0.0),
-            torch.where(mask_b, ref_logprobs, 0.0),
-            estimator,
-        )
+        kl = masked_kl_penalty(logprobs.detach(), ref_logprobs, mask, estimator)
         metrics["kl"] = masked_mean(kl, mask)
     if entropy is not None:
         metrics["entropy"] = masked_mean(entropy.detach(), mask)

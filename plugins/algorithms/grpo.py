@@ -139,10 +139,7 @@ def grpo_loss(
     loss_mat = pg_mat
     metrics: dict[str, torch.Tensor] = {}
     if ref_logprobs is not None:
-        policy = torch.where(mask_b, logprobs, 0.0)
-        kl_mat = ops.kl_penalty(
-            policy, torch.where(mask_b, ref_logprobs, 0.0), "k3"
-        )  # KL estimator, GRPO eq. 4
+        kl_mat = ops.masked_kl_penalty(logprobs, ref_logprobs, mask, "k3")  # GRPO eq. 4
         metrics["kl"] = ops.masked_mean(kl_mat.detach(), mask)
         if params.beta > 0:
             loss_mat = loss_mat + params.beta * kl_mat  # ... - beta * D_KL(pi || pi_ref)  (eq. 3)

@@ -119,22 +119,6 @@ class AdaptiveKLController:
 # --------------------------------------------------------------------------- pure functions
 
 
-def token_rewards(
-    scores: torch.Tensor,
-    mask: torch.Tensor,
-    kl: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-) -> torch.Tensor:
-    """Per-token rewards ``[B, R]``: the score on the last token minus ``kl_coef * KL_t`` on each.
-
-    R(x, y) = r(x, y) - beta * log(pi(y|x) / pi_ref(y|x))   (Ouyang et al. 2022, eq. 2)
-    """
-    rewards = ops.last_token_scores(scores, mask)
-    if kl is not None and kl_coef != 0.0:
-        rewards = rewards - kl_coef * torch.where(mask.bool(), kl.float(), 0.0)
-    return rewards
-
-
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
@@ -210,8 +194,9 @@ def ppo_loss(
         metrics["entropy"] = ops.masked_mean(entropy.detach(), mask)
 
     if batch.ref_logprobs is not None:
-        ref = torch.where(mask_b, batch.ref_logprobs, 0.0)
-        kl_mat = ops.kl_penalty(logprobs, ref, params.kl_estimator)
+        kl_mat = ops.masked_kl_penalty(
+            outputs.logprobs, batch.ref_logprobs, mask, params.kl_estimator
+        )
         kl = aggregate(kl_mat)
         if params.kl_loss_coef > 0:
             loss = loss + params.kl_loss_coef * kl
@@ -264,13 +249,11 @@ class PPO(Algorithm):
         if p.kl_in_reward and self.kl_ctl.value > 0:
             if batch.ref_logprobs is None:
                 raise UserError("ppo: a KL penalty in the reward needs batch.ref_logprobs")
-            mask_b = mask.bool()
-            kl = ops.kl_penalty(
-                torch.where(mask_b, batch.old_logprobs, 0.0),
-                torch.where(mask_b, batch.ref_logprobs, 0.0),
-                p.kl_estimator,
-            )
-        batch.token_rewards = token_rewards(batch.scores, mask, kl, self.kl_ctl.value)
+            kl = ops.masked_kl_penalty(
+                batch.old_logprobs, batch.ref_logprobs, mask, p.kl_estimator
+            )  # KL_t of the sampled tokens to the reference
+        # R(x, y) = r(x, y) - beta * log(pi(y|x) / pi_ref(y|x))   (Ouyang et al. 2022, eq. 2)
+        batch.token_rewards = ops.token_level_rewards(batch.scores, mask, kl, self.kl_ctl.value)
         advantages, returns = ops.gae(batch.token_rewards, batch.values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
             advantages = ops.masked_whiten(advantages, mask)

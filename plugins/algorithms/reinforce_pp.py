@@ -58,9 +58,7 @@ def reinforce_pp_advantages(
     gamma: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token rewards, returns and batch-normalised advantages, each ``[B, R]``, zero on padding."""
-    rewards = ops.last_token_scores(scores, mask)  # 1[t = T] * score
-    if kl is not None and kl_coef != 0.0:
-        rewards = rewards - kl_coef * torch.where(mask.bool(), kl.float(), 0.0)  # - beta KL_t
+    rewards = ops.token_level_rewards(scores, mask, kl, kl_coef)  # 1[t = T] * score - beta KL_t
     _, returns = ops.gae(
         rewards, torch.zeros_like(rewards), mask, gamma, 1.0
     )  # G_t  (return-to-go)
@@ -94,11 +92,8 @@ class ReinforcePlusPlus(Algorithm):
                 raise UserError(
                     "reinforce_pp: kl_coef > 0 needs batch.old_logprobs and batch.ref_logprobs"
                 )
-            mask_b = mask.bool()
-            kl = ops.kl_penalty(
-                torch.where(mask_b, batch.old_logprobs, 0.0),
-                torch.where(mask_b, batch.ref_logprobs, 0.0),
-                self.params.kl_estimator,
+            kl = ops.masked_kl_penalty(
+                batch.old_logprobs, batch.ref_logprobs, mask, self.params.kl_estimator
             )
         rewards, returns, advantages = reinforce_pp_advantages(
             batch.scores, mask, kl, self.params.kl_coef, self.params.gamma

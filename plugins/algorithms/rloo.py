@@ -96,11 +96,8 @@ class RLOO(Algorithm):
         if self.params.kl_coef > 0:
             if batch.ref_logprobs is None or batch.old_logprobs is None:
                 raise UserError("rloo: kl_coef > 0 needs batch.old_logprobs and batch.ref_logprobs")
-            mask_b = mask.bool()
-            kl = ops.kl_penalty(
-                torch.where(mask_b, batch.old_logprobs, 0.0),
-                torch.where(mask_b, batch.ref_logprobs, 0.0),
-                self.params.kl_estimator,
+            kl = ops.masked_kl_penalty(
+                batch.old_logprobs, batch.ref_logprobs, mask, self.params.kl_estimator
             )
         rewards = sequence_rewards(batch.scores, mask, kl, self.params.kl_coef)
         advantages = leave_one_out_advantages(rewards, batch.group_ids)

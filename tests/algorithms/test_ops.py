@@ -281,3 +281,25 @@ def test_masked_whiten_and_var_use_only_real_entries():
     assert whitened.flatten().tolist() == pytest.approx([-1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
     scaled = ops.masked_whiten(values, mask, shift_mean=False, eps=0.0)
     assert scaled.flatten().tolist() == pytest.approx([0.5, 1.5, 0.0, 2.5, 0.0, 0.0])
+
+
+def test_masked_kl_penalty_is_zero_and_gradient_free_on_padding():
+    mask = torch.tensor([[1.0, 0.0]])
+    logprobs = torch.tensor([[-1.0, float("-inf")]], requires_grad=True)
+    ref = torch.tensor([[-2.0, 0.0]])
+    for estimator in ("k1", "k2", "k3"):
+        kl = ops.masked_kl_penalty(logprobs, ref, mask, estimator)
+        assert kl[0, 1].item() == 0.0
+        assert kl[0, 0].item() == pytest.approx(
+            ops.kl_penalty(logprobs[:, :1], ref[:, :1], estimator).item()
+        )
+        logprobs.grad = None
+        kl.sum().backward()
+        assert torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 1].item() == 0.0
+
+
+def test_token_level_rewards_put_the_score_last_and_the_kl_everywhere():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    kl = torch.tensor([[0.5, -1.0, 9.0], [2.0, 9.0, 9.0]])
+    rewards = ops.token_level_rewards(torch.tensor([1.0, 3.0]), mask, kl, kl_coef=0.1)
+    assert rewards.flatten().tolist() == pytest.approx([-0.05, 1.1, 0.0, 2.8, 0.0, 0.0])
