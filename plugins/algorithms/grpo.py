@@ -56,7 +56,9 @@ class GRPOParams(AggregationParams):
         description="divide centred rewards by the group std, the batch std, or not (Dr. GRPO)",
     )
     importance_ratio: Literal["token", "sequence"] = Field(
-        "token", description="per-token ratio, or GSPO's length-normalised sequence ratio"
+        "token",
+        description="per-token ratio, or GSPO's length-normalised sequence ratio (whose ratios "
+        "stay near 1: the GSPO paper clips at 1 - 3e-4 and 1 + 4e-4, not 0.2)",
     )
     loss_aggregation: LossAggregation = Field(
         "seq-mean-token-mean", description="how per-token losses are reduced (see ops)"
