@@ -12,20 +12,22 @@ one, up to what really differs between the runs (wall-clock and throughput).
 
 from __future__ import annotations
 
-import base64
-import html
 import json
-import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import yaml
-from pydantic import ValidationError
 
 from alignzoo import plots, stats
+from alignzoo.document import Block, render_html, render_markdown
 from alignzoo.errors import UserError
+from alignzoo.runfiles import (
+    SEED_DIR,
+    RunData,
+    find_runs,
+    load_spec,
+    metric_key,
+    number,
+    write_atomic,
+)
 from alignzoo.schema import ExperimentSpec
 
 TRAIN_PLOTS = (
@@ -34,127 +36,6 @@ TRAIN_PLOTS = (
     ("response_length/mean", "response length (tokens)", "train_response_length.png"),
     ("entropy", "policy entropy (nats per token)", "train_entropy.png"),
 )
-
-
-# --------------------------------------------------------------------------- reading
-
-
-@dataclass
-class RunData:
-    """What one arm x seed folder holds."""
-
-    arm: str
-    seed: int
-    path: Path
-    status: str
-    error: str | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    evals: list[dict[str, Any]] = field(default_factory=list)
-    health: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return f"{self.arm}/seed-{self.seed}"
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """JSON lines of a file; a torn last line (a killed writer) is skipped, not an error."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-def by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per step (the last one written wins: a resumed run rewrites steps), by step."""
-    latest: dict[int, dict[str, Any]] = {}
-    for row in rows:
-        if isinstance(row.get("step"), (int, float)):
-            latest[int(row["step"])] = row
-    return [latest[s] for s in sorted(latest)]
-
-
-def read_run(arm: str, seed: int, path: Path) -> RunData:
-    """Read one run folder."""
-    info: dict[str, Any] = {}
-    status_file = path / "status.json"
-    if status_file.exists():
-        try:
-            loaded = json.loads(status_file.read_text(encoding="utf-8"))
-            info = loaded if isinstance(loaded, dict) else {}
-        except json.JSONDecodeError:
-            info = {}
-    metrics = by_step(read_jsonl(path / "metrics.jsonl"))
-    evals = by_step(read_jsonl(path / "eval.jsonl"))
-    status = str(info.get("status") or ("running" if metrics or evals else "pending"))
-    health: dict[tuple[str, int], dict[str, Any]] = {}
-    for row in read_jsonl(path / "health.jsonl"):
-        key = (str(row.get("signal")), int(row.get("step", 0)))
-        health.setdefault(key, row)  # a resumed run may write the same warning twice
-    return RunData(
-        arm=arm,
-        seed=seed,
-        path=path,
-        status=status,
-        error=info.get("error"),
-        info=info,
-        metrics=metrics,
-        evals=evals,
-        health=[health[k] for k in sorted(health, key=lambda k: (k[1], k[0]))],
-    )
-
-
-def load_spec(run_dir: Path) -> ExperimentSpec | None:
-    """The resolved spec the runner wrote, or None if the folder has none."""
-    path = run_dir / "experiment.yaml"
-    if not path.exists():
-        return None
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        return ExperimentSpec.model_validate(data)
-    except (yaml.YAMLError, ValidationError) as exc:
-        raise UserError(f"{path}: not a valid resolved experiment ({exc})") from None
-
-
-_SEED_DIR = re.compile(r"^seed-(-?\d+)$")
-
-
-def find_runs(run_dir: Path, arms: list[str]) -> list[RunData]:
-    """Every run folder of the given arms, ordered by arm then seed."""
-    runs = []
-    for arm in arms:
-        arm_dir = run_dir / arm
-        if not arm_dir.is_dir():
-            continue
-        seeds = []
-        for child in arm_dir.iterdir():
-            match = _SEED_DIR.match(child.name)
-            if match and child.is_dir():
-                seeds.append(int(match.group(1)))
-        runs += [read_run(arm, seed, arm_dir / f"seed-{seed}") for seed in sorted(seeds)]
-    return runs
-
-
-def metric_key(metric: str) -> str:
-    """The eval.jsonl key of the spec's evaluation metric ('exact_match' -> 'eval/exact_match')."""
-    return metric if "/" in metric else f"eval/{metric}"
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
 
 
 # --------------------------------------------------------------------------- numbers
@@ -180,7 +61,7 @@ class ArmRow:
 def final_value(run: RunData, key: str) -> float | None:
     """The metric at the run's last evaluation."""
     for row in reversed(run.evals):
-        value = _num(row.get(key))
+        value = number(row.get(key))
         if value is not None:
             return value
     return None
@@ -197,7 +78,7 @@ def arm_row(
     per_step: dict[int, list[float]] = {}
     for r in done:
         for row in r.evals:
-            value = _num(row.get(key))
+            value = number(row.get(key))
             if value is not None:
                 per_step.setdefault(int(row["step"]), []).append(value)
     first = min(per_step, default=None)
@@ -209,10 +90,10 @@ def arm_row(
             best_step, best_value = step, mean
 
     def mean_of(field_name: str) -> float | None:
-        found = [v for r in done if (v := _num(r.info.get(field_name))) is not None]
+        found = [v for r in done if (v := number(r.info.get(field_name))) is not None]
         return sum(found) / len(found) if found else None
 
-    memory = [m for r in done if (m := _num(r.info.get("peak_memory_mb"))) is not None]
+    memory = [m for r in done if (m := number(r.info.get("peak_memory_mb"))) is not None]
     return ArmRow(
         arm=arm,
         finished=len(done),
@@ -270,95 +151,6 @@ def fmt_summary(summary: stats.Summary | None) -> str:
 # --------------------------------------------------------------------------- document
 
 
-@dataclass
-class Block:
-    """A piece of the report, rendered both as Markdown and as HTML."""
-
-    kind: str  # "h1" | "h2" | "p" | "table" | "ul" | "img"
-    text: str = ""
-    headers: list[str] = field(default_factory=list)
-    rows: list[list[str]] = field(default_factory=list)
-    items: list[str] = field(default_factory=list)
-    path: str = ""
-
-
-def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def render_markdown(blocks: list[Block]) -> str:
-    out: list[str] = []
-    for b in blocks:
-        if b.kind == "h1":
-            out.append(f"# {b.text}")
-        elif b.kind == "h2":
-            out.append(f"## {b.text}")
-        elif b.kind == "p":
-            out.append(b.text)
-        elif b.kind == "ul":
-            out.append("\n".join(f"- {item}" for item in b.items))
-        elif b.kind == "table":
-            lines = ["| " + " | ".join(_md_cell(h) for h in b.headers) + " |"]
-            lines.append("|" + "|".join("---" for _ in b.headers) + "|")
-            lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in b.rows]
-            out.append("\n".join(lines))
-        elif b.kind == "img":
-            out.append(f"![{b.text}]({b.path})\n\n*{b.text}*")
-        out.append("")
-    return "\n".join(out)
-
-
-_CSS = """
-body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; max-width: 1100px;
-       margin: 2em auto; padding: 0 1em; color: #222; line-height: 1.45; }
-table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.92em; }
-th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; }
-th { background: #f3f3f3; }
-figure { margin: 1em 0; } figcaption { font-size: 0.9em; color: #555; }
-img { max-width: 100%; }
-code { background: #f3f3f3; padding: 0 3px; }
-"""
-
-
-def render_html(blocks: list[Block], title: str, root: Path) -> str:
-    """A single HTML file; images are embedded as base64 data URIs (nothing is fetched)."""
-    esc = html.escape
-    out = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{esc(title)}</title>",
-        f"<style>{_CSS}</style></head><body>",
-    ]
-    for b in blocks:
-        if b.kind in ("h1", "h2"):
-            out.append(f"<{b.kind}>{esc(b.text)}</{b.kind}>")
-        elif b.kind == "p":
-            out.append(f"<p>{_inline(b.text)}</p>")
-        elif b.kind == "ul":
-            out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in b.items) + "</ul>")
-        elif b.kind == "table":
-            head = "".join(f"<th>{esc(h)}</th>" for h in b.headers)
-            body = "".join(
-                "<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in row) + "</tr>" for row in b.rows
-            )
-            out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
-        elif b.kind == "img":
-            data = base64.b64encode((root / b.path).read_bytes()).decode("ascii")
-            out.append(
-                f'<figure><img alt="{esc(b.text)}" src="data:image/png;base64,{data}">'
-                f"<figcaption>{esc(b.text)}</figcaption></figure>"
-            )
-    out.append("</body></html>")
-    return "\n".join(out) + "\n"
-
-
-def _inline(text: str) -> str:
-    """Escape, then turn Markdown `code` and **bold** into HTML."""
-    text = html.escape(text)
-    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
-    return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", text)
-
-
 # --------------------------------------------------------------------------- the report
 
 
@@ -392,47 +184,87 @@ def _budget_text(spec: ExperimentSpec) -> str:
     return f"{fmt_duration(b.wall_clock_s)} of training wall-clock"
 
 
-def build_report(run_dir: Path) -> tuple[list[Block], str]:
-    """Read the experiment folder, write the plots, and return the report's blocks and title."""
-    run_dir = Path(run_dir)
+@dataclass
+class _Experiment:
+    """What every section of the report needs to know about the experiment folder."""
+
+    run_dir: Path
+    spec: ExperimentSpec | None
+    name: str
+    arms: list[str]
+    baseline: str
+    key: str
+    higher: bool
+    runs: list[RunData]
+
+
+def _open(run_dir: Path) -> _Experiment:
     spec = load_spec(run_dir)
     if spec is not None:
         arms = list(spec.arms)
-        name = spec.name
-        metric = spec.evaluation.metric
-        baseline = spec.baseline_arm
+        name, metric, baseline = spec.name, spec.evaluation.metric, spec.baseline_arm
     else:
         arms = sorted(
             p.name
             for p in run_dir.iterdir()
-            if p.is_dir() and any(_SEED_DIR.match(c.name) for c in p.iterdir())
+            if p.is_dir() and any(SEED_DIR.match(c.name) for c in p.iterdir())
         )
         if not arms:
             raise UserError(f"{run_dir}: no experiment.yaml and no <arm>/seed-<n> run folders")
         name, metric, baseline = run_dir.name, "exact_match", arms[0]
     key = metric_key(metric)
-    higher = stats.higher_is_better(key)
-    runs = find_runs(run_dir, arms)
-    runs_of = {arm: [r for r in runs if r.arm == arm] for arm in arms}
+    return _Experiment(
+        run_dir=run_dir,
+        spec=spec,
+        name=name,
+        arms=arms,
+        baseline=baseline,
+        key=key,
+        higher=stats.higher_is_better(key),
+        runs=find_runs(run_dir, arms),
+    )
 
-    blocks: list[Block] = [Block("h1", f"Experiment {name}")]
+
+def build_report(run_dir: Path) -> tuple[list[Block], str]:
+    """Read the experiment folder, write the plots, and return the report's blocks and title."""
+    exp = _open(Path(run_dir))
+    planned = len(exp.spec.seeds) if exp.spec is not None else None
+    rows = {
+        arm: arm_row(arm, [r for r in exp.runs if r.arm == arm], exp.key, exp.higher, planned)
+        for arm in exp.arms
+    }
+    blocks = [Block("h1", f"Experiment {exp.name}")]
+    blocks += _overview(exp)
+    blocks += _arms_table(exp, rows)
+    blocks += _comparisons(exp, rows)
+    blocks += _health(exp.runs)
+    blocks += _runs_table(exp)
+    blocks.append(Block("h2", "Plots"))
+    blocks += _plots(exp.run_dir, exp.arms, exp.runs, exp.key)
+    return blocks, f"alignzoo report: {exp.name}"
+
+
+def _overview(exp: _Experiment) -> list[Block]:
+    """The experiment's setup (arms, seeds, budget, baseline, metric) and how far it got."""
+    spec, runs = exp.spec, exp.runs
+    blocks: list[Block] = []
     if spec is not None:
         if spec.description:
             blocks.append(Block("p", spec.description))
         blocks.append(
             Block(
                 "p",
-                f"Arms: {len(arms)}, seeds {', '.join(map(str, spec.seeds))}, budget "
-                f"{_budget_text(spec)} per run, baseline **{baseline}**. Compared on `{key}` "
-                f"({'higher' if higher else 'lower'} is better) at each run's last evaluation; "
-                f"evaluation every {spec.evaluation.every} steps on the same held-out prompts "
-                "for every arm.",
+                f"Arms: {len(exp.arms)}, seeds {', '.join(map(str, spec.seeds))}, budget "
+                f"{_budget_text(spec)} per run, baseline **{exp.baseline}**. Compared on "
+                f"`{exp.key}` ({'higher' if exp.higher else 'lower'} is better) at each run's "
+                f"last evaluation; evaluation every {spec.evaluation.every} steps on the same "
+                "held-out prompts for every arm.",
             )
         )
-        blocks.append(Block("ul", items=[_describe_arm(spec, a) for a in arms]))
+        blocks.append(Block("ul", items=[_describe_arm(spec, a) for a in exp.arms]))
     n_done = sum(r.status == "finished" for r in runs)
     n_failed = sum(r.status == "failed" for r in runs)
-    expected = len(arms) * len(spec.seeds) if spec is not None else len(runs)
+    expected = len(exp.arms) * len(spec.seeds) if spec is not None else len(runs)
     blocks.append(
         Block(
             "p",
@@ -441,56 +273,57 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
             "Statistics use finished runs only.",
         )
     )
+    return blocks
 
-    # Arms table.
-    planned = len(spec.seeds) if spec is not None else None
-    rows = {arm: arm_row(arm, runs_of[arm], key, higher, planned) for arm in arms}
-    blocks.append(Block("h2", "Arms"))
-    blocks.append(
-        Block(
-            "table",
-            headers=[
-                "arm",
-                "seeds finished",
-                f"start {key}",
-                f"final {key} (mean ± 95% CI)",
-                "best step (mean)",
-                "tokens/s",
-                "wall-clock",
-                "peak memory (MB)",
-            ],
-            rows=[
-                [
-                    arm + (" (baseline)" if arm == baseline else ""),
-                    f"{r.finished}/{r.total}"
-                    + (f" ({len(r.final)} with {key})" if len(r.final) != r.finished else ""),
-                    fmt(r.start_value),
-                    fmt_summary(r.summary),
-                    "n/a" if r.best_step is None else f"{r.best_step} ({fmt(r.best_value)})",
-                    fmt(r.tokens_per_s),
-                    fmt_duration(r.wall_clock_s),
-                    fmt(r.peak_memory_mb),
-                ]
-                for arm, r in rows.items()
-            ],
-        )
-    )
-    blocks.append(
-        Block(
-            "p",
-            "Start: the first evaluation (before training), mean over seeds. "
-            "The 95% CI is the t-interval of the mean over seeds (n/a with one seed). Best step: "
-            "the evaluation step where the mean over seeds is best. tokens/s and wall-clock are "
-            "means over seeds; peak memory is the maximum.",
-        )
-    )
 
-    # Comparisons against the baseline.
-    blocks.append(Block("h2", f"Against the baseline ({baseline})"))
+def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
+    """Each arm's final metric (mean ± CI over seeds), start, best step and costs."""
+    key = exp.key
+    table = Block(
+        "table",
+        headers=[
+            "arm",
+            "seeds finished",
+            f"start {key}",
+            f"final {key} (mean ± 95% CI)",
+            "best step (mean)",
+            "tokens/s",
+            "wall-clock",
+            "peak memory (MB)",
+        ],
+        rows=[
+            [
+                arm + (" (baseline)" if arm == exp.baseline else ""),
+                f"{r.finished}/{r.total}"
+                + (f" ({len(r.final)} with {key})" if len(r.final) != r.finished else ""),
+                fmt(r.start_value),
+                fmt_summary(r.summary),
+                "n/a" if r.best_step is None else f"{r.best_step} ({fmt(r.best_value)})",
+                fmt(r.tokens_per_s),
+                fmt_duration(r.wall_clock_s),
+                fmt(r.peak_memory_mb),
+            ]
+            for arm, r in rows.items()
+        ],
+    )
+    note = Block(
+        "p",
+        "Start: the first evaluation (before training), mean over seeds. "
+        "The 95% CI is the t-interval of the mean over seeds (n/a with one seed). Best step: "
+        "the evaluation step where the mean over seeds is best. tokens/s and wall-clock are "
+        "means over seeds; peak memory is the maximum.",
+    )
+    return [Block("h2", "Arms"), table, note]
+
+
+def _comparisons(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
+    """Each arm against the baseline: difference, CI, p-values, verdict, seeds to detect."""
+    baseline, key = exp.baseline, exp.key
+    blocks = [Block("h2", f"Against the baseline ({baseline})")]
     base_values = rows[baseline].final if baseline in rows else []
     comparison_rows: list[list[str]] = []
     sentences: list[str] = []
-    for arm in arms:
+    for arm in exp.arms:
         if arm == baseline:
             continue
         values = rows[arm].final
@@ -500,7 +333,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
             sentences.append(f"{arm}: no comparison yet ({missing} has {why}).")
             continue
         c = stats.compare(
-            base_values, values, arm=arm, baseline=baseline, metric=key, higher_is_better=higher
+            base_values, values, arm=arm, baseline=baseline, metric=key, higher_is_better=exp.higher
         )
         comparison_rows.append(
             [
@@ -549,33 +382,36 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
             "observed difference and spread as the truth.",
         )
     )
+    return blocks
 
-    # Health warnings.
+
+def _health(runs: list[RunData]) -> list[Block]:
+    """Every health warning of every run (each signal once per run)."""
     warnings = [(r, w) for r in runs for w in r.health]
-    blocks.append(Block("h2", "Health warnings"))
-    if warnings:
-        blocks.append(
-            Block(
-                "table",
-                headers=["run", "signal", "began at step", "detected at step", "message"],
-                rows=[
-                    [
-                        r.name,
-                        str(w.get("signal")),
-                        str(w.get("step")),
-                        str(w.get("detected_step", w.get("step"))),
-                        str(w.get("message", "")),
-                    ]
-                    for r, w in warnings
-                ],
-            )
-        )
-    else:
-        blocks.append(Block("p", "None."))
+    if not warnings:
+        return [Block("h2", "Health warnings"), Block("p", "None.")]
+    table = Block(
+        "table",
+        headers=["run", "signal", "began at step", "detected at step", "message"],
+        rows=[
+            [
+                r.name,
+                str(w.get("signal")),
+                str(w.get("step")),
+                str(w.get("detected_step", w.get("step"))),
+                str(w.get("message", "")),
+            ]
+            for r, w in warnings
+        ],
+    )
+    return [Block("h2", "Health warnings"), table]
 
-    # Runs.
-    blocks.append(Block("h2", "Runs"))
-    blocks.append(
+
+def _runs_table(exp: _Experiment) -> list[Block]:
+    """One line per run (status, steps, last metric, error), then the failed runs' errors."""
+    runs, key = exp.runs, exp.key
+    blocks = [
+        Block("h2", "Runs"),
         Block(
             "table",
             headers=["run", "status", "steps", f"last {key}", "wall-clock", "error"],
@@ -585,24 +421,20 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
                     r.status,
                     str(r.info.get("step", r.metrics[-1]["step"] if r.metrics else 0)),
                     fmt(final_value(r, key)),
-                    fmt_duration(_num(r.info.get("wall_clock_s"))),
+                    fmt_duration(number(r.info.get("wall_clock_s"))),
                     str(r.error or ""),
                 ]
                 for r in runs
             ],
-        )
-    )
+        ),
+    ]
     failed = [r for r in runs if r.status == "failed"]
     if failed:
         blocks.append(Block("h2", "Failed runs"))
         blocks.append(
             Block("ul", items=[f"{r.name}: {r.error or 'no error recorded'}" for r in failed])
         )
-
-    # Plots.
-    blocks.append(Block("h2", "Plots"))
-    blocks += _plots(run_dir, arms, runs, key)
-    return blocks, f"alignzoo report: {name}"
+    return blocks
 
 
 def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> list[Block]:
@@ -621,7 +453,7 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
                 rows = r.evals if source == "eval" else r.metrics
                 points = []
                 for row in rows:
-                    x, y = _num(row.get(x_key)), _num(row.get(y_key))
+                    x, y = number(row.get(x_key)), number(row.get(y_key))
                     if x is not None and y is not None:
                         points.append((float(row["step"]), x, y))
                 series.append(points)
@@ -687,12 +519,6 @@ def write_report(run_dir: Path) -> list[Path]:
     blocks, title = build_report(run_dir)
     md = run_dir / "report.md"
     page = run_dir / "report.html"
-    _write_atomic(md, render_markdown(blocks))
-    _write_atomic(page, render_html(blocks, title, run_dir))
+    write_atomic(md, render_markdown(blocks))
+    write_atomic(page, render_html(blocks, title, run_dir))
     return [md, page]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)

@@ -1,0 +1,154 @@
+"""Reading an experiment folder as the runner and engine write it.
+
+``<run_dir>/experiment.yaml`` (the resolved spec) and one folder per run,
+``<run_dir>/<arm>/seed-<n>/`` with ``status.json``, ``metrics.jsonl``, ``eval.jsonl`` and
+``health.jsonl``. Readers are forgiving: a missing or unreadable status is ``{}``, a torn last
+JSON line (a killed writer) is skipped, and a step written twice (a resumed run) keeps its last
+row. Shared by the runner (what is finished) and the report (what to show).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from alignzoo.errors import UserError
+from alignzoo.schema import ExperimentSpec
+
+EXPERIMENT_FILE = "experiment.yaml"
+STATUS_FILE = "status.json"
+
+
+def read_status(run_dir: Path) -> dict[str, Any]:
+    """A run's status.json ({} if absent or unreadable)."""
+    try:
+        data = json.loads((Path(run_dir) / STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+@dataclass
+class RunData:
+    """What one arm x seed folder holds."""
+
+    arm: str
+    seed: int
+    path: Path
+    status: str
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    health: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}/seed-{self.seed}"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """JSON lines of a file; a torn last line (a killed writer) is skipped, not an error."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step (the last one written wins: a resumed run rewrites steps), by step."""
+    latest: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        if isinstance(row.get("step"), (int, float)):
+            latest[int(row["step"])] = row
+    return [latest[s] for s in sorted(latest)]
+
+
+def read_run(arm: str, seed: int, path: Path) -> RunData:
+    """Read one run folder."""
+    info = read_status(path)
+    metrics = by_step(read_jsonl(path / "metrics.jsonl"))
+    evals = by_step(read_jsonl(path / "eval.jsonl"))
+    status = str(info.get("status") or ("running" if metrics or evals else "pending"))
+    health: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in read_jsonl(path / "health.jsonl"):
+        key = (str(row.get("signal")), int(row.get("step", 0)))
+        health.setdefault(key, row)  # a resumed run may write the same warning twice
+    return RunData(
+        arm=arm,
+        seed=seed,
+        path=path,
+        status=status,
+        error=info.get("error"),
+        info=info,
+        metrics=metrics,
+        evals=evals,
+        health=[health[k] for k in sorted(health, key=lambda k: (k[1], k[0]))],
+    )
+
+
+def load_spec(run_dir: Path) -> ExperimentSpec | None:
+    """The resolved spec the runner wrote, or None if the folder has none."""
+    path = run_dir / EXPERIMENT_FILE
+    if not path.exists():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return ExperimentSpec.model_validate(data)
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise UserError(f"{path}: not a valid resolved experiment ({exc})") from None
+
+
+SEED_DIR = re.compile(r"^seed-(-?\d+)$")
+
+
+def find_runs(run_dir: Path, arms: list[str]) -> list[RunData]:
+    """Every run folder of the given arms, ordered by arm then seed."""
+    runs = []
+    for arm in arms:
+        arm_dir = run_dir / arm
+        if not arm_dir.is_dir():
+            continue
+        seeds = []
+        for child in arm_dir.iterdir():
+            match = SEED_DIR.match(child.name)
+            if match and child.is_dir():
+                seeds.append(int(match.group(1)))
+        runs += [read_run(arm, seed, arm_dir / f"seed-{seed}") for seed in sorted(seeds)]
+    return runs
+
+
+def metric_key(metric: str) -> str:
+    """The eval.jsonl key of the spec's evaluation metric ('exact_match' -> 'eval/exact_match')."""
+    return metric if "/" in metric else f"eval/{metric}"
+
+
+def number(value: Any) -> float | None:
+    """A finite int or float as float; anything else (bool, str, NaN, None) is None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
