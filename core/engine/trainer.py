@@ -138,6 +138,11 @@ def update(learner: Learner, batch: RolloutBatch, step: int) -> dict[str, float]
     """
     cfg = learner.cfg
     paired = learner.requirements.data == "preference"
+    if paired and (batch.size % 2 or not torch.equal(batch.group_ids[::2], batch.group_ids[1::2])):
+        raise RunError(
+            f"step {step}: the preference batch is no longer adjacent (chosen, rejected) pairs "
+            f"({batch.size} samples); a batch transform must keep or drop both samples of a pair"
+        )
     units = _units(batch.size, paired)
     minibatch = cfg.minibatch_size or batch.size
     sums: dict[str, list[float]] = defaultdict(list)

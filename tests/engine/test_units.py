@@ -13,13 +13,21 @@ import torch
 
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.assemble import total_optimizer_steps
-from alignzoo.engine.checkpoint import TrainingState, latest_checkpoint, truncate_jsonl
+from alignzoo.engine.checkpoint import (
+    TrainingState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    truncate_jsonl,
+)
+from alignzoo.engine.evaluate import evaluate
 from alignzoo.engine.prepare import mismatch_partners
 from alignzoo.engine.rollout import label_desirable, pair_by_score
 from alignzoo.engine.sampler import PromptSampler
 from alignzoo.engine.train import budget_spent
 from alignzoo.engine.trainer import _split, _units, lr_factor
 from alignzoo.schema import ArmSpec, Budget, ComponentRef, TrainingConfig
+from alignzoo.types import SamplingParams, Score
 
 
 def _dataset(n: int) -> datasets.Dataset:
@@ -160,3 +168,65 @@ def test_latest_checkpoint_ignores_unfinished_folders(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path) == tmp_path / "step-000002"
     (tmp_path / "latest").write_text("step-000002\n")
     assert latest_checkpoint(tmp_path) == tmp_path / "step-000002"
+
+
+def _state(step: int) -> TrainingState:
+    return TrainingState(step=step, samples=step * 4, sampler={"epoch": 0, "position": step})
+
+
+def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_whole(
+    tmp_path: Path, monkeypatch
+) -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    save_checkpoint(tmp_path, _state(2), model, None, optimizer, scheduler, {})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+
+    def dies(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dies)
+    with pytest.raises(OSError):
+        save_checkpoint(tmp_path, _state(4), model, None, optimizer, scheduler, {})
+    monkeypatch.undo()
+    folder = latest_checkpoint(tmp_path)
+    assert folder is not None and folder.name == "step-000002"
+    state = load_checkpoint(folder, model, None, optimizer, scheduler, {})
+    assert state.step == 2 and state.sampler == {"epoch": 0, "position": 2}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    # The next complete save replaces the leftover and keeps two.
+    for step in (4, 6):
+        save_checkpoint(tmp_path, _state(step), model, None, optimizer, scheduler, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000004", "step-000006"]
+
+
+def test_evaluation_is_greedy_and_pass_at_k_samples(monkeypatch) -> None:
+    calls: list[tuple[int, float, int]] = []
+
+    def generate(prompts, extras, n, sampling):
+        calls.append((n, sampling.temperature, sampling.max_new_tokens))
+        b = len(prompts) * n
+        return RolloutBatch(
+            prompt_ids=torch.ones(b, 1, dtype=torch.long),
+            prompt_mask=torch.ones(b, 1, dtype=torch.long),
+            response_ids=torch.ones(b, 2, dtype=torch.long),
+            response_mask=torch.ones(b, 2),
+            group_ids=torch.arange(len(prompts)).repeat_interleave(n),
+            prompts=[p for p in prompts for _ in range(n)],
+            # greedy answers the first prompt right; sampling gets the second right once
+            responses=["2", "0"] if n == 1 else ["0", "0", "0", "4"],
+            extras=[dict(e) for e in extras for _ in range(n)],
+        )
+
+    def score_batch(requests):
+        return [Score(float(r.response == r.extra["answer"])) for r in requests]
+
+    pm = SimpleNamespace(hook=SimpleNamespace(generate=generate, score_batch=score_batch))
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    out = evaluate(pm, rows, 5, pass_at_k=2, sampling=SamplingParams(temperature=0.0))
+    assert calls == [(1, 0.0, 5), (2, 1.0, 5)]  # greedy first; pass@k never samples greedily
+    assert out["eval/exact_match"] == 0.5 and out["eval/score"] == 0.5
+    assert out["eval/pass@2"] == 0.5

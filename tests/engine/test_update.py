@@ -211,3 +211,16 @@ def test_evaluating_restores_the_mode(world) -> None:
     with evaluating(model):
         assert not model.training and not any(m.training for m in model.modules())
     assert model.training
+
+
+def test_a_preference_batch_with_a_broken_pair_is_refused(world) -> None:
+    model, tokenizer = world
+    batch = _sampled(model, tokenizer)
+    batch.group_ids = torch.arange(4).repeat_interleave(2)
+    cfg = TrainingConfig(lr=1.0, micro_batch_size=8)
+    learner = _learner(copy.deepcopy(model), cfg, _seq_mean_nll, paired=True)
+    update(learner, batch, step=1)  # adjacent pairs: fine
+    with pytest.raises(RunError, match="step 2: the preference batch is no longer adjacent"):
+        update(learner, batch.select([0, 1, 2, 4, 5, 6]), step=2)
+    with pytest.raises(RunError, match="7 samples"):
+        update(learner, batch.select(list(range(7))), step=3)
