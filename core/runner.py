@@ -17,13 +17,11 @@ the others go on; the result's ``failed`` is then True.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import os
 import pickle
 import sys
-import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -34,9 +32,10 @@ import yaml
 
 from alignzoo.config import LoadedExperiment
 from alignzoo.errors import UserError
+from alignzoo.progress import ProgressView
+from alignzoo.runfiles import EXPERIMENT_FILE, read_status, write_atomic
 from alignzoo.schema import ExperimentSpec
 
-EXPERIMENT_FILE = "experiment.yaml"
 RunFn = Callable[..., Any]
 
 # Spec sections that must match for a resumed experiment to stay a fair comparison.
@@ -93,21 +92,6 @@ def experiment_dir(spec: ExperimentSpec, out_dir: Path | None) -> Path:
     return Path(out_dir) if out_dir is not None else Path(spec.output_dir) / spec.name
 
 
-def read_status(run_dir: Path) -> dict[str, Any]:
-    """A run's status.json ({} if absent or unreadable)."""
-    try:
-        data = json.loads((run_dir / "status.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-
-
 def _merge_with_existing(spec: ExperimentSpec, out: Path) -> ExperimentSpec:
     """On resume: keep the arms and seeds already in the folder, refuse an unfair mix."""
     path = out / EXPERIMENT_FILE
@@ -152,7 +136,7 @@ def prepare_folder(spec: ExperimentSpec, out: Path, resume: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     recorded = _merge_with_existing(spec, out) if resume else spec
     text = yaml.safe_dump(recorded.model_dump(mode="json"), sort_keys=False)
-    _write_atomic(out / EXPERIMENT_FILE, text)
+    write_atomic(out / EXPERIMENT_FILE, text)
 
 
 # --------------------------------------------------------------------------- one run
@@ -169,7 +153,7 @@ def _record_failure(run_dir: Path, error: str) -> None:
     if status.get("status") == "failed" and status.get("error"):
         return
     status.update(status="failed", error=error)
-    _write_atomic(run_dir / "status.json", json.dumps(status, indent=2))
+    write_atomic(run_dir / "status.json", json.dumps(status, indent=2))
 
 
 def _execute(
@@ -251,138 +235,6 @@ def _for_arm(loaded: LoadedExperiment, arm: str) -> LoadedExperiment | None:
     return one
 
 
-# --------------------------------------------------------------------------- progress
-
-
-def _last_row(path: Path) -> dict[str, Any] | None:
-    """The last complete JSON line of a file, reading only its tail."""
-    try:
-        with path.open("rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - 16384))
-            tail = fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return None
-    for line in reversed(tail.splitlines()):
-        with contextlib.suppress(json.JSONDecodeError):
-            row = json.loads(line)
-            if isinstance(row, dict):
-                return row
-    return None
-
-
-class _ProgressView:
-    """One line per run (arm, seed, status, progress, reward), polled from the run folders."""
-
-    def __init__(self, console: Any, spec: ExperimentSpec, runs: list[tuple[str, int, Path]]):
-        self.enabled = console is not None
-        self.tasks: dict[tuple[str, int], Any] = {}
-        self.dirs = {(a, s): d for a, s, d in runs}
-        self.running: set[tuple[str, int]] = set()
-        self.started: set[tuple[str, int]] = set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        budget = spec.budget
-        if budget.steps is not None:
-            self.total, self.field, self.unit = float(budget.steps), "step", "steps"
-        elif budget.samples is not None:
-            self.total, self.field, self.unit = float(budget.samples), "samples", "samples"
-        else:
-            self.total, self.field, self.unit = float(budget.wall_clock_s or 1), "time_s", "s"
-        if not self.enabled:
-            return
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-
-        self.progress = Progress(
-            TextColumn("{task.description}"),
-            TextColumn("{task.fields[status]:<9}"),
-            BarColumn(bar_width=24),
-            MofNCompleteColumn(),
-            TextColumn(self.unit),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[reward]}"),
-            console=console,
-            transient=False,
-        )
-        for arm, seed, _ in runs:
-            self.tasks[(arm, seed)] = self.progress.add_task(
-                f"{arm} seed {seed}", total=self.total, status="queued", reward="", start=False
-            )
-
-    def __enter__(self) -> _ProgressView:
-        if self.enabled:
-            self.progress.start()
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self._stop.set()
-            if self._thread is not None:
-                self._thread.join(timeout=5)
-            self._refresh()
-            self.progress.stop()
-
-    def start(self, arm: str, seed: int) -> None:
-        if self.enabled:
-            self.running.add((arm, seed))
-            self.started.add((arm, seed))
-            self.progress.start_task(self.tasks[(arm, seed)])
-            self.progress.update(self.tasks[(arm, seed)], status="running")
-
-    def done(self, result: RunResult) -> None:
-        key = (result.arm, result.seed)
-        self.running.discard(key)
-        if not self.enabled:
-            return
-        self._update(key)
-        status = "skipped" if result.skipped else result.status
-        color = {"finished": "green", "skipped": "green", "failed": "red"}.get(status, "white")
-        update: dict[str, Any] = {"status": f"[{color}]{status}[/{color}]"}
-        if result.status == "finished":
-            update["completed"] = self.total
-        self.progress.update(self.tasks[key], **update)
-        self.progress.stop_task(self.tasks[key])
-
-    def queue(self, arm: str, seed: int) -> None:
-        """Submitted to a worker pool: shown as running once its folder says so."""
-        self.running.add((arm, seed))
-
-    def _update(self, key: tuple[str, int]) -> None:
-        task = self.tasks[key]
-        if key not in self.started and read_status(self.dirs[key]).get("status") == "running":
-            self.started.add(key)
-            self.progress.start_task(task)
-            self.progress.update(task, status="running")
-        row = _last_row(self.dirs[key] / "metrics.jsonl")
-        if row is None:
-            return
-        done = row.get(self.field)
-        reward = row.get("reward/mean")
-        update: dict[str, Any] = {}
-        if isinstance(done, (int, float)):
-            update["completed"] = min(float(done), self.total)
-        if isinstance(reward, (int, float)):
-            update["reward"] = f"reward {reward:.3f}"
-        self.progress.update(self.tasks[key], **update)
-
-    def _refresh(self) -> None:
-        for key in list(self.running):
-            self._update(key)
-
-    def _poll(self) -> None:
-        while not self._stop.wait(1.0):
-            self._refresh()
-
-
 # --------------------------------------------------------------------------- experiment
 
 
@@ -434,7 +286,7 @@ def run_experiment(
         f"into {out}" + (f" ({len(results)} finished runs kept)" if results else ""),
         highlight=False,
     )
-    view = _ProgressView(console, spec, planned)
+    view = ProgressView(console, spec, planned)
     try:
         with view:
             for result in results.values():
@@ -488,7 +340,7 @@ def _run_parallel(
     todo: list[tuple[str, int, Path, bool]],
     jobs: int,
     fn: RunFn,
-    view: _ProgressView,
+    view: ProgressView,
     results: dict[tuple[str, int], RunResult],
     say: Callable[..., Any],
 ) -> None:
