@@ -80,3 +80,14 @@ def test_readme_plugin_installs_lists_and_passes_the_contract_suite(tmp_path):
     )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "FAIL" not in check.stdout and "pass" in check.stdout
+
+
+def test_readme_experiment_example_validates(tmp_path):
+    from alignzoo import load_experiment
+
+    text = (ROOT / "README.md").read_text()
+    example = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)[0]
+    path = tmp_path / "readme.yaml"
+    path.write_text(example)
+    loaded = load_experiment(path)
+    assert loaded.components["dr_grpo"]["algorithm"].params.scale_rewards == "none"
