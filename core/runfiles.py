@@ -96,7 +96,10 @@ def read_run(arm: str, seed: int, path: Path) -> RunData:
     status = str(info.get("status") or ("running" if metrics or evals else "pending"))
     health: dict[tuple[str, int], dict[str, Any]] = {}
     for row in read_jsonl(path / "health.jsonl"):
-        key = (str(row.get("signal")), int(row.get("step", 0)))
+        step = number(row.get("step"))
+        if step is None:  # not a warning this version wrote: skip it rather than fail
+            continue
+        key = (str(row.get("signal")), int(step))
         health.setdefault(key, row)  # a resumed run may write the same warning twice
     return RunData(
         arm=arm,

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +170,34 @@ def test_report_is_deterministic(experiment_dir: Builder) -> None:
     write_report(root)
     second = {p.name: p.read_bytes() for p in [*root.glob("report.*"), *root.glob("plots/*")]}
     assert first == second
+
+
+def test_report_is_the_same_from_another_process(experiment_dir: Builder) -> None:
+    """Nothing in the report depends on the process (hash seed, time): a rerun gives the same."""
+    root = experiment_dir(
+        finals={"base": BASE, "other": WORSE, "third": SAME_DIST},
+        health={("other", 1): [{"step": 4, "signal": "kl_runaway", "message": "KL 3"}]},
+    )
+    write_report(root)
+    first = {p.name: p.read_bytes() for p in [*root.glob("report.*"), *root.glob("plots/*")]}
+    code = "import sys; from alignzoo.report import write_report; write_report(sys.argv[1])"
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", code, str(root)], check=True, env=env)
+    second = {p.name: p.read_bytes() for p in [*root.glob("report.*"), *root.glob("plots/*")]}
+    assert first == second
+
+
+def test_a_malformed_health_line_is_skipped(experiment_dir: Builder) -> None:
+    good = {"step": 4, "signal": "kl_runaway", "message": "KL 3 is above 1"}
+    root = experiment_dir(
+        finals={"base": BASE[:2], "other": BASE[:2]},
+        health={("other", 1): [{"signal": "x", "step": None}, good]},
+    )
+    write_report(root)
+    rows = section((root / "report.md").read_text(), "Health warnings").splitlines()
+    assert [r for r in rows if "other/seed-1" in r] == [
+        "| other/seed-1 | kl_runaway | 4 | 4 | KL 3 is above 1 |"
+    ]
 
 
 def test_missing_folder_is_a_user_error(tmp_path: Path) -> None:
