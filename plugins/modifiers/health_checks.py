@@ -19,8 +19,10 @@ Signals (each fires at most once per run; a threshold set to ``null`` disables i
 - ``entropy_explosion``: entropy rose above ``entropy_ceiling``, or grew by more than
   ``entropy_rise`` times over ``window`` steps.
 - ``kl_runaway``: KL to the reference rose above ``kl_max``, or grew at every step over
-  ``window`` steps to more than ``kl_growth`` times its value at the window start.
-- ``reward_std_flat``: after ``std_after_steps`` steps the within-group reward std has not
+  ``window`` steps, faster in the second half than in the first, from at least ``kl_min`` to
+  more than ``kl_growth`` times its value at the window start (a KL that rises from 0 and
+  levels off, as every healthy run's does, is not a runaway).
+- ``reward_std_flat``: after ``std_after_steps`` steps the reward std over the step's samples has not
   narrowed by at least ``std_min_narrowing`` (relative) from its initial level while the mean
   reward has not risen by ``reward_min_rise`` either: the policy is neither becoming more
   consistent nor better. Skipped while every step's rewards are 0/1 (then the std is
@@ -88,10 +90,12 @@ class HealthParams(BaseModel):
     )
     kl_max: float | None = Field(1.0, gt=0, description="KL above this fires.")
     kl_growth: float | None = Field(
-        2.0, gt=1, description="KL rising every step of `window` to this many times its start."
+        2.0,
+        gt=1,
+        description="KL rising every step of `window`, speeding up, to this many times its start.",
     )
     kl_min: float = Field(
-        0.01, ge=0, description="KL trends below this level are ignored (noise around zero)."
+        0.01, ge=0, description="KL trends starting below this level are ignored (noise near 0)."
     )
     std_after_steps: int | None = Field(
         50, ge=1, description="Step count after which a reward std that has not narrowed fires."
@@ -270,8 +274,13 @@ class HealthChecks(Modifier):
             if p.kl_growth is not None and len(hist) > p.window:
                 values = [v for _, v in hist]
                 rising = all(b > a for a, b in itertools.pairwise(values))
+                # Runaway growth speeds up; a healthy KL leaving the reference rises from ~0 and
+                # levels off. So the window must start above kl_min (a ratio from ~0 means
+                # nothing) and rise more in its second half than in its first.
+                mid = values[len(values) // 2]
+                accelerating = values[-1] - mid > mid - values[0]
                 s0, k0 = hist[0]
-                if rising and k >= p.kl_min and k > p.kl_growth * max(k0, 1e-12):
+                if rising and accelerating and k0 >= p.kl_min and k > p.kl_growth * k0:
                     found.append(
                         (
                             "kl_runaway",

@@ -135,6 +135,24 @@ def test_kl_runaway_growing_monotonically(tmp_path: Path) -> None:
     assert "kl_runaway" in fired(run)
 
 
+def test_kl_leaving_the_reference_and_levelling_off_is_healthy(tmp_path: Path) -> None:
+    """Every run's KL starts at 0, rises smoothly and levels off: not a runaway."""
+    run = make_run(tmp_path)
+    seq = [with_(s, kl=0.05 * (1 - math.exp(-s / 15))) for s in range(1, 151)]
+    drive(HealthChecks(), run, seq)
+    assert fired(run) == {}
+
+
+def test_kl_runaway_from_near_zero_is_caught_once_it_matters(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    seq = [with_(s, kl=0.001 * 1.08**s) for s in range(1, 80)]  # 0.001 -> 0.4, below kl_max
+    drive(HealthChecks(), run, seq)
+    got = fired(run)
+    assert set(got) == {"kl_runaway"}
+    began = got["kl_runaway"]["step"]
+    assert 0.001 * 1.08**began >= 0.008  # the window starts where KL reached about kl_min
+
+
 def test_reward_std_not_narrowing(tmp_path: Path) -> None:
     run = make_run(tmp_path)
     seq = [
