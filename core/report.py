@@ -311,7 +311,10 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
         "Start: the first evaluation (before training), mean over seeds. "
         "The 95% CI is the t-interval of the mean over seeds (n/a with one seed). Best step: "
         "the evaluation step where the mean over seeds is best. tokens/s and wall-clock are "
-        "means over seeds; peak memory is the maximum.",
+        "means over seeds (they depend on what else ran at the same time). Peak memory is the "
+        "maximum over seeds of each run's process peak: on CPU that is the process's maximum "
+        "resident memory, which includes earlier runs in the same process (a --jobs worker or "
+        "a sequential experiment), so compare it across arms with care.",
     )
     return [Block("h2", "Arms"), table, note]
 
@@ -512,7 +515,10 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
 
 
 def write_report(run_dir: Path) -> list[Path]:
-    """Write ``report.md``, ``report.html`` and ``plots/*.png`` into ``run_dir``; return the two reports."""
+    """Write ``report.md``, ``report.html`` and ``plots/*.png`` into ``run_dir``.
+
+    Returns the paths of the two reports (Markdown first).
+    """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run folder not found: {run_dir}")

@@ -295,10 +295,11 @@ def compare(
 
     The deciding test is the permutation test when it can reach ``alpha`` at these sample sizes
     (it assumes nothing about the distribution; exact up to 9,999 splits, Monte Carlo beyond),
-    and Welch's t-test otherwise (with 2 or 3 seeds per arm no permutation can reach 0.05). The difference is detected when that p-value
-    is below ``alpha``; its sign and ``higher_is_better`` then give "better" or "worse".
-    Otherwise the verdict is "no detectable difference", with the number of seeds per arm
-    that would detect the observed difference at 80% power.
+    and Welch's t-test otherwise (with 2 or 3 seeds per arm no permutation can reach 0.05).
+    The difference is detected when that p-value is below ``alpha``; its sign and
+    ``higher_is_better`` then give "better" or "worse". Otherwise the verdict is "no detectable
+    difference", with the number of seeds per arm that would detect the observed difference at
+    80% power (worded so that it never asks for fewer seeds than were run).
     """
     a, b = _array(baseline_values), _array(arm_values)
     if a.size == 0 or b.size == 0:

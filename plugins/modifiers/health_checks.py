@@ -22,9 +22,9 @@ Signals (each fires at most once per run; a threshold set to ``null`` disables i
   ``window`` steps, faster in the second half than in the first, from at least ``kl_min`` to
   more than ``kl_growth`` times its value at the window start (a KL that rises from 0 and
   levels off, as every healthy run's does, is not a runaway).
-- ``reward_std_flat``: after ``std_after_steps`` steps the reward std over the step's samples has not
-  narrowed by at least ``std_min_narrowing`` (relative) from its initial level while the mean
-  reward has not risen by ``reward_min_rise`` either: the policy is neither becoming more
+- ``reward_std_flat``: after ``std_after_steps`` steps the reward std (over the step's
+  samples) has not narrowed by at least ``std_min_narrowing`` (relative) from its initial
+  level while the mean reward has not risen by ``reward_min_rise`` either: the policy is neither becoming more
   consistent nor better. Skipped while every step's rewards are 0/1 (then the std is
   sqrt(mean (1 - mean)), a function of the mean, and says nothing the mean does not).
 
