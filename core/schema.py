@@ -83,6 +83,12 @@ class ModelConfig(_Strict):
     )
     attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
     gradient_checkpointing: bool = False
+    disable_dropout: bool = Field(
+        True,
+        description="Zero every dropout probability of the actor and critic, so that the "
+        "policy that samples is the policy that is trained (importance ratio exactly 1 at "
+        "the first epoch); the usual choice for RL fine-tuning.",
+    )
 
 
 class TaskConfig(_Strict):

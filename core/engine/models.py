@@ -101,6 +101,8 @@ def load_actor(path: str, cfg: ModelConfig, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     model = _from_pretrained(AutoModelForCausalLM, path, "policy", **_load_kwargs(cfg, device))
+    if cfg.disable_dropout:
+        disable_dropout(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -118,6 +120,17 @@ def load_actor(path: str, cfg: ModelConfig, device: str) -> Any:
             model.enable_input_require_grads()
         model = get_peft_model(model, lora)
     return model.to(device).train()
+
+
+def disable_dropout(model: Any) -> Any:
+    """Set every dropout probability in ``model`` to 0 (modules and attention-dropout rates)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and not isinstance(rate, bool):
+            module.attention_dropout = 0.0
+    return model
 
 
 def freeze(model: Any) -> Any:
@@ -146,6 +159,8 @@ def load_critic(path: str, cfg: ModelConfig, device: str, seed: int) -> Any:
     )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
+    if cfg.disable_dropout:
+        disable_dropout(model)
     return model.to(device).train()
 
 

@@ -111,3 +111,29 @@ def test_an_arm_can_read_its_preference_data_offline(write_experiment, tmp_path)
     offline = assemble_mod.assemble(loaded, "offline", 0, tmp_path / "off", log=lambda *_: None)
     assert online.online and not offline.online
     assert {"chosen", "rejected"} <= set(offline.sampler.dataset.column_names)
+
+
+def test_dropout_is_disabled_unless_asked_to_keep_it(tmp_path) -> None:
+    """A checkpoint with dropout: train-mode forwards agree only when dropout is zeroed."""
+    import torch
+
+    from alignzoo.schema import EmbeddedModelConfig, ModelConfig
+    from alignzoo.world.model import build_model, save_policy
+    from alignzoo.world.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_model(EmbeddedModelConfig(hidden_size=32, num_layers=1, num_heads=2), tokenizer)
+    model.config.attention_dropout = 0.5
+    save_policy(model, tokenizer, tmp_path / "policy")
+    ids = torch.tensor([tokenizer.encode("12+34=46")])
+
+    def two_forwards(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        actor = models.load_actor(str(tmp_path / "policy"), cfg, "cpu")
+        assert actor.training
+        torch.manual_seed(0)
+        return actor(ids).logits, actor(ids).logits
+
+    first, second = two_forwards(ModelConfig(attn_implementation="eager"))
+    assert torch.equal(first, second)
+    first, second = two_forwards(ModelConfig(attn_implementation="eager", disable_dropout=False))
+    assert not torch.equal(first, second)
