@@ -220,7 +220,11 @@ def _open(run_dir: Path) -> _Experiment:
         arms=arms,
         baseline=baseline,
         key=key,
-        higher=stats.higher_is_better(key),
+        higher=(
+            spec.evaluation.higher_is_better
+            if spec is not None and spec.evaluation.higher_is_better is not None
+            else stats.higher_is_better(key)
+        ),
         runs=find_runs(run_dir, arms),
     )
 

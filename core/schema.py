@@ -171,6 +171,11 @@ class EvaluationConfig(_Strict):
         None, description="Use the first N eval prompts (default all)."
     )
     metric: str = Field("exact_match", description="Metric the report compares arms on.")
+    higher_is_better: bool | None = Field(
+        None,
+        description="Direction of the metric; default: guessed from its name (lower is better "
+        "for loss, error, perplexity, length, time and memory).",
+    )
     pass_at_k: PositiveInt | None = Field(
         None, description="Also report pass@k with k sampled responses."
     )

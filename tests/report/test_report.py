@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from scipy import stats as sps
 
 from alignzoo.errors import UserError
@@ -227,3 +228,14 @@ def test_finished_runs_without_the_metric_are_counted_apart(experiment_dir: Buil
     cmp = table_row(md, "Against the baseline (base)", "other")
     assert float(cmp[1]) == pytest.approx(np.mean(WORSE[:2]) - np.mean(BASE[:2]), abs=1e-4)
     assert "blind: no comparison yet (blind has no finished run with eval/exact_match)" in md
+
+
+def test_metric_direction_from_the_spec_overrides_the_name_guess(experiment_dir: Builder) -> None:
+    root = experiment_dir(finals={"grpo": BASE, "lr0": WORSE})
+    spec = yaml.safe_load((root / "experiment.yaml").read_text())
+    spec["evaluation"]["higher_is_better"] = False  # say exact_match were an error rate
+    (root / "experiment.yaml").write_text(yaml.safe_dump(spec))
+    write_report(root)
+    md = (root / "report.md").read_text()
+    assert table_row(md, "Against the baseline (grpo)", "lr0")[6] == "better"
+    assert "(lower is better)" in md
