@@ -23,8 +23,9 @@ import os
 import pickle
 import sys
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import Any
 
@@ -335,6 +336,33 @@ def _say_result(say: Callable[..., Any], result: RunResult) -> None:
         say(f"[red]failed[/red] {result.name}: {result.error}", highlight=False)
 
 
+def _process_main(job: _Job, conn: Connection) -> None:
+    """Body of one run's worker process: run it and send the result back to the parent."""
+    _init_worker(job.threads)
+    try:
+        result = _worker(job)
+    except BaseException as exc:  # tell the parent why, instead of dying silently
+        result = RunResult(
+            job.arm, job.seed, job.run_dir, "failed", f"worker process failed: {_error_text(exc)}"
+        )
+    conn.send(result)
+    conn.close()
+
+
+def _collect(arm: str, seed: int, proc: Any, receive: Connection, run_dir: Path) -> RunResult:
+    """The result a finished worker sent, or a failure naming how the process died."""
+    try:
+        result: RunResult = receive.recv()
+    except (EOFError, OSError):  # the process ended without a word: killed, out of memory, ...
+        proc.join()
+        error = f"worker process died (exit code {proc.exitcode}) before the run finished"
+        _record_failure(run_dir, error)
+        result = RunResult(arm, seed, run_dir, "failed", error)
+    proc.join()
+    receive.close()
+    return result
+
+
 def _run_parallel(
     loaded: LoadedExperiment,
     todo: list[tuple[str, int, Path, bool]],
@@ -344,34 +372,44 @@ def _run_parallel(
     results: dict[tuple[str, int], RunResult],
     say: Callable[..., Any],
 ) -> None:
-    workers = min(jobs, len(todo))
+    """At most ``jobs`` runs at a time, each in its own spawned process.
+
+    One process per run (not a pool): a worker killed by the OS fails only its own run, and
+    the others go on. Each process gets ``max(1, cpu_count // jobs)`` BLAS/torch threads.
+    """
     threads = max(1, (os.cpu_count() or 1) // jobs)
     per_arm = {arm: _for_arm(loaded, arm) for arm in {t[0] for t in todo}}
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(threads,)
-    ) as pool:
-        pending: dict[Future[RunResult], tuple[str, int, Path]] = {}
-        try:
-            for arm, seed, run_dir, again in todo:
+    waiting = list(todo)
+    running: dict[tuple[str, int], tuple[Any, Connection, Path]] = {}
+    for arm, seed, _, _ in todo:
+        view.queue(arm, seed)
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                arm, seed, run_dir, again = waiting.pop(0)
                 job = _Job(
                     arm, seed, run_dir, again, threads, fn, per_arm[arm], loaded.source, loaded.spec
                 )
-                pending[pool.submit(_worker, job)] = (arm, seed, run_dir)
-                view.queue(arm, seed)
-            while pending:
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    arm, seed, run_dir = pending.pop(future)
-                    try:
-                        result = future.result()
-                    except Exception as exc:  # the worker itself died (out of memory, ...)
-                        error = f"worker process failed: {_error_text(exc)}"
-                        _record_failure(run_dir, error)
-                        result = RunResult(arm, seed, run_dir, "failed", error)
-                    results[(arm, seed)] = result
-                    view.done(result)
-                    _say_result(say, result)
-        except KeyboardInterrupt:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+                receive, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_process_main, args=(job, send), name=f"alignzoo {arm} seed-{seed}"
+                )
+                proc.start()
+                send.close()  # the child holds the only writer: its exit means EOF here
+                running[(arm, seed)] = (proc, receive, run_dir)
+                view.start(arm, seed)
+            handles = [h for proc, receive, _ in running.values() for h in (receive, proc.sentinel)]
+            wait_for(handles, timeout=1.0)
+            for (arm, seed), (proc, receive, run_dir) in list(running.items()):
+                if proc.is_alive() and not receive.poll():
+                    continue
+                result = _collect(arm, seed, proc, receive, run_dir)
+                del running[(arm, seed)]
+                results[(arm, seed)] = result
+                view.done(result)
+                _say_result(say, result)
+    except KeyboardInterrupt:
+        for proc, _, _ in running.values():
+            proc.terminate()
+        raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from alignzoo.errors import RunError
 from alignzoo.schema import ExperimentSpec
 
 KILL_ENV = "ALIGNZOO_FAKE_KILL"  # "arm:seed:step": raise KeyboardInterrupt there
+DIE_ENV = "ALIGNZOO_FAKE_DIE"  # "arm:seed:step": the process kills itself (SIGKILL) there
 LOG_ENV = "ALIGNZOO_FAKE_LOG"  # a file each call appends "arm seed resume threads" to
 
 
@@ -113,6 +115,8 @@ def write_run(spec: ExperimentSpec, arm: str, seed: int, out_dir: Path, resume: 
     for step in range(start + 1, steps + 1):
         if kill == f"{arm}:{seed}:{step}":
             raise KeyboardInterrupt
+        if os.environ.get(DIE_ENV) == f"{arm}:{seed}:{step}":
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OS does to a process out of memory
         row = {"step": step, "time_s": step * 0.5, "samples": step * 32}
         row.update(train_metrics(lr, seed, step))
         _append(metrics, row)

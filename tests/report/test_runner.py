@@ -15,7 +15,14 @@ from alignzoo import runner
 from alignzoo.config import LoadedExperiment
 from alignzoo.errors import UserError
 from alignzoo.runner import run_experiment
-from tests.report.fake_engine import KILL_ENV, LOG_ENV, FakeSummary, fake_run_one, make_spec
+from tests.report.fake_engine import (
+    DIE_ENV,
+    KILL_ENV,
+    LOG_ENV,
+    FakeSummary,
+    fake_run_one,
+    make_spec,
+)
 
 
 def loaded_of(**kwargs: object) -> LoadedExperiment:
@@ -201,3 +208,23 @@ def test_parallel_workers(tmp_path: Path, log: Path) -> None:
     pids = {line.split()[4] for line in log.read_text().splitlines()}
     assert str(os.getpid()) not in pids  # the runs happened in worker processes
     assert verdict((tmp_path / "out" / "report.md").read_text(), "lr0") == "worse"
+
+
+def test_a_killed_worker_fails_only_its_own_run(
+    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(DIE_ENV, "lr0:0:2")  # that worker process is SIGKILLed mid-run
+    loaded = loaded_of(arms={"grpo": 1e-4, "lr0": 0.0}, seeds=(0, 1))
+    result = run_experiment(loaded, out_dir=tmp_path / "out", jobs=2, run_fn=fake_run_one)
+    status = {(r.arm, r.seed): (r.status, r.error) for r in result.runs}
+    assert result.failed
+    assert status[("lr0", 0)][0] == "failed" and "died (exit code -9)" in status[("lr0", 0)][1]
+    assert all(s == "finished" for key, (s, _) in status.items() if key != ("lr0", 0))
+    on_disk = json.loads((tmp_path / "out" / "lr0" / "seed-0" / "status.json").read_text())
+    assert on_disk["status"] == "failed" and "died" in on_disk["error"]
+    monkeypatch.delenv(DIE_ENV)
+    again = run_experiment(
+        loaded, out_dir=tmp_path / "out", jobs=2, resume=True, run_fn=fake_run_one
+    )
+    assert not again.failed
+    assert [r.skipped for r in again.runs] == [True, True, False, True]
