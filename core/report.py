@@ -317,8 +317,8 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
         "the evaluation step where the mean over seeds is best. tokens/s and wall-clock are "
         "means over seeds (they depend on what else ran at the same time). Peak memory is the "
         "maximum over seeds of each run's process peak: on CPU that is the process's maximum "
-        "resident memory, which includes earlier runs in the same process (a --jobs worker or "
-        "a sequential experiment), so compare it across arms with care.",
+        "resident memory. With --jobs > 1 every run has a process of its own; a sequential "
+        "experiment runs in one process, so there a run's peak includes the runs before it.",
     )
     return [Block("h2", "Arms"), table, note]
 
