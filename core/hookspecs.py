@@ -83,7 +83,9 @@ def compute_loss(batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
 def score(request: LabelRequest) -> Score:
     """Score one response to one prompt. ``request.extra`` holds extra dataset columns
     (for example the reference answer). Return a :class:`Score`; never raise for bad model
-    output: return ``Score(0.0, valid=False)`` and say why in ``info``.
+    output: return ``Score(0.0, valid=False)`` and say why in ``info``. A labeler that rescales
+    its values (per-batch normalisation) puts the unscaled value in ``info["raw"]``: evaluation
+    reports ``raw`` so that ``eval/score`` means the same thing at every step.
     """
 
 

@@ -51,7 +51,13 @@ def evaluate(
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     batch = _sample(pm, rows, 1, greedy)
     assert batch.scores is not None
-    out = {"eval/score": float(batch.scores.mean())}
+    # A labeler that rescales its scores per call (normalize: true) keeps the value it rescaled
+    # in info["raw"]; evaluation reports that, so eval/score stays comparable across steps.
+    raw = [info.get("raw") for info in batch.label_info] if batch.label_info else []
+    if raw and all(isinstance(r, (int, float)) for r in raw):
+        out = {"eval/score": float(sum(raw) / len(raw))}
+    else:
+        out = {"eval/score": float(batch.scores.mean())}
     correct = _correct(batch)
     if correct is not None:
         out["eval/exact_match"] = sum(correct) / len(correct)

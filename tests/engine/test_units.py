@@ -230,3 +230,27 @@ def test_evaluation_is_greedy_and_pass_at_k_samples(monkeypatch) -> None:
     assert calls == [(1, 0.0, 5), (2, 1.0, 5)]  # greedy first; pass@k never samples greedily
     assert out["eval/exact_match"] == 0.5 and out["eval/score"] == 0.5
     assert out["eval/pass@2"] == 0.5
+
+
+def test_evaluation_reports_raw_scores_of_a_normalising_labeler() -> None:
+    def generate(prompts, extras, n, sampling):
+        b = len(prompts) * n
+        return RolloutBatch(
+            prompt_ids=torch.ones(b, 1, dtype=torch.long),
+            prompt_mask=torch.ones(b, 1, dtype=torch.long),
+            response_ids=torch.ones(b, 1, dtype=torch.long),
+            response_mask=torch.ones(b, 1),
+            group_ids=torch.arange(b),
+            prompts=list(prompts),
+            responses=["a"] * b,
+            extras=[{} for _ in range(b)],
+        )
+
+    def score_batch(requests):  # standardised per call: mean 0 whatever the raw values
+        raw = [1.0 + i for i in range(len(requests))]
+        mean = sum(raw) / len(raw)
+        return [Score(r - mean, info={"raw": r}) for r in raw]
+
+    pm = SimpleNamespace(hook=SimpleNamespace(generate=generate, score_batch=score_batch))
+    out = evaluate(pm, [{"prompt": "x"}, {"prompt": "y"}, {"prompt": "z"}], 3)
+    assert out["eval/score"] == pytest.approx(2.0)  # mean of the raw 1, 2, 3, not 0
