@@ -53,6 +53,7 @@ class ArmRow:
     start_value: float | None
     best_step: int | None
     best_value: float | None
+    samples: float | None
     tokens_per_s: float | None
     wall_clock_s: float | None
     peak_memory_mb: float | None
@@ -103,6 +104,7 @@ def arm_row(
         start_value=start_value,
         best_step=best_step,
         best_value=best_value,
+        samples=mean_of("samples"),
         tokens_per_s=mean_of("tokens_per_s"),
         wall_clock_s=mean_of("wall_clock_s"),
         peak_memory_mb=max(memory) if memory else None,
@@ -291,6 +293,7 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
             f"start {key}",
             f"final {key} (mean ± 95% CI)",
             "best step (mean)",
+            "samples",
             "tokens/s",
             "wall-clock",
             "peak memory (MB)",
@@ -303,6 +306,7 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
                 fmt(r.start_value),
                 fmt_summary(r.summary),
                 "n/a" if r.best_step is None else f"{r.best_step} ({fmt(r.best_value)})",
+                fmt(r.samples),
                 fmt(r.tokens_per_s),
                 fmt_duration(r.wall_clock_s),
                 fmt(r.peak_memory_mb),
@@ -314,7 +318,9 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
         "p",
         "Start: the first evaluation (before training), mean over seeds. "
         "The 95% CI is the t-interval of the mean over seeds (n/a with one seed). Best step: "
-        "the evaluation step where the mean over seeds is best. tokens/s and wall-clock are "
+        "the evaluation step where the mean over seeds is best. Samples: responses generated "
+        "(online) or read from the dataset (offline), mean over seeds, as a samples budget "
+        "counts them; under a step budget arms may differ here. tokens/s and wall-clock are "
         "means over seeds (they depend on what else ran at the same time). Peak memory is the "
         "maximum over seeds of each run's process peak: on CPU that is the process's maximum "
         "resident memory. With --jobs > 1 every run has a process of its own; a sequential "

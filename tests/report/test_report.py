@@ -63,9 +63,10 @@ def test_table_numbers_match_the_statistics(experiment_dir: Builder) -> None:
     assert row[2] == "0.1"  # every synthetic curve starts at 0.1 (the step-0 evaluation)
     assert row[3] == f"{mean:.4g} ± {(high - low) / 2:.3g}"
     assert row[4] == f"10 ({mean:.4g})"  # the last evaluation is the best (curves climb)
-    assert row[5] == f"{np.mean([500 + 100 * s for s in range(5)]):.4g}"  # tokens/s
-    assert row[6] == "30.0 s"  # mean of 10, 20, ..., 50
-    assert row[7] == "204"  # peak memory: max over seeds
+    assert row[5] == "80"  # samples: 10 steps x 8 in every seed's status.json
+    assert row[6] == f"{np.mean([500 + 100 * s for s in range(5)]):.4g}"  # tokens/s
+    assert row[7] == "30.0 s"  # mean of 10, 20, ..., 50
+    assert row[8] == "204"  # peak memory: max over seeds
 
     cmp = table_row(md, "Against the baseline (base)", "other")
     assert float(cmp[1]) == pytest.approx(np.mean(SAME_DIST) - np.mean(BASE), abs=1e-4)
