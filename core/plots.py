@@ -42,6 +42,22 @@ class Curve:
     seeds: int
 
 
+def smoothing_window(n_points: int, target_points: int = 25) -> int:
+    """Trailing-mean window for a training curve of ``n_points`` steps (1: no smoothing)."""
+    return max(1, round(n_points / target_points))
+
+
+def trailing_mean(
+    points: Sequence[tuple[float, float, float]], window: int
+) -> list[tuple[float, float, float]]:
+    """Each ``(step, x, y)`` with y replaced by the mean of the last ``window`` ys (fewer at the start)."""
+    ys = [p[2] for p in points]
+    return [
+        (step, x, float(np.mean(ys[max(0, i - window + 1) : i + 1])))
+        for i, (step, x, _) in enumerate(points)
+    ]
+
+
 def aggregate(arm: str, series: Sequence[Sequence[tuple[float, float, float]]]) -> Curve | None:
     """Combine per-seed series of ``(step, x, y)`` into one curve over the steps.
 

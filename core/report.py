@@ -456,7 +456,7 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
     shown = [r for r in runs if r.status != "failed"]
     blocks: list[Block] = []
 
-    def curves(source: str, y_key: str, x_key: str) -> list[plots.Curve]:
+    def curves(source: str, y_key: str, x_key: str, window: int = 1) -> list[plots.Curve]:
         found = []
         for arm in arms:
             series = []
@@ -469,7 +469,7 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
                     x, y = number(row.get(x_key)), number(row.get(y_key))
                     if x is not None and y is not None:
                         points.append((float(row["step"]), x, y))
-                series.append(points)
+                series.append(plots.trailing_mean(points, window) if window > 1 else points)
             curve = plots.aggregate(arm, series)
             if curve is not None:
                 found.append(curve)
@@ -509,15 +509,22 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
                     path="plots/eval_vs_time.png",
                 )
             )
+    longest = max((len(r.metrics) for r in shown), default=0)
+    window = plots.smoothing_window(longest)
+    smoothed = f"each seed's curve a trailing mean over {window} steps; " if window > 1 else ""
     for metric, label, filename in TRAIN_PLOTS:
-        found = curves("metrics", metric, "step")
+        found = curves("metrics", metric, "step", window)
         if not found:
             continue
         plots.line_plot(
             plot_dir / filename, found, colors, title=label, xlabel="step", ylabel=metric
         )
         blocks.append(
-            Block("img", f"Training: {label} against step ({band}).", path=f"plots/{filename}")
+            Block(
+                "img",
+                f"Training: {label} against step ({smoothed}{band}).",
+                path=f"plots/{filename}",
+            )
         )
     if not blocks:
         blocks.append(Block("p", "No metrics written yet."))

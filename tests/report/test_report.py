@@ -240,3 +240,18 @@ def test_metric_direction_from_the_spec_overrides_the_name_guess(experiment_dir:
     md = (root / "report.md").read_text()
     assert table_row(md, "Against the baseline (grpo)", "lr0")[6] == "better"
     assert "(lower is better)" in md
+
+
+def test_training_curves_are_smoothed_per_seed_and_the_caption_says_so(
+    experiment_dir: Builder,
+) -> None:
+    from alignzoo import plots
+
+    points = [(float(s), float(s), float(v)) for s, v in enumerate([0, 3, 6, 9, 0])]
+    assert [p[2] for p in plots.trailing_mean(points, 3)] == [0.0, 1.5, 3.0, 6.0, 5.0]
+    assert plots.smoothing_window(10) == 1 and plots.smoothing_window(150) == 6
+    root = experiment_dir(finals={"base": BASE, "other": SAME_DIST}, steps=150, every=50)
+    write_report(root)
+    md = (root / "report.md").read_text()
+    assert "each seed's curve a trailing mean over 6 steps" in md
+    assert "trailing mean" not in md.split("Training:")[0]  # evaluation curves are not smoothed
