@@ -49,6 +49,7 @@ class ArmRow:
     finished: int
     total: int
     final: list[float]  # one value per finished run that has the metric
+    final_by_seed: dict[int, float]
     summary: stats.Summary | None
     start_value: float | None
     best_step: int | None
@@ -100,6 +101,7 @@ def arm_row(
         finished=len(done),
         total=max(planned or 0, len(runs)),
         final=values,
+        final_by_seed={r.seed: v for r, v in finals if v is not None},
         summary=stats.mean_ci(values) if values else None,
         start_value=start_value,
         best_step=best_step,
@@ -345,9 +347,21 @@ def _comparisons(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
             why = "no finished run" if not rows[missing].finished else f"no finished run with {key}"
             sentences.append(f"{arm}: no comparison yet ({missing} has {why}).")
             continue
+        base_seeds, arm_seeds = rows[baseline].final_by_seed, rows[arm].final_by_seed
+        paired = len(base_seeds) >= 2 and set(base_seeds) == set(arm_seeds)
+        if paired:  # the same seeds in both arms: compare seed by seed
+            base_values = [base_seeds[s] for s in sorted(base_seeds)]
+            values = [arm_seeds[s] for s in sorted(base_seeds)]
         c = stats.compare(
-            base_values, values, arm=arm, baseline=baseline, metric=key, higher_is_better=exp.higher
+            base_values,
+            values,
+            arm=arm,
+            baseline=baseline,
+            metric=key,
+            higher_is_better=exp.higher,
+            paired=paired,
         )
+        base_values = rows[baseline].final
         comparison_rows.append(
             [
                 arm,
@@ -370,8 +384,8 @@ def _comparisons(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
                     "difference",
                     "95% bootstrap CI",
                     "p (permutation)",
-                    "p (Welch)",
-                    "Cohen's d",
+                    "p (t-test)",
+                    "effect size",
                     "verdict",
                     "seeds per arm to detect",
                 ],
@@ -385,14 +399,19 @@ def _comparisons(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
     blocks.append(
         Block(
             "p",
-            "Difference: arm minus baseline. The verdict uses the permutation test (exact up to "
-            "9,999 splits of the seeds, Monte Carlo beyond) when it can reach p < 0.05 at these "
-            "seed counts, and Welch's t-test otherwise (2 or 3 seeds per arm). The bootstrap CI "
-            "resamples each arm's seeds independently (10,000 resamples, fixed seed); with few "
-            "seeds it is narrower than the truth (it only reuses the values seen), so it can "
-            "exclude 0 where the test detects nothing: the verdict follows the test. Seeds to "
-            "detect: per arm, for a two-sided t-test at α = 0.05 with 80% power, taking the "
-            "observed difference and spread as the truth.",
+            "Difference: arm minus baseline. Arms that finished the same seeds are compared seed "
+            "by seed (paired): a seed fixes the prompt order and the initial weights, so each "
+            "seed's difference removes what that seed does to both arms. Paired, the verdict "
+            "uses the sign-flip test when it can reach p < 0.05 (6 or more seeds) and the paired "
+            "t-test otherwise; the effect size is d_z (mean difference / SD of the differences); "
+            "the bootstrap CI resamples seeds (pairs) whole. Unpaired (the arms finished "
+            "different seeds), the verdict uses the permutation test (exact up to 9,999 splits, "
+            "Monte Carlo beyond) when it can reach p < 0.05 and Welch's t-test otherwise; the "
+            "effect size is Cohen's d; the bootstrap resamples each arm's seeds independently. "
+            "Bootstrap intervals (10,000 resamples, fixed seed) are narrower than the truth with "
+            "few seeds, so one can exclude 0 where the test detects nothing: the verdict follows "
+            "the test. Seeds to detect: per arm, for the t-test above at α = 0.05 with 80% "
+            "power, taking the observed difference and spread as the truth.",
         )
     )
     return blocks

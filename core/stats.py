@@ -245,6 +245,117 @@ def seeds_needed(
     return n
 
 
+# --------------------------------------------------------------------------- paired seeds
+# The runner gives every arm the same seeds, and a seed fixes the prompt order and the initial
+# weights, so two arms' runs with one seed are a matched pair. Their per-seed differences remove
+# what the seed contributes to both (easy or hard prompt orders), which unpaired tests count as
+# noise.
+
+
+def paired_t_pvalue(diffs: Values) -> float | None:
+    """Two-sided p-value of the paired t-test (one-sample t-test of the per-seed differences).
+
+    ``None`` with fewer than 2 pairs; with no spread in the differences, 1.0 if they are all
+    0 and 0.0 otherwise (as :func:`welch_pvalue`).
+    """
+    d = _array(diffs)
+    if d.size < 2:
+        return None
+    sd = float(d.std(ddof=1))
+    mean = float(d.mean())
+    if sd <= _REL_TOL * max(1.0, abs(mean)):
+        return 1.0 if _close(mean, 0.0) else 0.0
+    t = mean / (sd / math.sqrt(d.size))
+    return float(min(1.0, 2 * sps.t.sf(abs(t), d.size - 1)))
+
+
+def sign_flip_pvalue(diffs: Values, n_resamples: int = 9999, seed: int = 0) -> float | None:
+    """Two-sided sign-flip permutation test of the mean per-seed difference.
+
+    Under the null each difference is as likely positive as negative; exact over all ``2**n``
+    sign patterns when there are at most ``n_resamples`` of them, Monte Carlo otherwise (fixed
+    ``seed``, (count + 1) / (n + 1)). Two-sided as twice the smaller one-sided p, capped at 1.
+    """
+    d = _array(diffs)
+    if d.size == 0:
+        return None
+    observed = float(d.mean())
+    if 2**d.size <= n_resamples:
+        signs = np.array(list(itertools.product((1.0, -1.0), repeat=d.size)))
+        exact = True
+    else:
+        signs = np.random.default_rng(seed).choice((1.0, -1.0), size=(n_resamples, d.size))
+        exact = False
+    null = (signs * d).mean(axis=1)
+    tol = max(1e-14, abs(observed) * 1e-14) + 1e-12 * max(1.0, float(np.abs(d).max()))
+    less = np.count_nonzero(null <= observed + tol)
+    greater = np.count_nonzero(null >= observed - tol)
+    if exact:
+        p_less, p_greater = less / null.size, greater / null.size
+    else:
+        p_less, p_greater = (less + 1) / (null.size + 1), (greater + 1) / (null.size + 1)
+    return float(min(1.0, 2 * min(p_less, p_greater)))
+
+
+def min_sign_flip_pvalue(n_pairs: int) -> float:
+    """The smallest two-sided p-value the exact sign-flip test can give with ``n_pairs``."""
+    return min(1.0, 2 / 2**n_pairs)
+
+
+def bootstrap_mean_ci(
+    diffs: Values, confidence: float = 0.95, n_resamples: int = 10000, seed: int = 0
+) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the mean per-seed difference (pairs resampled whole)."""
+    d = _array(diffs)
+    if d.size < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(n_resamples, d.size))].mean(axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def paired_effect_size(diffs: Values) -> float | None:
+    """d_z: the mean per-seed difference over the standard deviation of the differences."""
+    d = _array(diffs)
+    if d.size < 2:
+        return None
+    sd = float(d.std(ddof=1))
+    if sd <= _REL_TOL * max(1.0, abs(float(d.mean()))):
+        return None
+    return float(d.mean()) / sd
+
+
+def paired_t_power(effect_size: float, n_pairs: int, alpha: float = ALPHA) -> float:
+    """Power of the two-sided paired t-test: noncentral t, ``n - 1`` df, noncentrality d_z sqrt(n)."""
+    if n_pairs < 2:
+        return 0.0
+    df = n_pairs - 1
+    nc = abs(effect_size) * math.sqrt(n_pairs)
+    crit = sps.t.ppf(1 - alpha / 2, df)
+    return float(sps.nct.sf(crit, df, nc) + sps.nct.cdf(-crit, df, nc))
+
+
+def paired_seeds_needed(diffs: Values, alpha: float = ALPHA, power: float = POWER) -> int | None:
+    """Seeds (pairs) a paired t-test needs to detect the observed mean difference at ``power``.
+
+    ``None`` when the mean difference is 0; 2 when it is non-zero with no spread.
+    """
+    d = _array(diffs)
+    if d.size == 0 or _close(float(d.mean()), 0.0):
+        return None
+    dz = paired_effect_size(d)
+    if dz is None:
+        return 2
+    n = 2
+    while paired_t_power(dz, n, alpha) < power:
+        n += 1
+        if n > 1_000_000:
+            break
+    return n
+
+
 # --------------------------------------------------------------------------- verdict
 
 
@@ -269,6 +380,7 @@ class Comparison:
     seeds_needed: int | None
     verdict: Verdict
     sentence: str
+    paired: bool = False
 
 
 def _fmt(x: float) -> str:
@@ -290,6 +402,7 @@ def compare(
     alpha: float = ALPHA,
     power: float = POWER,
     seed: int = 0,
+    paired: bool = False,
 ) -> Comparison:
     """Compare one arm with the baseline and say, in plain words, what can be concluded.
 
@@ -300,22 +413,42 @@ def compare(
     ``higher_is_better`` then give "better" or "worse". Otherwise the verdict is "no detectable
     difference", with the number of seeds per arm that would detect the observed difference at
     80% power (worded so that it never asks for fewer seeds than were run).
+
+    ``paired=True``: the two sequences are matched by seed (same order, same length), and the
+    analysis is of the per-seed differences: sign-flip permutation test when it can reach
+    ``alpha`` (6 or more pairs), the paired t-test otherwise; a bootstrap over pairs; d_z as
+    effect size; seeds needed for a paired t-test. ``p_permutation``, ``p_welch`` and
+    ``cohens_d`` then hold the sign-flip p, the paired-t p and d_z.
     """
     a, b = _array(baseline_values), _array(arm_values)
     if a.size == 0 or b.size == 0:
         raise ValueError("compare needs at least one value per arm")
+    if paired and a.size != b.size:
+        raise ValueError("a paired comparison needs one value per seed in both arms")
     diff = float(b.mean() - a.mean())
-    ci = bootstrap_diff_ci(a, b, seed=seed)
-    p_perm = permutation_pvalue(a, b, seed=seed)
-    p_welch = welch_pvalue(a, b)
+    if paired:
+        diffs = b - a
+        ci = bootstrap_mean_ci(diffs, seed=seed)
+        p_perm = sign_flip_pvalue(diffs, seed=seed)
+        p_welch = paired_t_pvalue(diffs)
+        d = paired_effect_size(diffs)
+        needed = paired_seeds_needed(diffs, alpha=alpha, power=power)
+        can_permute = min_sign_flip_pvalue(a.size) < alpha
+        tests = ("sign-flip test, paired by seed", "paired t-test")
+    else:
+        ci = bootstrap_diff_ci(a, b, seed=seed)
+        p_perm = permutation_pvalue(a, b, seed=seed)
+        p_welch = welch_pvalue(a, b)
+        d = cohens_d(a, b)
+        needed = seeds_needed(a, b, alpha=alpha, power=power)
+        can_permute = min_permutation_pvalue(a.size, b.size) < alpha
+        tests = ("permutation test", "Welch's t-test")
     if a.size < 2 or b.size < 2:
         p_value, test = None, None
-    elif min_permutation_pvalue(a.size, b.size) < alpha:
-        p_value, test = p_perm, "permutation test"
+    elif can_permute:
+        p_value, test = p_perm, tests[0]
     else:
-        p_value, test = p_welch, "Welch's t-test"
-    d = cohens_d(a, b)
-    needed = seeds_needed(a, b, alpha=alpha, power=power)
+        p_value, test = p_welch, tests[1]
     seeds = f"{b.size} seed{'s' if b.size != 1 else ''}" + (
         " per arm" if a.size == b.size else f" (baseline {a.size})"
     )
@@ -361,6 +494,7 @@ def compare(
         seeds_needed=needed,
         verdict=verdict,
         sentence=sentence,
+        paired=paired,
     )
 
 

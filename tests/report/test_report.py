@@ -70,8 +70,10 @@ def test_table_numbers_match_the_statistics(experiment_dir: Builder) -> None:
 
     cmp = table_row(md, "Against the baseline (base)", "other")
     assert float(cmp[1]) == pytest.approx(np.mean(SAME_DIST) - np.mean(BASE), abs=1e-4)
-    p_welch = sps.ttest_ind(SAME_DIST, BASE, equal_var=False).pvalue
-    assert cmp[4] == f"{p_welch:.4f}"
+    # Both arms finished seeds 0-4: the comparison is paired by seed.
+    p_paired = sps.ttest_rel(SAME_DIST, BASE).pvalue
+    assert cmp[4] == f"{p_paired:.4f}"
+    assert "paired" in md
     assert cmp[6] == "no detectable difference"
     assert int(cmp[7]) > 5  # seeds that would detect a difference this small
 
@@ -255,3 +257,13 @@ def test_training_curves_are_smoothed_per_seed_and_the_caption_says_so(
     md = (root / "report.md").read_text()
     assert "each seed's curve a trailing mean over 6 steps" in md
     assert "trailing mean" not in md.split("Training:")[0]  # evaluation curves are not smoothed
+
+
+def test_arms_with_different_seeds_are_compared_unpaired(experiment_dir: Builder) -> None:
+    root = experiment_dir(finals={"base": BASE, "other": SAME_DIST[:3]})
+    write_report(root)
+    md = (root / "report.md").read_text()
+    cmp = table_row(md, "Against the baseline (base)", "other")
+    p_welch = sps.ttest_ind(SAME_DIST[:3], BASE, equal_var=False).pvalue
+    assert cmp[4] == f"{p_welch:.4f}"
+    assert "paired by seed" not in md.split("## Against the baseline")[1].split("Difference:")[0]

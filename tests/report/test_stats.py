@@ -219,3 +219,54 @@ def test_direction_defaults() -> None:
     assert stats.higher_is_better("eval/exact_match")
     assert stats.higher_is_better("eval/score")
     assert not stats.higher_is_better("loss")
+
+
+# --------------------------------------------------------------------------- paired by seed
+
+PAIRED_BASE = [0.32, 0.37, 0.35, 0.37, 0.30, 0.36]
+PAIRED_ARM = [0.31, 0.36, 0.32, 0.36, 0.28, 0.35]  # tracks the baseline seed by seed
+
+
+def test_paired_t_and_sign_flip_agree_with_scipy() -> None:
+    diffs = np.subtract(PAIRED_ARM, PAIRED_BASE)
+    assert stats.paired_t_pvalue(diffs) == pytest.approx(
+        sps.ttest_rel(PAIRED_ARM, PAIRED_BASE).pvalue
+    )
+    expected = sps.permutation_test(
+        (PAIRED_ARM, PAIRED_BASE),
+        lambda x, y: np.mean(x - y),
+        permutation_type="samples",
+        n_resamples=np.inf,
+        alternative="two-sided",
+    ).pvalue
+    assert stats.sign_flip_pvalue(diffs) == pytest.approx(expected)
+    assert stats.min_sign_flip_pvalue(4) == pytest.approx(0.125)
+    assert stats.min_sign_flip_pvalue(6) < 0.05
+
+
+def test_paired_power_matches_the_noncentral_t_and_seeds_needed_is_minimal() -> None:
+    diffs = np.subtract(PAIRED_ARM, PAIRED_BASE)
+    dz = stats.paired_effect_size(diffs)
+    assert dz == pytest.approx(np.mean(diffs) / np.std(diffs, ddof=1))
+    n = stats.paired_seeds_needed(diffs)
+    assert n is not None
+    assert stats.paired_t_power(dz, n) >= 0.8 > stats.paired_t_power(dz, n - 1)
+    crit = sps.t.ppf(0.975, n - 1)
+    nc = abs(dz) * np.sqrt(n)
+    assert stats.paired_t_power(dz, n) == pytest.approx(
+        sps.nct.sf(crit, n - 1, nc) + sps.nct.cdf(-crit, n - 1, nc)
+    )
+    assert stats.paired_seeds_needed([0.0, 0.0, 0.0]) is None
+
+
+def test_pairing_detects_what_the_unpaired_test_cannot() -> None:
+    unpaired = stats.compare(PAIRED_BASE, PAIRED_ARM, arm="b", baseline="a")
+    paired = stats.compare(PAIRED_BASE, PAIRED_ARM, arm="b", baseline="a", paired=True)
+    assert unpaired.verdict == "no detectable difference"
+    assert paired.verdict == "worse" and paired.paired
+    assert paired.test == "sign-flip test, paired by seed"  # 6 pairs: it can reach 0.05
+    assert paired.p_value == paired.p_permutation < 0.05
+    low, high = paired.ci
+    assert low < paired.difference < high < 0
+    with pytest.raises(ValueError, match="one value per seed"):
+        stats.compare([1.0, 2.0], [1.0, 2.0, 3.0], paired=True)
