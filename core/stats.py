@@ -134,8 +134,16 @@ def permutation_pvalue(
         order = rng.permuted(np.tile(np.arange(total), (n_resamples, 1)), axis=1)
         null = diffs(pooled[order[:, :n_arm]].sum(axis=1))
         exact = False
-    # Ties within floating-point error count as "as extreme".
-    tol = max(1e-14, abs(observed) * 1e-14) + 1e-12 * max(1.0, float(np.abs(pooled).max()))
+    return _two_sided_pvalue(null, observed, float(np.abs(pooled).max()), exact)
+
+
+def _two_sided_pvalue(null: np.ndarray, observed: float, scale: float, exact: bool) -> float:
+    """Twice the smaller one-sided p of ``observed`` in the ``null`` statistics, capped at 1.
+
+    Ties within floating-point error count as "as extreme"; a Monte Carlo null (``exact``
+    False) gets the (count + 1) / (n + 1) correction.
+    """
+    tol = max(1e-14, abs(observed) * 1e-14) + 1e-12 * max(1.0, scale)
     less = np.count_nonzero(null <= observed + tol)
     greater = np.count_nonzero(null >= observed - tol)
     if exact:
@@ -287,14 +295,7 @@ def sign_flip_pvalue(diffs: Values, n_resamples: int = 9999, seed: int = 0) -> f
         signs = np.random.default_rng(seed).choice((1.0, -1.0), size=(n_resamples, d.size))
         exact = False
     null = (signs * d).mean(axis=1)
-    tol = max(1e-14, abs(observed) * 1e-14) + 1e-12 * max(1.0, float(np.abs(d).max()))
-    less = np.count_nonzero(null <= observed + tol)
-    greater = np.count_nonzero(null >= observed - tol)
-    if exact:
-        p_less, p_greater = less / null.size, greater / null.size
-    else:
-        p_less, p_greater = (less + 1) / (null.size + 1), (greater + 1) / (null.size + 1)
-    return float(min(1.0, 2 * min(p_less, p_greater)))
+    return _two_sided_pvalue(null, observed, float(np.abs(d).max()), exact)
 
 
 def min_sign_flip_pvalue(n_pairs: int) -> float:

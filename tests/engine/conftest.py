@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -11,6 +10,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from alignzoo.config import deep_merge
 
 # A tiny policy on 1-digit addition: warm-starts in a few seconds on one core.
 TINY_MODEL = {
@@ -44,16 +45,7 @@ def tiny_experiment(**overrides: Any) -> dict[str, Any]:
         "logging": {"sinks": ["jsonl"]},
         "arms": {"grpo": {"algorithm": "grpo", "labeler": "arithmetic"}},
     }
-    return _merge(base, overrides)
-
-
-def _merge(base: Any, over: Any) -> Any:
-    if isinstance(base, dict) and isinstance(over, dict):
-        out = copy.deepcopy(base)
-        for k, v in over.items():
-            out[k] = _merge(out[k], v) if k in out else copy.deepcopy(v)
-        return out
-    return copy.deepcopy(over)
+    return deep_merge(base, overrides)
 
 
 @pytest.fixture(scope="session")
