@@ -488,7 +488,7 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
                     x, y = number(row.get(x_key)), number(row.get(y_key))
                     if x is not None and y is not None:
                         points.append((float(row["step"]), x, y))
-                series.append(plots.trailing_mean(points, window) if window > 1 else points)
+                series.append(plots.trailing_mean(points, window))
             curve = plots.aggregate(arm, series)
             if curve is not None:
                 found.append(curve)

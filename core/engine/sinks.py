@@ -93,11 +93,7 @@ class Sinks:
         numeric = {
             k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"
         }
-        if self.tb is not None:
-            for k, v in numeric.items():
-                self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(numeric, step=step)
+        self._track(numeric, step)
         if self.console is not None:
             m = metrics
             self.console.print(
@@ -115,16 +111,20 @@ class Sinks:
         append_jsonl(self.out_dir / EVAL_FILE, row)
         step = int(row["step"])
         numeric = {k: float(v) for k, v in row.items() if k.startswith("eval/") and v is not None}
-        if self.tb is not None:
-            for k, v in numeric.items():
-                self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(numeric, step=step)
+        self._track(numeric, step)
         if self.console is not None:
             shown = " │ ".join(f"{k} {v:.3f}" for k, v in numeric.items())
             self.console.print(
                 f"[bold]{self.run_name}[/bold] eval @ step {step}: {shown}", highlight=False
             )
+
+    def _track(self, numeric: dict[str, float], step: int) -> None:
+        """Send numbers to the experiment trackers that are on (TensorBoard, W&B)."""
+        if self.tb is not None:
+            for k, v in numeric.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(numeric, step=step)
 
     def samples(self, rows: list[dict[str, Any]]) -> None:
         """Append a few prompt / response / score rows."""
