@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from alignzoo.config import load_experiment
-from alignzoo.engine.train import run_one
+from alignzoo.config.loader import load_experiment
+from alignzoo.engine.loop import run_one
 
 TIMINGS = ("timing/generate", "timing/label", "timing/update", "timing/step")
 

@@ -13,7 +13,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from alignzoo._lazy import lazy_import
-from alignzoo.config import LoadedExperiment, load_experiment
+from alignzoo.config.loader import LoadedExperiment, load_experiment
+from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import AlignzooError, ConfigError, RunError, UserError
 from alignzoo.plugin import (
     Algorithm,
@@ -26,7 +27,6 @@ from alignzoo.plugin import (
     hookimpl,
 )
 from alignzoo.registry import Registry, get_registry
-from alignzoo.schema import ExperimentSpec
 from alignzoo.types import AlgorithmRequirements, LabelRequest, LossOutput, SamplingParams, Score
 
 if TYPE_CHECKING:

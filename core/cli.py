@@ -71,7 +71,7 @@ def validate(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
 ) -> None:
     """Check an experiment file and every component's params, without loading any model."""
-    from alignzoo.config import load_experiment
+    from alignzoo.config.loader import load_experiment
 
     loaded = load_experiment(experiment)
     spec = loaded.spec
@@ -102,8 +102,8 @@ def run(
     ] = 1,
 ) -> None:
     """Train every arm x seed of an experiment and write the comparison report."""
-    from alignzoo.config import load_experiment
-    from alignzoo.runner import run_experiment
+    from alignzoo.config.loader import load_experiment
+    from alignzoo.experiment.runner import run_experiment
 
     loaded = load_experiment(experiment, arms=_parse_list(arms, str, "--arms"))
     seed_list = _parse_list(seeds, int, "--seeds")
@@ -128,7 +128,7 @@ def report(
     """(Re)write report.md and report.html for a finished or partial experiment."""
     if not run_dir.is_dir():
         raise UserError(f"run folder not found: {run_dir}")
-    from alignzoo.report import write_report
+    from alignzoo.report.sections import write_report
 
     paths = write_report(run_dir)
     for path in paths:
@@ -198,7 +198,7 @@ def schema(
     out: Annotated[Path | None, typer.Option(help="Write to this file instead of stdout.")] = None,
 ) -> None:
     """Write the JSON Schema of experiment files (for editor autocompletion and checking)."""
-    from alignzoo.jsonschema import experiment_json_schema
+    from alignzoo.config.jsonschema import experiment_json_schema
 
     text = json.dumps(experiment_json_schema(), indent=2)
     if out is None:

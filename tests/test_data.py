@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from alignzoo.data import load_split
+from alignzoo.config.schema import DataConfig, TaskConfig
+from alignzoo.engine.datasets import load_split
 from alignzoo.errors import UserError
-from alignzoo.schema import DataConfig, TaskConfig
 from alignzoo.world.task import is_correct, make_examples
 
 TASK = TaskConfig(train_size=50, eval_size=10)

@@ -14,17 +14,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from alignzoo.config import LoadedExperiment
+from alignzoo.config.loader import LoadedExperiment
+from alignzoo.config.schema import ArmSpec, ExperimentSpec
 from alignzoo.engine import models
 from alignzoo.engine.context import RunContext
 from alignzoo.engine.evaluate import eval_rows
 from alignzoo.engine.forward import AutocastFactory
 from alignzoo.engine.sampler import PromptSampler
-from alignzoo.engine.trainer import Learner, build_optimizer, build_scheduler
+from alignzoo.engine.update import Learner, build_optimizer, build_scheduler
 from alignzoo.errors import RunError, UserError
 from alignzoo.plugin import Component
 from alignzoo.registry import build_plugin_manager
-from alignzoo.schema import ArmSpec, ExperimentSpec
 from alignzoo.types import AlgorithmRequirements
 
 
@@ -171,7 +171,7 @@ def assemble(
     if req.critic:
         run.critic = models.load_critic(path, mcfg, run.device("critic"), seed)
 
-    from alignzoo.data import load_split
+    from alignzoo.engine.datasets import load_split
 
     train = load_split(spec.data, "train", "online" if online else req.data)
     evaluation = load_split(spec.data, "eval", "online")

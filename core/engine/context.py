@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from alignzoo.schema import ArmSpec, ExperimentSpec
+from alignzoo.config.schema import ArmSpec, ExperimentSpec
 
 
 @dataclass

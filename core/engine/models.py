@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from alignzoo.config.schema import ModelConfig, TaskConfig
 from alignzoo.errors import UserError
-from alignzoo.schema import ModelConfig, TaskConfig
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -21,7 +21,7 @@ from alignzoo.engine.rollout import (
     task_correct,
     unpaired_batch,
 )
-from alignzoo.engine.trainer import update
+from alignzoo.engine.update import update
 from alignzoo.ops import masked_mean
 from alignzoo.registry import chain_transform_batch
 

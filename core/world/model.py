@@ -24,7 +24,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from alignzoo.schema import EmbeddedModelConfig
+from alignzoo.config.schema import EmbeddedModelConfig
 
 MAX_POSITIONS = 512
 METADATA_FILE = "alignzoo_world.json"

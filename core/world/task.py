@@ -19,8 +19,8 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Literal
 
+from alignzoo.config.schema import TaskConfig
 from alignzoo.errors import UserError
-from alignzoo.schema import TaskConfig
 
 Split = Literal["train", "eval"]
 

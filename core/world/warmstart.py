@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from alignzoo.config.schema import EmbeddedModelConfig, ModelConfig, TaskConfig
 from alignzoo.errors import UserError
-from alignzoo.schema import EmbeddedModelConfig, ModelConfig, TaskConfig
 from alignzoo.world.model import METADATA_FILE, build_model, save_policy
 from alignzoo.world.task import is_correct, make_examples
 from alignzoo.world.tokenizer import build_tokenizer

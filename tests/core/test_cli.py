@@ -112,7 +112,7 @@ def test_plugin_whose_import_raises_exits_2(exp, tmp_path, monkeypatch, capsys):
     for ep in ("labeler.keyword", "backend.canned", "device_mapper.all_cpu"):
         kind, name = ep.split(".")
         registry.register(__import__("alignzoo").get_registry().get(kind, name), name)
-    monkeypatch.setattr("alignzoo.config.get_registry", lambda: registry)
+    monkeypatch.setattr("alignzoo.config.loader.get_registry", lambda: registry)
     path = exp(
         GOOD.replace("vanilla_pg, params: {baseline: true}", "exploding").replace(
             "    algorithm: vanilla_pg\n    modifiers: [{name: loss_scale, params: {factor: 3}}]\n",

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from alignzoo.config import load_experiment
+from alignzoo.config.loader import load_experiment
 from alignzoo.errors import ConfigError, UserError
 from tests.core.helpers import toy_registry
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from alignzoo.config import load_experiment
-from alignzoo.engine.train import run_one
+from alignzoo.config.loader import load_experiment
+from alignzoo.engine.loop import run_one
 
 if __name__ == "__main__":
     path, arm, seed, out, resume = sys.argv[1:6]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from alignzoo.config import deep_merge
+from alignzoo.config.loader import deep_merge
 
 # A tiny policy on 1-digit addition: warm-starts in a few seconds on one core.
 TINY_MODEL = {

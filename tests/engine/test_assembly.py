@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from alignzoo.config import load_experiment
+from alignzoo.config.loader import load_experiment
 from alignzoo.engine import assemble as assemble_mod
 from alignzoo.engine import models
 from alignzoo.engine.assemble import assemble
@@ -117,7 +117,7 @@ def test_dropout_is_disabled_unless_asked_to_keep_it(tmp_path) -> None:
     """A checkpoint with dropout: train-mode forwards agree only when dropout is zeroed."""
     import torch
 
-    from alignzoo.schema import EmbeddedModelConfig, ModelConfig
+    from alignzoo.config.schema import EmbeddedModelConfig, ModelConfig
     from alignzoo.world.model import build_model, save_policy
     from alignzoo.world.tokenizer import build_tokenizer
 

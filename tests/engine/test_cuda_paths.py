@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from alignzoo.config import load_experiment
-from alignzoo.engine.train import run_one
+from alignzoo.config.loader import load_experiment
+from alignzoo.engine.loop import run_one
 from tests.engine.conftest import read_jsonl
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

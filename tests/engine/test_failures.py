@@ -7,9 +7,9 @@ from importlib import metadata
 
 import torch
 
-from alignzoo.config import load_experiment
+from alignzoo.config.loader import load_experiment
 from alignzoo.engine.checkpoint import latest_checkpoint
-from alignzoo.engine.train import run_one
+from alignzoo.engine.loop import run_one
 from alignzoo.plugin import Modifier, hookimpl
 from alignzoo.plugins.algorithms.grpo import GRPO
 from alignzoo.registry import ENTRY_POINT_GROUP, Registry

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from alignzoo.config import load_experiment
-from alignzoo.engine.train import run_one
+from alignzoo.config.loader import load_experiment
+from alignzoo.engine.loop import run_one
 
 from .conftest import read_jsonl, tiny_experiment
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alignzoo.config import load_experiment
-from alignzoo.engine.train import run_one
+from alignzoo.config.loader import load_experiment
+from alignzoo.engine.loop import run_one
 
 from .conftest import TINY_MODEL, TINY_TASK, read_jsonl
 

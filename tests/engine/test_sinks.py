@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from alignzoo.config.schema import WandbConfig
 from alignzoo.engine.sinks import Sinks
 from alignzoo.errors import UserError
-from alignzoo.schema import WandbConfig
 
 
 def test_jsonl_and_console_line(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from alignzoo.batch import RolloutBatch
+from alignzoo.config.schema import ArmSpec, Budget, ComponentRef, TrainingConfig
 from alignzoo.engine.assemble import total_optimizer_steps
 from alignzoo.engine.checkpoint import (
     TrainingState,
@@ -21,12 +22,11 @@ from alignzoo.engine.checkpoint import (
     truncate_jsonl,
 )
 from alignzoo.engine.evaluate import evaluate
+from alignzoo.engine.loop import budget_spent
 from alignzoo.engine.prepare import mismatch_partners
 from alignzoo.engine.rollout import label_desirable, pair_by_score
 from alignzoo.engine.sampler import PromptSampler
-from alignzoo.engine.train import budget_spent
-from alignzoo.engine.trainer import _split, _units, lr_factor
-from alignzoo.schema import ArmSpec, Budget, ComponentRef, TrainingConfig
+from alignzoo.engine.update import _split, _units, lr_factor
 from alignzoo.types import SamplingParams, Score
 
 

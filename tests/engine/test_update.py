@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from alignzoo.batch import RolloutBatch
+from alignzoo.config.schema import EmbeddedModelConfig, TrainingConfig
 from alignzoo.engine.forward import evaluating, no_autocast, policy_forward
 from alignzoo.engine.labeling import label
 from alignzoo.engine.rollout import check_layout, tokenized_batch
-from alignzoo.engine.trainer import Learner, build_scheduler, update
+from alignzoo.engine.update import Learner, build_scheduler, update
 from alignzoo.errors import RunError, UserError
 from alignzoo.ops import aggregate_loss
 from alignzoo.plugins.backends.hf import HFBackend
-from alignzoo.schema import EmbeddedModelConfig, TrainingConfig
 from alignzoo.types import AlgorithmRequirements, LossOutput, SamplingParams, Score
 from alignzoo.world.model import build_model
 from alignzoo.world.tokenizer import build_tokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alignzoo.schema import ExperimentSpec
+from alignzoo.config.schema import ExperimentSpec
 from tests.report.fake_engine import make_spec
 
 Builder = Callable[..., Path]

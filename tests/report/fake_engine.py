@@ -1,4 +1,4 @@
-"""A stand-in for ``alignzoo.engine.train.run_one`` that writes synthetic run folders.
+"""A stand-in for ``alignzoo.engine.loop.run_one`` that writes synthetic run folders.
 
 Top-level functions only, so that spawned worker processes can import them. The numbers are a
 deterministic function of (arm's learning rate, seed, step): an arm with ``lr: 0`` does not
@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
+from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import RunError
-from alignzoo.schema import ExperimentSpec
 
 KILL_ENV = "ALIGNZOO_FAKE_KILL"  # "arm:seed:step": raise KeyboardInterrupt there
 DIE_ENV = "ALIGNZOO_FAKE_DIE"  # "arm:seed:step": the process kills itself (SIGKILL) there

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alignzoo.config import load_experiment
-from alignzoo.runner import run_experiment
+from alignzoo.config.loader import load_experiment
+from alignzoo.experiment.runner import run_experiment
 
 # A tiny policy trained on four fixed prompts (and evaluated on them): GRPO reliably lifts
 # greedy exact match from 0.75 to 1.0 within 40 steps on every seed, so a learning rate of 0

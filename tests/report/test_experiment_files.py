@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from alignzoo.config import load_experiment
+from alignzoo.config.loader import load_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ import yaml
 from scipy import stats as sps
 
 from alignzoo.errors import UserError
-from alignzoo.report import write_report
+from alignzoo.report.sections import write_report
 from tests.report.conftest import Builder
 
 BASE = [0.52, 0.55, 0.49, 0.53, 0.51]
@@ -184,7 +184,9 @@ def test_report_is_the_same_from_another_process(experiment_dir: Builder) -> Non
     )
     write_report(root)
     first = {p.name: p.read_bytes() for p in [*root.glob("report.*"), *root.glob("plots/*")]}
-    code = "import sys; from alignzoo.report import write_report; write_report(sys.argv[1])"
+    code = (
+        "import sys; from alignzoo.report.sections import write_report; write_report(sys.argv[1])"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code, str(root)], check=True, env=env)
     second = {p.name: p.read_bytes() for p in [*root.glob("report.*"), *root.glob("plots/*")]}
@@ -247,7 +249,7 @@ def test_metric_direction_from_the_spec_overrides_the_name_guess(experiment_dir:
 def test_training_curves_are_smoothed_per_seed_and_the_caption_says_so(
     experiment_dir: Builder,
 ) -> None:
-    from alignzoo import plots
+    from alignzoo.report import plots
 
     points = [(float(s), float(s), float(v)) for s, v in enumerate([0, 3, 6, 9, 0])]
     assert [p[2] for p in plots.trailing_mean(points, 3)] == [0.0, 1.5, 3.0, 6.0, 5.0]

@@ -11,10 +11,10 @@ import pytest
 import yaml
 from rich.console import Console
 
-from alignzoo import runner
-from alignzoo.config import LoadedExperiment
+from alignzoo.config.loader import LoadedExperiment
 from alignzoo.errors import UserError
-from alignzoo.runner import run_experiment
+from alignzoo.experiment import runner
+from alignzoo.experiment.runner import run_experiment
 from tests.report.fake_engine import (
     DIE_ENV,
     KILL_ENV,

@@ -1,4 +1,4 @@
-"""alignzoo.stats agrees with scipy on known samples and degrades gracefully on edge cases."""
+"""alignzoo.report.stats agrees with scipy on known samples and degrades gracefully on edge cases."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from alignzoo import stats
+from alignzoo.report import stats
 
 A = [0.61, 0.58, 0.66, 0.55, 0.63]
 B = [0.70, 0.74, 0.66, 0.79, 0.71]

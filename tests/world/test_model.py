@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from alignzoo.schema import EmbeddedModelConfig
+from alignzoo.config.schema import EmbeddedModelConfig
 from alignzoo.world.model import build_model, save_policy
 from alignzoo.world.tokenizer import build_tokenizer
 

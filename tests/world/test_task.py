@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from alignzoo.config.schema import TaskConfig
 from alignzoo.errors import UserError
-from alignzoo.schema import TaskConfig
 from alignzoo.world.task import (
     compute_answer,
     extract_answer,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from alignzoo.schema import EmbeddedModelConfig
+from alignzoo.config.schema import EmbeddedModelConfig
 from alignzoo.world.model import build_model, save_policy
 from alignzoo.world.tokenizer import build_tokenizer
 

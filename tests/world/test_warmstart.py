@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from alignzoo.config.schema import EmbeddedModelConfig, ModelConfig, TaskConfig
 from alignzoo.errors import UserError
-from alignzoo.schema import EmbeddedModelConfig, ModelConfig, TaskConfig
 from alignzoo.world import warmstart
 from alignzoo.world.model import METADATA_FILE, build_model
 from alignzoo.world.task import make_examples

@@ -6,7 +6,7 @@ prompt order, initial weights and evaluation set in every arm), the same budget 
 schedule (experiment-level sections of the spec).
 
 Layout: ``<out>/experiment.yaml`` (the resolved spec), ``<out>/<arm>/seed-<n>/`` (one folder per
-run, written by :func:`alignzoo.engine.train.run_one`), ``<out>/report.md``, ``report.html``
+run, written by :func:`alignzoo.engine.loop.run_one`), ``<out>/report.md``, ``report.html``
 and ``plots/``.
 
 Resuming: with ``resume=True`` a run whose ``status.json`` says finished is skipped and any
@@ -31,11 +31,11 @@ from typing import Any
 
 import yaml
 
-from alignzoo.config import LoadedExperiment
+from alignzoo.config.loader import LoadedExperiment
+from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
-from alignzoo.progress import ProgressView
-from alignzoo.runfiles import EXPERIMENT_FILE, read_status, write_atomic
-from alignzoo.schema import ExperimentSpec
+from alignzoo.experiment.progress import ProgressView
+from alignzoo.experiment.runfiles import EXPERIMENT_FILE, read_status, write_atomic
 
 RunFn = Callable[..., Any]
 
@@ -80,7 +80,7 @@ def _run_one(
     console: Any = None,
 ) -> Any:
     """The engine's run_one (imported late: it pulls in torch)."""
-    from alignzoo.engine.train import run_one
+    from alignzoo.engine.loop import run_one
 
     return run_one(loaded, arm, seed, out_dir, resume=resume, console=console)
 
@@ -217,7 +217,7 @@ def _worker(job: _Job) -> RunResult:
     """Run one job in a worker process."""
     loaded = job.loaded
     if loaded is None:
-        from alignzoo.config import load_experiment
+        from alignzoo.config.loader import load_experiment
 
         loaded = load_experiment(job.source, arms=[job.arm])
         loaded.spec = job.spec
@@ -253,7 +253,7 @@ def run_experiment(
     ``max(1, cpu_count // jobs)`` BLAS/torch threads. ``run_fn`` replaces the engine's
     ``run_one`` (same signature; it must be a module-level function when ``jobs > 1``).
     """
-    from alignzoo.report import write_report
+    from alignzoo.report.sections import write_report
 
     if jobs < 1:
         raise UserError(f"--jobs must be at least 1, got {jobs}")

@@ -21,7 +21,8 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from alignzoo.config import LoadedExperiment
+from alignzoo.config.loader import LoadedExperiment
+from alignzoo.config.schema import Budget
 from alignzoo.engine.assemble import Engine, assemble
 from alignzoo.engine.checkpoint import (
     TrainingState,
@@ -33,7 +34,6 @@ from alignzoo.engine.checkpoint import (
 from alignzoo.engine.evaluate import evaluate
 from alignzoo.engine.sinks import EVAL_FILE, METRICS_FILE, SAMPLES_FILE, Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
-from alignzoo.schema import Budget
 
 STATUS_FILE = "status.json"
 CONFIG_FILE = "config.yaml"

@@ -16,10 +16,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from alignzoo import plots, stats
-from alignzoo.document import Block, render_html, render_markdown
+from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
-from alignzoo.runfiles import (
+from alignzoo.experiment.runfiles import (
     SEED_DIR,
     RunData,
     find_runs,
@@ -28,7 +27,8 @@ from alignzoo.runfiles import (
     number,
     write_atomic,
 )
-from alignzoo.schema import ExperimentSpec
+from alignzoo.report import plots, stats
+from alignzoo.report.document import Block, render_html, render_markdown
 
 TRAIN_PLOTS = (
     ("reward/mean", "training reward (mean over the step's samples)", "train_reward.png"),

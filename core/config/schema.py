@@ -3,7 +3,7 @@
 An experiment names arms; each arm picks an algorithm, labeler, backend, device mapper and
 modifiers (components, each with its own ``params`` validated by the component's ``Params``
 model) and may override the shared ``training`` and ``model`` sections. ``defaults`` holds arm
-fields shared by every arm. Loading and error reporting live in :mod:`alignzoo.config`.
+fields shared by every arm. Loading and error reporting live in :mod:`alignzoo.config.loader`.
 """
 
 from __future__ import annotations

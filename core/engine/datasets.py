@@ -36,8 +36,8 @@ from typing import Any, Literal
 import datasets
 from datasets.table import InMemoryTable
 
+from alignzoo.config.schema import DataConfig
 from alignzoo.errors import UserError
-from alignzoo.schema import DataConfig
 from alignzoo.types import DataMode
 
 Split = Literal["train", "eval"]

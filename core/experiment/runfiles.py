@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
-from alignzoo.schema import ExperimentSpec
 
 EXPERIMENT_FILE = "experiment.yaml"
 STATUS_FILE = "status.json"

@@ -16,10 +16,10 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from alignzoo.config.schema import ArmSpec, ExperimentSpec
 from alignzoo.errors import ConfigError, ConfigIssue, PluginLoadError, UserError
 from alignzoo.plugin import Component
 from alignzoo.registry import Registry, build_plugin_manager, get_registry
-from alignzoo.schema import ArmSpec, ExperimentSpec
 
 Path_ = tuple[str | int, ...]
 

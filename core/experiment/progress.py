@@ -15,11 +15,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from alignzoo.runfiles import read_status
-from alignzoo.schema import ExperimentSpec
+from alignzoo.config.schema import ExperimentSpec
+from alignzoo.experiment.runfiles import read_status
 
 if TYPE_CHECKING:
-    from alignzoo.runner import RunResult
+    from alignzoo.experiment.runner import RunResult
 
 
 def last_row(path: Path) -> dict[str, Any] | None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from alignzoo.config.schema import ExperimentSpec
 from alignzoo.registry import Registry, get_registry
-from alignzoo.schema import ExperimentSpec
 
 _SLOTS = {
     "algorithm": "algorithm",

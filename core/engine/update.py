@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from alignzoo.batch import PolicyOutputs, RolloutBatch
+from alignzoo.config.schema import TrainingConfig
 from alignzoo.engine.forward import (
     AutocastFactory,
     critic_forward,
@@ -22,7 +23,6 @@ from alignzoo.engine.forward import (
 )
 from alignzoo.errors import RunError
 from alignzoo.ops import masked_mean
-from alignzoo.schema import TrainingConfig
 from alignzoo.types import AlgorithmRequirements
 
 

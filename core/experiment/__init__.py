@@ -1,0 +1,1 @@
+"""The A/B runner: arms x seeds as separate processes, resume, failure isolation, run folders."""

@@ -1,0 +1,1 @@
+"""The comparison report: statistics, plots and the Markdown / HTML document."""
