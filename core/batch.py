@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from alignzoo.types import LossContext
+
 
 @dataclass
 class RolloutBatch:
@@ -31,8 +33,12 @@ class RolloutBatch:
         token_rewards ``[B, R]``: per-token rewards (score at the last token, KL penalty).
         advantages ``[B, R]``, returns ``[B, R]``: from ``compute_advantages``.
         weights ``[B]``: per-sample loss weights set by batch transforms (1.0 by default).
-        mismatched_ref_logprobs ``[B]``: reference sequence log-prob of prompt i with another
-            sample's response (KTO z0); the policy's counterpart is in PolicyOutputs.
+        entropy ``[B, R]``: per-token entropy of the behaviour snapshot (the policy before the
+            step's update), filled by the engine for the canonical ``entropy`` metric.
+        columns: named per-sample tensors ``[B, ...]`` that a data mode or an algorithm adds
+            (for example the unpaired mode's mismatched-pair log-probs, KTO's reference point);
+            sliced, moved and concatenated with the batch like every other tensor.
+        label_info: the labeler's ``Score.info`` per sample.
     """
 
     prompt_ids: torch.Tensor
@@ -53,7 +59,8 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     weights: torch.Tensor | None = None
-    mismatched_ref_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    columns: dict[str, torch.Tensor] = field(default_factory=dict)
     label_info: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -73,18 +80,30 @@ class RolloutBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 updates[f.name] = value.index_select(0, idx.to(value.device))
+            elif isinstance(value, dict):
+                updates[f.name] = {k: v.index_select(0, idx.to(v.device)) for k, v in value.items()}
             elif isinstance(value, list) and value:
                 updates[f.name] = [value[i] for i in positions]
         return replace(self, **updates)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         """A copy with every tensor on ``device``."""
-        updates = {
+        updates: dict[str, Any] = {
             f.name: getattr(self, f.name).to(device)
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        updates["columns"] = {k: v.to(device) for k, v in self.columns.items()}
         return replace(self, **updates)
+
+    def loss_context(self, micro_batches: int = 1) -> LossContext:
+        """The :class:`~alignzoo.types.LossContext` of this batch taken as one optimizer step."""
+        return LossContext(
+            tokens=float(self.response_mask.sum()),
+            sequences=self.size,
+            groups=int(torch.unique(self.group_ids).numel()),
+            micro_batches=micro_batches,
+        )
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -101,6 +120,11 @@ class RolloutBatch:
             elif isinstance(values[0], torch.Tensor):
                 left = f.name in ("prompt_ids", "prompt_mask")
                 out[f.name] = _pad_cat(values, left=left)
+            elif isinstance(values[0], dict):
+                keys = set(values[0])
+                if any(set(v) != keys for v in values):
+                    raise ValueError("cannot concatenate batches: their columns differ")
+                out[f.name] = {k: _pad_cat([v[k] for v in values], left=False) for k in keys}
             else:
                 out[f.name] = [item for v in values for item in v]
         return RolloutBatch(**out)
@@ -125,10 +149,8 @@ class PolicyOutputs:
     logprobs ``[B, R]``: current policy log-probs of ``batch.response_ids``.
     entropy ``[B, R]``: per-token entropy of the current policy (when required).
     values ``[B, R]``: critic values (PPO).
-    mismatched_logprobs ``[B]``: policy sequence log-prob of mismatched pairs (KTO z0).
     """
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
-    mismatched_logprobs: torch.Tensor | None = None

@@ -7,14 +7,25 @@ the arm lists. So ``compute_loss`` reaches the arm's algorithm, and a modifier's
 
     class EntropyBonus(Modifier):
         @hookimpl(wrapper=True)
-        def compute_loss(self, batch, outputs):
+        def compute_loss(self, batch, outputs, context):
             result = yield                      # the algorithm's LossOutput
-            bonus = masked_mean(outputs.entropy, batch.response_mask)
+            bonus = aggregate_loss(outputs.entropy, batch.response_mask, "token-mean", None, context)
             result.loss = result.loss - self.params.coef * bonus
             return result
 
+An implementation may take any subset of a hook's arguments, by name (pluggy passes only the
+ones it declares). The engine calls every hook through :class:`alignzoo.engine.hooks.Hooks`,
+which checks what a single-result hook returned and names the component when it is wrong.
+``ALIGNZOO_TRACE_HOOKS=1`` prints every hook call with its components and its duration.
+
 Shapes: ``B`` samples in a batch, ``P`` prompt tokens (left-padded), ``R`` response tokens
 (right-padded). See :class:`alignzoo.batch.RolloutBatch` and :class:`alignzoo.batch.PolicyOutputs`.
+
+Order of the calls in a run (a test pins it): ``algorithm_requirements``, ``place_roles``,
+``on_run_start``, ``sync_weights``; an evaluation (``generate``, ``score_batch``); then per
+training step: [``generate``, ``score_batch``] (online arms), ``transform_batch``,
+``compute_advantages``, ``compute_loss`` once per micro-batch of every optimizer step,
+``sync_weights``, ``on_step_end``, and evaluations on their schedule; finally ``on_run_end``.
 """
 
 from __future__ import annotations
@@ -28,9 +39,11 @@ from alignzoo.plugin import PROJECT
 
 if TYPE_CHECKING:
     from alignzoo.batch import PolicyOutputs, RolloutBatch
+    from alignzoo.engine.context import RunContext
     from alignzoo.types import (
         AlgorithmRequirements,
         LabelRequest,
+        LossContext,
         LossOutput,
         SamplingParams,
         Score,
@@ -47,7 +60,9 @@ def algorithm_requirements() -> AlgorithmRequirements:
     """Say what the arm's algorithm needs: reference model, critic, kind of data.
 
     Called once by the engine when a run is assembled, before any model is loaded, so that a
-    reference model or a critic is loaded only if asked for.
+    reference model or a critic is loaded only if asked for; the kind of data picks the run's
+    data mode (:mod:`alignzoo.engine.modes`). :class:`alignzoo.plugin.Algorithm` implements
+    it from its ``requirements`` class attribute.
     """
 
 
@@ -56,23 +71,33 @@ def compute_advantages(batch: RolloutBatch) -> RolloutBatch:
     """Fill ``batch.advantages`` (``[B, R]``, zero on padding) and, for critic methods, ``batch.returns``.
 
     Called once per training step, after labeling and batch transforms, on the whole step
-    batch (so group statistics see every sample of a group). ``batch.scores`` (``[B]``) holds the
-    labeler's rewards; ``batch.old_logprobs``, ``batch.ref_logprobs`` and ``batch.values`` are
-    filled when the algorithm's requirements ask for them. Return the same batch (mutated) or a
-    new one. Preference algorithms may return the batch unchanged.
+    batch (so group statistics, or a per-step quantity such as KTO's reference point, see every
+    sample). ``batch.scores`` (``[B]``) holds the labeler's rewards (online data);
+    ``batch.old_logprobs`` (online data), ``batch.ref_logprobs`` and ``batch.values`` are
+    filled when the requirements ask for them, ``batch.columns`` holds what the data mode
+    adds. Return the same batch (mutated) or a new one of the same size. Preference algorithms
+    may return the batch unchanged.
     """
 
 
 @hookspec(firstresult=True)
-def compute_loss(batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
-    """Return the loss of one micro-batch and the algorithm's own metrics.
+def compute_loss(batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext) -> LossOutput:
+    """Return one micro-batch's share of the optimizer step's loss, and the algorithm's metrics.
 
     ``batch`` is a slice of the step batch (advantages already computed); ``outputs`` holds the
-    current policy's per-token log-probs ``[B, R]`` (and entropy, values when required),
-    computed with gradients by the engine. The loss is a scalar tensor to *minimise*, already
-    aggregated over tokens (see :func:`alignzoo.ops.aggregate_loss`); metrics are plain floats
-    (``actor/clipfrac``, ``kl``, ``dpo/accuracy``, ...). Called for every micro-batch of every
-    epoch. Modifiers may wrap this hook to add terms.
+    current policy's per-token log-probs ``[B, R]`` with gradients (and ``entropy`` when the
+    requirements ask for it, ``values`` with a critic). ``context`` gives the counts of the
+    whole optimizer step (valid tokens, samples, groups; later summed over ranks): normalise by
+    them, not by the micro-batch's own, e.g. ``aggregate_loss(..., context=context)`` or
+    ``alignzoo.ops.mean_over_samples``. The engine back-propagates each share as it is and
+    sums the gradients, so the update does not depend on ``micro_batch_size`` (``alignzoo
+    check algorithm`` tests it).
+
+    The loss is a scalar tensor to *minimise*; metrics are plain floats under the algorithm's
+    own names (``actor/clipfrac``, ``grpo/kl_k3``, ``dpo/rewards/accuracy``, ...). Names that
+    the engine computes for every arm (:mod:`alignzoo.metrics`: ``kl/ref``, ``entropy``,
+    ``reward/*``, ...) are refused. Called for every micro-batch of every epoch; modifiers may
+    wrap this hook to add terms.
     """
 
 
@@ -80,21 +105,20 @@ def compute_loss(batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
 
 
 @hookspec(firstresult=True)
-def score(request: LabelRequest) -> Score:
-    """Score one response to one prompt. ``request.extra`` holds extra dataset columns
-    (for example the reference answer). Return a :class:`Score`; never raise for bad model
-    output: return ``Score(0.0, valid=False)`` and say why in ``info``. A labeler that rescales
-    its values (per-batch normalisation) puts the unscaled value in ``info["raw"]``: evaluation
-    reports ``raw`` so that ``eval/score`` means the same thing at every step.
-    """
-
-
-@hookspec(firstresult=True)
 def score_batch(requests: list[LabelRequest]) -> list[Score]:
     """Score a batch of responses; returns one :class:`Score` per request, in order.
 
-    Called by the labeling stage once per step with every sampled response. The default
-    (:class:`alignzoo.plugin.Labeler`) calls ``score`` per item; batched labelers override it.
+    A :class:`LabelRequest` holds ``prompt`` and ``response`` (texts) and ``extra`` (the
+    dataset's other columns for that prompt, such as a reference ``answer``). A :class:`Score`
+    is ``Score(value, valid=True, info={})``: ``value`` a finite number, ``valid`` False when the
+    labeler could not judge (say why in ``info``; never raise for bad model output). ``info``
+    keys the engine reads: ``"correct"`` (bool, the response is right: ``eval/exact_match``,
+    online KTO's desirability) and ``"raw"`` (the unscaled value of a normalising labeler:
+    ``eval/score``).
+
+    Called by the labeling stage once per training step with every sampled response (online
+    arms), and at every evaluation. :class:`alignzoo.plugin.Labeler` implements it by calling
+    its ``score(request)`` method per item; batched labelers override it.
     """
 
 
@@ -109,20 +133,21 @@ def generate(
 
     Returns a :class:`RolloutBatch` of ``B = len(prompts) * n`` samples, grouped by prompt
     (``group_ids[i] == i // n``), with ``prompt_ids``, ``response_ids``, ``response_mask``,
-    the texts, ``extras`` repeated per sample and ``old_logprobs`` ``[B, R]``: the log-probs of
-    the sampled tokens under the sampling distribution at temperature 1 of the current weights.
-    ``sampling.temperature == 0`` decodes greedily (evaluation). Called by the engine each step
+    the texts and ``extras`` repeated per sample; ``old_logprobs`` ``[B, R]`` may be set (the
+    engine recomputes them with the trainer's forward pass). ``sampling.temperature == 0``
+    decodes greedily (evaluation). Called by the engine at each training step of an online arm
     and at each evaluation.
     """
 
 
 @hookspec
 def sync_weights(model: Any) -> None:
-    """Make the backend sample from ``model``'s current weights.
+    """Make the backend sample from ``model``'s current weights (the actor module).
 
-    Called once when the run starts and after every optimizer step. A backend that shares the
-    trainer's module (Hugging Face ``generate``) keeps a reference; one with its own copy
-    (vLLM) loads the new state dict.
+    Called once when the run starts (after ``on_run_start``) and after each training step's
+    update (a step may hold several optimizer steps). A backend that shares the trainer's
+    module (Hugging Face ``generate``) keeps a reference; one with its own copy loads the
+    weights.
     """
 
 
@@ -133,10 +158,10 @@ def sync_weights(model: Any) -> None:
 def place_roles(roles: Sequence[str], available: Sequence[str]) -> dict[str, str]:
     """Map each role (``actor``, ``ref``, ``critic``, ``reward``, ``rollout``, ``labeler``) to a device.
 
-    ``available`` lists the devices that exist (``"cpu"``, ``"cuda:0"``, ...). Raise
+    ``roles`` lists the roles this run has; ``available`` the devices that exist (``"cpu"``,
+    ``"cuda:0"``, ...). Return a device for every role. Raise
     :class:`alignzoo.errors.UserError` naming the role and device when a requested device does
-    not exist. Called once when a run is assembled, before any model is loaded; also by
-    ``alignzoo validate``.
+    not exist. Called once when a run is assembled, before any model is loaded.
     """
 
 
@@ -144,31 +169,34 @@ def place_roles(roles: Sequence[str], available: Sequence[str]) -> dict[str, str
 
 
 @hookspec
-def on_run_start(run: Any) -> None:
+def on_run_start(run: RunContext) -> None:
     """Called once after the run's models are loaded and before the first step.
 
-    ``run`` is the :class:`alignzoo.engine.run.Run` (config, seed, out_dir, devices, models,
-    tokenizer). Components that hold resources (a reward model, a backend's engine) set them up here.
+    ``run`` is the :class:`alignzoo.engine.context.RunContext`: experiment, arm, seed,
+    ``out_dir``, the spec, ``models`` (tokenizer, actor, reference, critic and their devices;
+    ``run.device(role)``), ``console`` and ``state``. Components that hold resources (a reward
+    model, a backend's engine) set them up here.
     """
 
 
 @hookspec
-def transform_batch(batch: RolloutBatch, run: Any) -> RolloutBatch | None:
+def transform_batch(batch: RolloutBatch, run: RunContext) -> RolloutBatch | None:
     """Filter, reweight, deduplicate or flag samples between labeling and advantage computation.
 
-    Called once per step per implementation, in plugin order, each receiving the previous one's
-    output; return a new batch or None to keep the given one (after mutating it in place).
+    Called once per training step per implementation, in plugin order, each receiving the
+    previous one's output; return a new batch or None to keep the given one (after mutating it
+    in place). A preference batch must stay adjacent (chosen, rejected) pairs.
     """
 
 
 @hookspec
-def on_step_end(run: Any, step: int, metrics: dict[str, float]) -> None:
-    """Called after every optimizer step with that step's metrics, before they reach the sinks.
+def on_step_end(run: RunContext, step: int, metrics: dict[str, float]) -> None:
+    """Called after each training step with that step's metrics, before they reach the sinks.
 
     Modifiers may add entries to ``metrics`` (for example health warnings); they are then written.
     """
 
 
 @hookspec
-def on_run_end(run: Any, status: str) -> None:
+def on_run_end(run: RunContext, status: str) -> None:
     """Called once when a run stops; ``status`` is ``"finished"``, ``"failed"`` or ``"interrupted"``."""

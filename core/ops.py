@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from alignzoo.types import LossAggregation
+from alignzoo.types import LossAggregation, LossContext
 
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -52,27 +52,44 @@ def aggregate_loss(
     mask: torch.Tensor,
     mode: LossAggregation = "token-mean",
     norm_constant: float | None = None,
+    context: LossContext | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss ``[B, R]`` to a scalar.
 
-    - ``token-mean``: mean over every unmasked token of the batch (DAPO).
+    - ``token-mean``: sum over every unmasked token divided by the token count (DAPO).
     - ``seq-mean-token-mean``: mean over tokens of each sequence, then over sequences (GRPO paper).
     - ``seq-mean-token-sum``: sum over tokens of each sequence, then mean over sequences.
     - ``seq-mean-token-sum-norm``: sum over tokens divided by a constant (``norm_constant``,
       default R, the padded length), then mean over sequences (Dr. GRPO, Liu et al. 2025).
+
+    With ``context`` (what ``compute_loss`` receives) the counts are those of the whole
+    optimizer step, so the result is this micro-batch's share of the step's loss and the shares
+    of all micro-batches add up to the loss of the whole step, whatever the micro-batching.
+    Without it the counts are this batch's own (the batch is the whole step).
     """
     mask = mask.to(loss_mat.dtype)
     if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
+        if context is None:
+            return masked_mean(loss_mat, mask)
+        return masked_sum(loss_mat, mask) / max(context.tokens, 1.0)
+    sequences = float(context.sequences) if context is not None else float(loss_mat.shape[0])
+    sequences = max(sequences, 1.0)
     if mode == "seq-mean-token-mean":
         per_seq = masked_mean(loss_mat, mask, dim=-1)
-        return per_seq.mean()
+        return per_seq.sum() / sequences
     if mode == "seq-mean-token-sum":
-        return masked_sum(loss_mat, mask, dim=-1).mean()
+        return masked_sum(loss_mat, mask, dim=-1).sum() / sequences
     if mode == "seq-mean-token-sum-norm":
         constant = float(norm_constant if norm_constant is not None else loss_mat.shape[-1])
-        return (masked_sum(loss_mat, mask, dim=-1) / constant).mean()
+        return (masked_sum(loss_mat, mask, dim=-1) / constant).sum() / sequences
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
+
+
+def mean_over_samples(per_sample: torch.Tensor, context: LossContext | None = None) -> torch.Tensor:
+    """A per-sample loss ``[B]`` averaged over the optimizer step's samples (see
+    :func:`aggregate_loss`): ``sum / context.sequences``, or the plain mean without a context."""
+    count = context.sequences if context is not None else per_sample.shape[0]
+    return per_sample.sum() / max(1, count)
 
 
 def kl_penalty(
@@ -284,12 +301,14 @@ def clipped_policy_loss(
     aggregation: LossAggregation = "token-mean",
     norm_constant: float | None = None,
     weights: torch.Tensor | None = None,
+    context: LossContext | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy-gradient loss of critic-free methods (RLOO, REINFORCE++), aggregated.
 
     Per token ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (PPO eq. 7 with the
     advantage given), padding ignored whatever it holds, per-sample ``weights`` applied, then
-    :func:`aggregate_loss`. Returns the loss and detached metric tensors (pg loss, clip
+    :func:`aggregate_loss` (over the optimizer step's counts when ``context`` is given).
+    Returns the loss and detached metric tensors (this micro-batch's own mean pg loss, clip
     fractions, approximate KL to the sampling policy).
     """
     mask_b = mask.bool()
@@ -297,24 +316,9 @@ def clipped_policy_loss(
     pg_mat, clipped_low, clipped_high = clipped_surrogate(
         log_ratio, torch.where(mask_b, advantages, 0.0), clip_low, clip_high
     )
-    loss = aggregate_loss(weight_samples(pg_mat, weights), mask, aggregation, norm_constant)
-    metrics = {"actor/pg_loss": loss.detach(), **clip_fractions(clipped_low, clipped_high, mask)}
+    weighted = weight_samples(pg_mat, weights)
+    loss = aggregate_loss(weighted, mask, aggregation, norm_constant, context)
+    local = aggregate_loss(weighted.detach(), mask, aggregation, norm_constant)
+    metrics = {"actor/pg_loss": local, **clip_fractions(clipped_low, clipped_high, mask)}
     metrics["actor/approx_kl"] = approx_kl(logprobs, old_logprobs, mask)
     return loss, metrics
-
-
-def policy_diagnostics(
-    logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logprobs: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    estimator: KLEstimator = "k3",
-) -> dict[str, torch.Tensor]:
-    """Detached ``kl`` (to the reference, when given) and ``entropy`` means over response tokens."""
-    metrics: dict[str, torch.Tensor] = {}
-    if ref_logprobs is not None:
-        kl = masked_kl_penalty(logprobs.detach(), ref_logprobs, mask, estimator)
-        metrics["kl"] = masked_mean(kl, mask)
-    if entropy is not None:
-        metrics["entropy"] = masked_mean(entropy.detach(), mask)
-    return metrics

@@ -7,7 +7,7 @@ components with their validated params and registers the instances in its Plugin
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import pluggy
 from pydantic import BaseModel, ConfigDict
@@ -19,6 +19,21 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 """Marks a method of a component as the implementation of an alignzoo hook."""
 
 KINDS = ("algorithm", "labeler", "backend", "device_mapper", "modifier")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A component that keeps state across steps (a KL controller, a running baseline, ...).
+
+    A component with both methods is saved in every checkpoint and restored on ``--resume``:
+    ``state_dict()`` returns plain data (numbers, strings, lists, dicts, tensors: what
+    ``torch.save`` writes and ``torch.load(weights_only=True)`` reads back) and
+    ``load_state_dict(state)`` restores it. A component without them is rebuilt from its params.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class NoParams(BaseModel):
@@ -69,14 +84,18 @@ class Algorithm(Component):
 
 
 class Labeler(Component):
-    """Base for labelers: implement the ``score`` hook; ``score_batch`` defaults to one call per item.
+    """Base for labelers: implement ``score(request) -> Score`` (a plain method), or the
+    ``score_batch`` hook itself.
 
-    Labelers that batch for real (a reward model, a remote service) override ``score_batch``.
+    The default ``score_batch`` hook calls ``score`` once per request, in order. Labelers that
+    batch for real (a reward model, a remote service) override ``score_batch`` (with
+    ``@hookimpl``). See the ``score_batch`` hookspec for what a :class:`Score` may carry.
     """
 
     kind = "labeler"
 
     def score(self, request: LabelRequest) -> Score:
+        """Score one response to one prompt (called by the default ``score_batch``)."""
         raise NotImplementedError(f"{type(self).__name__} implements neither score nor score_batch")
 
     @hookimpl(trylast=True)

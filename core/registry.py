@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata as metadata
-from collections.abc import Iterable, Sequence
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -31,6 +34,7 @@ from alignzoo.errors import (
 from alignzoo.plugin import KINDS, PROJECT, Component
 
 ENTRY_POINT_GROUP = "alignzoo"
+TRACE_ENV = "ALIGNZOO_TRACE_HOOKS"
 
 
 @dataclass
@@ -195,10 +199,13 @@ def build_plugin_manager(components: Iterable[Component]) -> pluggy.PluginManage
     """A fresh PluginManager holding exactly ``components`` (one run's arm).
 
     Hook implementations whose names match no hookspec are an error, so a typo in a plugin's
-    method name is caught when the run is assembled, not silently ignored.
+    method name is caught when the run is assembled, not silently ignored. With
+    ``ALIGNZOO_TRACE_HOOKS=1`` every hook call is printed (see :func:`trace_hook_calls`).
     """
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
+    if os.environ.get(TRACE_ENV, "") not in ("", "0"):
+        trace_hook_calls(pm)
     try:
         for component in components:
             # register() rejects an implementation whose arguments the hookspec lacks
@@ -208,17 +215,37 @@ def build_plugin_manager(components: Iterable[Component]) -> pluggy.PluginManage
             )
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise PluginLoadError(str(exc)) from None
+        message = str(exc)
+        if "'score'" in message and "unknown hook" in message:
+            message += (
+                "; Labeler.score is a plain method called by the default score_batch hook: "
+                "remove its @hookimpl"
+            )
+        raise PluginLoadError(message) from None
     return pm
 
 
-def chain_transform_batch(pm: pluggy.PluginManager, batch: Any, run: Any) -> Any:
-    """Call every ``transform_batch`` implementation in turn, each on the previous output."""
-    # get_hookimpls() lists in registration order; pluggy calls them reversed (tryfirst first, LIFO).
-    for impl in reversed(pm.hook.transform_batch.get_hookimpls()):
-        # Like pluggy, pass only the arguments the implementation declares (it may omit ``run``).
-        available = {"batch": batch, "run": run}
-        result = impl.function(**{name: available[name] for name in impl.argnames})
-        if result is not None:
-            batch = result
-    return batch
+def trace_hook_calls(
+    pm: pluggy.PluginManager, write: Callable[[str], Any] | None = None
+) -> Callable[[], None]:
+    """Print every hook call of ``pm`` with the components it reached and its duration.
+
+    One line per call to ``write`` (default: standard error), e.g.
+    ``[alignzoo hook] compute_loss -> GRPO, EntropyBonus: 3.1 ms``. This is pluggy's hook-call
+    monitoring; what ``ALIGNZOO_TRACE_HOOKS=1`` turns on. Returns the function that stops it.
+    """
+    emit = write if write is not None else (lambda line: print(line, file=sys.stderr, flush=True))
+    started: list[float] = []
+
+    def before(hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        started.append(time.perf_counter())
+
+    def after(
+        outcome: pluggy.Result[Any], hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> None:
+        elapsed = (time.perf_counter() - started.pop()) * 1e3 if started else 0.0
+        names = ", ".join(type(i.plugin).__qualname__ for i in reversed(impls)) or "nobody"
+        failed = " (raised)" if outcome.exception is not None else ""
+        emit(f"[alignzoo hook] {hook_name} -> {names}: {elapsed:.1f} ms{failed}")
+
+    return pm.add_hookcall_monitoring(before, after)

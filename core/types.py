@@ -24,20 +24,46 @@ class AlgorithmRequirements:
     Attributes:
         reference: load a frozen reference policy and fill ``batch.ref_logprobs``.
         critic: build a value head and fill ``batch.values`` / ``outputs.values``.
-        data: ``"online"`` (sampled prompts, scored by the labeler), ``"preference"``
-            (pairs: chosen/rejected) or ``"unpaired"`` (single completions labelled good/bad).
-            Preference and unpaired algorithms read a dataset offline, or run online when the
-            experiment's data section says ``online: true`` (pairs sampled and labelled in the loop).
-        mismatched_pairs: compute log-probs of each prompt with another sample's completion
-            (KTO's reference point z0).
-        entropy: compute per-token entropy of the policy in ``outputs.entropy``.
+        data: the kind of data the algorithm learns from, which picks the run's data mode
+            (:mod:`alignzoo.engine.modes`): ``"online"`` (sampled prompts, scored by the
+            labeler), ``"preference"`` (pairs: chosen/rejected) or ``"unpaired"`` (single
+            completions labelled desirable/undesirable). Preference and unpaired algorithms
+            read a dataset offline, or run online when the experiment's data section (or the
+            arm) says ``online: true``: pairs, or good/bad samples, drawn and labelled in the loop.
+        entropy: compute the current policy's per-token entropy with gradients in
+            ``outputs.entropy`` (for an entropy term in the loss). The reported ``entropy``
+            metric is computed by the engine for every arm either way.
     """
 
     reference: bool = False
     critic: bool = False
     data: DataMode = "online"
-    mismatched_pairs: bool = False
     entropy: bool = True
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """Counts over the whole optimizer step, handed to ``compute_loss`` with every micro-batch.
+
+    An optimizer step accumulates gradients over micro-batches (and, under data parallelism,
+    over ranks). A loss normalised by the micro-batch's own counts would make the update depend
+    on ``micro_batch_size``: with one sample of 1 token (loss 1) and one of 3 tokens (loss 0), a
+    token mean is 1/4 over the step but 1/2 when each sample is its own micro-batch. So
+    ``compute_loss`` returns the micro-batch's *share* of the step's loss, normalised by these
+    step-wide counts, and the engine sums the shares (backward per micro-batch): the result is
+    the loss of the whole step, whatever the micro-batching.
+
+    Attributes:
+        tokens: valid response tokens (the sum of ``response_mask``) in the optimizer step.
+        sequences: samples in the optimizer step.
+        groups: distinct ``group_ids`` in the optimizer step (pairs, for preference data).
+        micro_batches: how many micro-batches the step is split into (for information).
+    """
+
+    tokens: float
+    sequences: int
+    groups: int
+    micro_batches: int = 1
 
 
 @dataclass
@@ -54,7 +80,15 @@ class Score:
     """A labeler's verdict on one response.
 
     ``valid`` is False when the labeler could not judge (malformed output, timeout); ``info``
-    carries anything worth logging (extracted answer, raw model score, latency).
+    carries anything worth logging (extracted answer, raw model score, latency). Two keys have
+    a meaning for the engine:
+
+    - ``info["correct"]`` (bool): the labeler knows the right answer and says whether the
+      response has it. When every score of an evaluation carries it, the engine reports
+      ``eval/exact_match`` (and ``eval/pass@k`` uses it); online unpaired data (KTO) counts a
+      correct sample as desirable.
+    - ``info["raw"]`` (number): the unscaled value of a labeler that rescales its scores per
+      batch; evaluation reports it as ``eval/score`` so the metric means the same at every step.
     """
 
     value: float

@@ -36,7 +36,9 @@ def test_malformed_scores_zero_and_is_flagged():
     labeler = ArithmeticLabeler({"partial_credit": 0.5})
     for response in ("", "abc", "19abc", "1 9", "+"):
         score = labeler.score(req(response))
-        assert score == Score(0.0, valid=False, info={"malformed": True}), response
+        assert score == Score(0.0, valid=False, info={"malformed": True, "correct": False}), (
+            response
+        )
 
 
 def test_integer_reference_and_other_field():
@@ -68,7 +70,9 @@ def test_score_batch_through_the_hook_keeps_order():
     scores = pm.hook.score_batch(requests=requests)
     assert [s.value for s in scores] == [1.0, 0.0, 0.1, 0.1]
     assert [s.valid for s in scores] == [True, False, True, True]
-    assert pm.hook.score(request=req("19")).value == 1.0
+    # every score says whether the answer is right: what eval/exact_match is computed from
+    assert [s.info["correct"] for s in scores] == [True, False, False, False]
+    assert not hasattr(pm.hook, "score")  # score is a plain method, score_batch the hook
 
 
 def test_import_does_not_load_torch():

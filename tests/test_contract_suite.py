@@ -75,18 +75,20 @@ class _OnlineBase(Algorithm):
         batch.advantages = (batch.scores - baseline)[:, None] * batch.response_mask
         return batch
 
-    def token_mean(self, batch, per_token):
+    def token_mean(self, batch, per_token, context):
+        # the token mean over the optimizer step (context), written correctly
         mask = batch.response_mask
-        return (per_token * mask).sum() / mask.sum()
+        return (per_token * mask).sum() / context.tokens
 
 
 class MeanOverPadding(_OnlineBase):
     """Broken: averages the per-token loss over padding too."""
 
     @hookimpl
-    def compute_loss(self, batch, outputs):
-        loss = -(outputs.logprobs * batch.advantages).mean()
-        return LossOutput(loss, {"loss": float(loss.detach())})
+    def compute_loss(self, batch, outputs, context):
+        width = outputs.logprobs.shape[1]  # padding counted as tokens: the bug
+        loss = -(outputs.logprobs * batch.advantages).sum() / (context.sequences * width)
+        return LossOutput(loss, {"toy/loss": float(loss.detach())})
 
 
 class FirstSampleBaseline(_OnlineBase):
@@ -98,44 +100,63 @@ class FirstSampleBaseline(_OnlineBase):
         return batch
 
     @hookimpl
-    def compute_loss(self, batch, outputs):
-        loss = self.token_mean(batch, -outputs.logprobs * batch.advantages)
-        return LossOutput(loss, {"loss": float(loss.detach())})
+    def compute_loss(self, batch, outputs, context):
+        loss = self.token_mean(batch, -outputs.logprobs * batch.advantages, context)
+        return LossOutput(loss, {"toy/loss": float(loss.detach())})
 
 
 class GroupIdValues(_OnlineBase):
     """Broken: reads the value of a group id (odd ids count double), so renaming groups matters."""
 
     @hookimpl
-    def compute_loss(self, batch, outputs):
+    def compute_loss(self, batch, outputs, context):
         scale = (1 + batch.group_ids % 2).to(outputs.logprobs.dtype)[:, None]
-        loss = self.token_mean(batch, -outputs.logprobs * batch.advantages * scale)
-        return LossOutput(loss, {"loss": float(loss.detach())})
+        loss = self.token_mean(batch, -outputs.logprobs * batch.advantages * scale, context)
+        return LossOutput(loss, {"toy/loss": float(loss.detach())})
 
 
 class ProbabilityRatio(_OnlineBase):
     """Broken: log(1 - p) is -inf when a token is certain (log-prob 0)."""
 
     @hookimpl
-    def compute_loss(self, batch, outputs):
-        loss = self.token_mean(batch, -torch.log1p(-outputs.logprobs.exp()))
-        return LossOutput(loss, {"loss": float(loss.detach())})
+    def compute_loss(self, batch, outputs, context):
+        loss = self.token_mean(batch, -torch.log1p(-outputs.logprobs.exp()), context)
+        return LossOutput(loss, {"toy/loss": float(loss.detach())})
 
 
 class TensorMetrics(_OnlineBase):
     """Broken: returns a tensor as a metric."""
 
     @hookimpl
-    def compute_loss(self, batch, outputs):
-        loss = self.token_mean(batch, -outputs.logprobs * batch.advantages)
-        return LossOutput(loss, {"loss": loss.detach()})
+    def compute_loss(self, batch, outputs, context):
+        loss = self.token_mean(batch, -outputs.logprobs * batch.advantages, context)
+        return LossOutput(loss, {"toy/loss": loss.detach()})
+
+
+class LocalTokenMean(_OnlineBase):
+    """Broken: normalises by the micro-batch's own tokens, so gradient accumulation bends it."""
+
+    @hookimpl
+    def compute_loss(self, batch, outputs, context):
+        mask = batch.response_mask
+        loss = (-outputs.logprobs * batch.advantages * mask).sum() / mask.sum()
+        return LossOutput(loss, {"toy/loss": float(loss.detach())})
+
+
+class EngineMetricName(_OnlineBase):
+    """Broken: reports a metric under a name the engine computes for every arm."""
+
+    @hookimpl
+    def compute_loss(self, batch, outputs, context):
+        loss = self.token_mean(batch, -outputs.logprobs * batch.advantages, context)
+        return LossOutput(loss, {"kl/ref": 0.0})
 
 
 class PerSampleLoss(_OnlineBase):
     """Broken: returns the per-sample losses instead of a scalar."""
 
     @hookimpl
-    def compute_loss(self, batch, outputs):
+    def compute_loss(self, batch, outputs, context):
         mask = batch.response_mask
         loss = -(outputs.logprobs * batch.advantages * mask).sum(-1)
         return LossOutput(loss, {})
@@ -161,6 +182,8 @@ class RequiredParams(_OnlineBase):
         (ProbabilityRatio, {"finite_extreme_logprobs"}),
         (TensorMetrics, {"metrics_finite_floats"}),
         (PerSampleLoss, {"output_types"}),
+        (LocalTokenMean, {"micro_batch_invariance"}),
+        (EngineMetricName, {"metrics_finite_floats"}),
     ],
     ids=lambda v: v.__name__ if isinstance(v, type) else "",
 )
@@ -248,7 +271,7 @@ def test_cli_check_unknown_name_exits_2():
         AlgorithmRequirements(data="online", critic=True, reference=True),
         AlgorithmRequirements(data="online", entropy=False),
         AlgorithmRequirements(data="preference", reference=True, entropy=False),
-        AlgorithmRequirements(data="unpaired", reference=True, mismatched_pairs=True),
+        AlgorithmRequirements(data="unpaired", reference=True),
     ],
     ids=lambda r: f"{r.data}-ref{int(r.reference)}-critic{int(r.critic)}",
 )
@@ -265,7 +288,9 @@ def test_batch_cases_follow_the_requirements(requirements, data):
     assert (batch.ref_logprobs is not None) == requirements.reference
     assert (batch.values is not None) == requirements.critic == (outputs.values is not None)
     assert (outputs.entropy is not None) == requirements.entropy
-    assert (outputs.mismatched_logprobs is not None) == requirements.mismatched_pairs
+    unpaired = requirements.data == "unpaired"
+    assert ("mismatched_logprobs" in batch.columns) == unpaired
+    assert ("mismatched_ref_logprobs" in batch.columns) == (unpaired and requirements.reference)
     online = requirements.data == "online"
     assert (batch.scores is not None) == online == (batch.old_logprobs is not None)
     assert (batch.labels is not None) == (not online)

@@ -133,7 +133,7 @@ def test_scores_through_the_labeler_hooks(rm_dir):
     assert [s.value for s in via_hook] == pytest.approx(
         [s.value for s in labeler.score_batch(REQUESTS)], abs=1e-6
     )
-    one = pm.hook.score(request=REQUESTS[0])
+    one = labeler.score(REQUESTS[0])  # the per-item method scores like the batched hook
     assert one.value == pytest.approx(via_hook[0].value, abs=1e-5)
 
 

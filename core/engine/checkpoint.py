@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from alignzoo.plugin import Stateful
+
 KEEP = 2
 LATEST = "latest"
 
@@ -102,7 +104,7 @@ def save_checkpoint(
         "scheduler": scheduler.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "components": {
-            slot: c.state_dict() for slot, c in components.items() if hasattr(c, "state_dict")
+            slot: c.state_dict() for slot, c in components.items() if isinstance(c, Stateful)
         },
     }
     if torch.cuda.is_available():
@@ -171,7 +173,7 @@ def load_checkpoint(
     optimizer.load_state_dict(trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     for slot, c in components.items():
-        if slot in trainer["components"] and hasattr(c, "load_state_dict"):
+        if slot in trainer["components"] and isinstance(c, Stateful):
             c.load_state_dict(trainer["components"][slot])
     meta = json.loads((folder / "state.json").read_text(encoding="utf-8"))
     torch.set_rng_state(trainer["torch_rng"])

@@ -5,7 +5,8 @@
 ``.parquet``, or a folder written by ``Dataset.save_to_disk`` (a ``DatasetDict`` folder too:
 the split of the same name is used, or its only split).
 
-The columns are TRL's standard names, by data mode:
+The columns are TRL's standard names, by kind of data (each data mode of
+:mod:`alignzoo.engine.modes` declares the columns it reads):
 
 ========== ===============================
 online     ``prompt``
@@ -37,24 +38,21 @@ import datasets
 from datasets.table import InMemoryTable
 
 from alignzoo.config.schema import DataConfig
+from alignzoo.engine.modes import required_columns
 from alignzoo.errors import UserError
 from alignzoo.types import DataMode
 
 Split = Literal["train", "eval"]
 
-REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
-    "online": ("prompt",),
-    "preference": ("prompt", "chosen", "rejected"),
-    "unpaired": ("prompt", "completion", "label"),
-}
+KINDS = ("online", "preference", "unpaired")
 
 
 def load_split(data: DataConfig, split: Split, mode: DataMode) -> datasets.Dataset:
     """The ``split`` data of the experiment in the columns ``mode`` needs (plus any extras)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    if mode not in REQUIRED_COLUMNS:
-        raise ValueError(f"mode must be one of {', '.join(REQUIRED_COLUMNS)}, got {mode!r}")
+    if mode not in KINDS:
+        raise ValueError(f"mode must be one of {', '.join(KINDS)}, got {mode!r}")
     source = data.train if split == "train" else data.eval
     if source == "embedded":
         dataset = _embedded(data, split, mode)
@@ -200,7 +198,7 @@ def _check(
     """Raise a UserError naming the file and row of the first problem in the required columns."""
     if size == 0:
         raise UserError(f"{source}: no rows")
-    required = REQUIRED_COLUMNS[mode]
+    required = required_columns(mode)  # each data mode owns its columns
     missing = [c for c in required if c not in found]
     if missing:
         raise UserError(

@@ -75,22 +75,6 @@ def evaluating(model: Any) -> Iterator[None]:
         model.train(was_training)
 
 
-def mismatch_partners(size: int) -> list[int]:
-    """KTO's mismatched pairs: sample ``i`` is paired with the response of ``(i + 1) mod B``."""
-    return [(i + 1) % size for i in range(size)]
-
-
-def mismatched_view(batch: RolloutBatch, other: RolloutBatch) -> RolloutBatch:
-    """Prompt ``i`` of ``batch`` with the response of ``other``'s sample ``i`` (KTO's z0 pairs)."""
-    return RolloutBatch(
-        prompt_ids=batch.prompt_ids,
-        prompt_mask=batch.prompt_mask,
-        response_ids=other.response_ids,
-        response_mask=other.response_mask,
-        group_ids=batch.group_ids,
-    )
-
-
 def sequence_logprob(model: Any, batch: RolloutBatch, autocast: AutocastFactory) -> torch.Tensor:
     """Sum of response log-probs per sample ``[B]``."""
     logprobs, _ = policy_forward(model, batch, autocast=autocast)

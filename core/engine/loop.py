@@ -23,7 +23,7 @@ from rich.console import Console
 
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import Budget
-from alignzoo.engine.assemble import Engine, assemble
+from alignzoo.engine.assemble import Run, assemble
 from alignzoo.engine.checkpoint import (
     TrainingState,
     latest_checkpoint,
@@ -104,98 +104,92 @@ def _last_step(path: Path) -> int | None:
     return int(json.loads(lines[-1])["step"]) if lines else None
 
 
-def start_or_resume(engine: Engine, resume: bool) -> TrainingState:
+def start_or_resume(run: Run, resume: bool) -> TrainingState:
     """Load the latest checkpoint (and cut the jsonl files back to it), or start clean."""
-    out = engine.run.out_dir
+    out = run.context.out_dir
     folder = latest_checkpoint(out / CHECKPOINTS) if resume else None
     if folder is None:
         shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
         for name in (METRICS_FILE, EVAL_FILE, SAMPLES_FILE, "error.log"):
             (out / name).unlink(missing_ok=True)
-        return TrainingState(sampler=engine.sampler.state_dict())
-    learner = engine.learner
+        return TrainingState(sampler=run.sampler.state_dict())
+    learner = run.learner
     state = load_checkpoint(
         folder,
-        learner.actor,
-        learner.critic,
+        run.models.actor,
+        run.models.critic,
         learner.optimizer,
         learner.scheduler,
-        engine.components,
+        run.components,
     )
-    engine.sampler.load_state_dict(state.sampler)
-    engine.run.state = dict(state.run_state)
-    engine.run.step = state.step
+    run.sampler.load_state_dict(state.sampler)
+    run.context.state = dict(state.run_state)
+    run.context.step = state.step
     for name in (METRICS_FILE, EVAL_FILE, SAMPLES_FILE):
         truncate_jsonl(out / name, state.step)
     return state
 
 
-class _Run:
+class _Loop:
     """The loop of one run: steps, evaluations and checkpoints on schedule."""
 
-    def __init__(self, engine: Engine, state: TrainingState, sinks: Sinks) -> None:
-        self.engine, self.state, self.sinks = engine, state, sinks
+    def __init__(self, run: Run, state: TrainingState, sinks: Sinks) -> None:
+        self.run, self.state, self.sinks = run, state, sinks
         self.base_time = state.time_s
         self.clock_start = time.monotonic()
-        self.last_eval = _last_step(engine.run.out_dir / EVAL_FILE)
+        self.last_eval = _last_step(run.context.out_dir / EVAL_FILE)
         self.last_ckpt = state.step if state.step > 0 else None
 
     def tick(self) -> None:
         self.state.time_s = self.base_time + (time.monotonic() - self.clock_start)
 
     def evaluate(self) -> None:
-        spec = self.engine.spec
-        cfg = spec.evaluation
-        max_new = cfg.max_new_tokens or self.engine.arm.training.sampling.max_new_tokens
-        metrics = evaluate(
-            self.engine.pm,
-            self.engine.eval_rows,
-            max_new,
-            cfg.pass_at_k,
-            self.engine.arm.training.sampling,
-        )
+        cfg = self.run.spec.evaluation
+        sampling = self.run.arm.training.sampling
+        max_new = cfg.max_new_tokens or sampling.max_new_tokens
+        metrics = evaluate(self.run.hooks, self.run.eval_rows, max_new, cfg.pass_at_k, sampling)
         self.tick()
         row = {"step": self.state.step, "time_s": self.state.time_s, "samples": self.state.samples}
         self.sinks.evaluation({**row, **metrics})
         self.last_eval = self.state.step
 
     def checkpoint(self) -> None:
-        e, learner = self.engine, self.engine.learner
+        run = self.run
         self.tick()
-        self.state.sampler = e.sampler.state_dict()
-        self.state.run_state = dict(e.run.state)
+        self.state.sampler = run.sampler.state_dict()
+        self.state.run_state = dict(run.context.state)
         save_checkpoint(
-            e.run.out_dir / CHECKPOINTS,
+            run.context.out_dir / CHECKPOINTS,
             self.state,
-            learner.actor,
-            learner.critic,
-            learner.optimizer,
-            learner.scheduler,
-            e.components,
+            run.models.actor,
+            run.models.critic,
+            run.learner.optimizer,
+            run.learner.scheduler,
+            run.components,
         )
         self.last_ckpt = self.state.step
-        write_status(e.run.out_dir, "running", self.state, None, e.run.device("actor"))
+        write_status(run.context.out_dir, "running", self.state, None, run.models.device("actor"))
 
     def loop(self) -> None:
-        e, spec = self.engine, self.engine.spec
+        run, spec = self.run, self.run.spec
         if self.state.step == 0 and self.last_eval is None:
             self.evaluate()
         while not budget_spent(spec.budget, self.state):
             step = self.state.step + 1
-            e.run.step = step
-            result = train_step(e, step)
+            run.context.step = step
+            result = train_step(run, step)
             self.state.step = step
             self.state.samples += result.samples
             self.state.tokens += result.tokens
             self.tick()
             row = {"step": step, "time_s": self.state.time_s, "samples": self.state.samples}
             row.update(result.metrics)
-            e.pm.hook.on_step_end(run=e.run, step=step, metrics=row)
+            run.hooks.on_step_end(run.context, step, row)
             self.sinks.step(row, step)
             self.sinks.samples(result.sample_rows)
             if step % spec.evaluation.every == 0:
                 self.evaluate()
-            if step % e.arm.training.checkpoint_every == 0:
+            if step % run.arm.training.checkpoint_every == 0:
                 self.checkpoint()
         if self.last_eval != self.state.step:
             self.evaluate()
@@ -218,29 +212,29 @@ def run_one(
     config = resolved_config(loaded, arm, seed)
     (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     state = TrainingState()
-    engine: Engine | None = None
+    run: Run | None = None
     sinks: Sinks | None = None
     device = "cpu"
     log = console.log if console is not None else (lambda *_: None)
     try:
-        engine = assemble(loaded, arm, seed, out_dir, console=console, log=log)
-        device = engine.run.device("actor")
-        state = start_or_resume(engine, resume)
+        run = assemble(loaded, arm, seed, out_dir, console=console, log=log)
+        device = run.models.device("actor")
+        state = start_or_resume(run, resume)
         write_status(out_dir, "running", state, None, device)
         sinks = Sinks(
             out_dir,
             spec.logging.sinks,
             console,
-            engine.run.name,
+            run.context.name,
             spec.logging.wandb,
             spec.name,
             config,
         )
-        _Run(engine, state, sinks).loop()
+        _Loop(run, state, sinks).loop()
         status, error = "finished", None
     except KeyboardInterrupt:
-        if engine is not None:
-            engine.pm.hook.on_run_end(run=engine.run, status="interrupted")
+        if run is not None:
+            run.hooks.on_run_end(run.context, "interrupted")
         raise
     except Exception as exc:
         status, error = "failed", f"{type(exc).__name__}: {exc}"
@@ -250,9 +244,9 @@ def run_one(
     finally:
         if sinks is not None:
             sinks.close()
-    if engine is not None:
+    if run is not None:
         try:
-            engine.pm.hook.on_run_end(run=engine.run, status=status)
+            run.hooks.on_run_end(run.context, status)
         except Exception as exc:  # a plugin failing at the end must not hide the run's result
             if status == "finished":
                 status, error = "failed", f"on_run_end: {type(exc).__name__}: {exc}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +19,54 @@ from alignzoo.config.schema import ModelConfig, TaskConfig
 from alignzoo.errors import UserError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Models:
+    """The one owner of a run's models and where they live.
+
+    ``actor`` is the trainable policy (a peft model under LoRA); ``reference`` the frozen
+    starting policy (None when the algorithm needs none); ``critic`` the value model (PPO);
+    ``devices`` maps each role (actor, ref, critic, reward, rollout, labeler) to the device the
+    device mapper placed it on; ``autocast`` is the mixed-precision context of forward passes.
+    Everything else (the learner, the stages, the hooks' ``run``) reads the models from here.
+    """
+
+    tokenizer: Any
+    actor: Any
+    policy_path: str
+    devices: dict[str, str] = field(default_factory=dict)
+    reference: Any | None = None
+    critic: Any | None = None
+    autocast: Callable[[], Any] = contextlib.nullcontext
+
+    def device(self, role: str) -> str:
+        """The device placed for ``role`` (``cpu`` when the mapper did not place it)."""
+        return self.devices.get(role, "cpu")
+
+
+def load_models(
+    path: str,
+    cfg: ModelConfig,
+    devices: dict[str, str],
+    reference: bool,
+    critic: bool,
+    seed: int,
+) -> Models:
+    """Tokenizer, actor and, when asked for, the reference and the critic, each on its device."""
+    models = Models(
+        tokenizer=load_tokenizer(path),
+        actor=None,
+        policy_path=path,
+        devices=dict(devices),
+    )
+    models.actor = load_actor(path, cfg, models.device("actor"))
+    if reference:
+        models.reference = load_reference(path, cfg, models.device("ref"))
+    if critic:
+        models.critic = load_critic(path, cfg, models.device("critic"), seed)
+    models.autocast = autocast_factory(cfg, models.device("actor"))
+    return models
 
 
 def policy_path(model_cfg: ModelConfig, task_cfg: TaskConfig, log: Callable[[str], None]) -> str:

@@ -101,7 +101,7 @@ class Sinks:
                 f"{_fmt(m, 'batch/prompts', '.0f')} prompts → {_fmt(m, 'batch/responses', '.0f')} responses "
                 f"(mean len {_fmt(m, 'response_length/mean', '.1f')}) │ "
                 f"reward {_fmt(m, 'reward/mean')} ± {_fmt(m, 'reward/std')} │ "
-                f"loss {_fmt(m, 'loss', '.4f')} │ kl {_fmt(m, 'kl', '.4f')} │ "
+                f"loss {_fmt(m, 'loss', '.4f')} │ kl/ref {_fmt(m, 'kl/ref', '.4f')} │ "
                 f"entropy {_fmt(m, 'entropy')} │ {_fmt(m, 'timing/step', '.2f')}s",
                 highlight=False,
             )

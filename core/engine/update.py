@@ -1,175 +1,120 @@
-"""The update stage: epochs x minibatches x micro-batches of ``compute_loss``, then one optimizer
-step per minibatch (gradient accumulation, clipping, scheduler), and the optimizer's set-up.
+"""The update stage: epochs x minibatches x micro-batches of ``compute_loss``, one optimizer step
+per minibatch (gradient accumulation, clipping, scheduler).
+
+Each minibatch is one optimizer step. Its :class:`~alignzoo.types.LossContext` (valid tokens,
+samples and groups of the whole minibatch) is handed to ``compute_loss`` with every
+micro-batch; the algorithm normalises its loss by those counts, so each micro-batch returns its
+share of the minibatch's loss and the engine back-propagates each share as it is. The sum of
+the gradients is then the gradient of the whole minibatch's loss, whatever ``micro_batch_size``.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from alignzoo.batch import PolicyOutputs, RolloutBatch
-from alignzoo.config.schema import TrainingConfig
-from alignzoo.engine.forward import (
-    AutocastFactory,
-    critic_forward,
-    mismatch_partners,
-    mismatched_view,
-    policy_forward,
-    sequence_logprob,
-)
+from alignzoo.engine.forward import critic_forward, policy_forward
+from alignzoo.engine.hooks import Hooks
+from alignzoo.engine.learner import Learner
+from alignzoo.engine.modes import DataMode
 from alignzoo.errors import RunError
-from alignzoo.ops import masked_mean
-from alignzoo.types import AlgorithmRequirements
+from alignzoo.types import AlgorithmRequirements, LossContext
 
 
-def build_optimizer(
-    actor_params: list[torch.nn.Parameter],
-    critic_params: list[torch.nn.Parameter],
-    cfg: TrainingConfig,
-) -> torch.optim.AdamW:
-    """AdamW with one parameter group for the actor and one for the critic (its own lr)."""
-    groups = [{"params": actor_params, "lr": cfg.lr}]
-    if critic_params:
-        groups.append(
-            {"params": critic_params, "lr": cfg.critic_lr if cfg.critic_lr is not None else cfg.lr}
-        )
-    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def lr_factor(step: int, warmup: int, total: int | None, schedule: str) -> float:
-    """Multiplier of the base lr at optimizer step ``step`` (0-based): linear warmup, then the
-    schedule (linear / cosine decay to 0 over ``total`` steps; constant without a known total)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total is None or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total: int | None
-) -> Any:
-    """A LambdaLR following :func:`lr_factor`; ``total`` counts optimizer steps (None: unknown)."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total, cfg.lr_schedule)
-    )
-
-
-@dataclass
-class Learner:
-    """What the update stage needs: models, optimizer, scheduler and the arm's settings."""
-
-    pm: Any
-    actor: Any
-    critic: Any | None
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    cfg: TrainingConfig
-    requirements: AlgorithmRequirements
-    autocast: AutocastFactory
-    algorithm_name: str
-    seed: int
-
-
-def _units(size: int, paired: bool) -> list[list[int]]:
-    """Indivisible index groups of ``range(size)``: pairs for preference data (kept together),
-    else single samples."""
-    if paired:
-        return [[i, i + 1] for i in range(0, size, 2)]
-    return [[i] for i in range(size)]
-
-
-def _split(units: list[list[int]], size: int) -> list[list[int]]:
+def split_units(units: list[list[int]], size: int) -> list[list[int]]:
     """Consecutive groups of units holding about ``size`` samples each (at least one unit)."""
+    if not units:
+        return []
     per = max(1, size // len(units[0]))
     return [[i for u in units[k : k + per] for i in u] for k in range(0, len(units), per)]
 
 
+def minibatch_context(batch: RolloutBatch, index: list[int], micro_batches: int) -> LossContext:
+    """The loss context of the optimizer step over ``batch``'s samples ``index``."""
+    idx = torch.as_tensor(index, dtype=torch.long)
+    return LossContext(
+        tokens=float(batch.response_mask[idx].sum()),
+        sequences=len(index),
+        groups=int(torch.unique(batch.group_ids[idx]).numel()),
+        micro_batches=micro_batches,
+    )
+
+
 def micro_step(
-    learner: Learner, step_batch: RolloutBatch, index: list[int]
-) -> tuple[Any, dict[str, float]]:
-    """Forward one micro-batch with gradients and call ``compute_loss``."""
-    req = learner.requirements
+    learner: Learner,
+    hooks: Hooks,
+    requirements: AlgorithmRequirements,
+    step_batch: RolloutBatch,
+    index: list[int],
+    context: LossContext,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Forward one micro-batch with gradients and call ``compute_loss`` with the step's context."""
+    models = learner.models
     mb = step_batch.select(index)
     logprobs, entropy = policy_forward(
-        learner.actor, mb, entropy=req.entropy, autocast=learner.autocast
+        models.actor, mb, entropy=requirements.entropy, autocast=models.autocast
     )
     outputs = PolicyOutputs(logprobs=logprobs, entropy=entropy)
-    if learner.critic is not None:
-        values = critic_forward(learner.critic, mb, autocast=learner.autocast)
+    if models.critic is not None:
+        values = critic_forward(models.critic, mb, autocast=models.autocast)
         outputs.values = values.to(logprobs.device)  # the critic may sit on another device
-    if req.mismatched_pairs:
-        partners = mismatch_partners(step_batch.size)
-        partner = [partners[i] for i in index]
-        view = mismatched_view(mb, step_batch.select(partner))
-        outputs.mismatched_logprobs = sequence_logprob(learner.actor, view, learner.autocast)
-    device = logprobs.device
-    result = learner.pm.hook.compute_loss(batch=mb.to(device), outputs=outputs)
-    if result is None:
-        raise RunError(f"algorithm {learner.algorithm_name!r} returned no loss")
-    loss = result.loss
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
-        got = (
-            f"a tensor of shape {list(loss.shape)}, requires_grad={loss.requires_grad}"
-            if isinstance(loss, torch.Tensor)
-            else type(loss).__name__
-        )
-        raise RunError(
-            f"algorithm {learner.algorithm_name!r}: compute_loss must return a scalar tensor "
-            f"that depends on outputs.logprobs; got {got}"
-        )
-    metrics = {k: float(v) for k, v in result.metrics.items()}
-    if entropy is not None and "entropy" not in metrics:
-        metrics["entropy"] = float(masked_mean(entropy.detach(), mb.response_mask.to(device)))
-    return loss, metrics
+    return hooks.compute_loss(mb.to(logprobs.device), outputs, context)
 
 
-def update(learner: Learner, batch: RolloutBatch, step: int) -> dict[str, float]:
-    """Train on one step's batch; returns the metrics averaged over micro-batches / opt steps.
+def update(
+    learner: Learner,
+    hooks: Hooks,
+    requirements: AlgorithmRequirements,
+    mode: DataMode,
+    batch: RolloutBatch,
+    step: int,
+) -> dict[str, float]:
+    """Train on one step's batch; returns its metrics.
 
-    ``lr`` is the learning rate the step's optimizer steps used (averaged over them).
+    ``loss`` is each optimizer step's loss (the sum of its micro-batches' shares), averaged over
+    the step's optimizer steps; the algorithm's metrics are averaged over micro-batches weighted
+    by their samples, then over optimizer steps; ``lr`` is the learning rate the optimizer steps
+    used (averaged over them).
     """
     cfg = learner.cfg
-    paired = learner.requirements.data == "preference"
-    if paired and (batch.size % 2 or not torch.equal(batch.group_ids[::2], batch.group_ids[1::2])):
-        raise RunError(
-            f"step {step}: the preference batch is no longer adjacent (chosen, rejected) pairs "
-            f"({batch.size} samples); a batch transform must keep or drop both samples of a pair"
-        )
-    units = _units(batch.size, paired)
+    mode.check(batch, step)
+    units = mode.units(batch.size)
     minibatch = cfg.minibatch_size or batch.size
     sums: dict[str, list[float]] = defaultdict(list)
     generator = torch.Generator().manual_seed(abs(learner.seed) * 100_003 + step)
-    groups = learner.optimizer.param_groups
-    actor_params = groups[0]["params"]
-    critic_params = groups[1]["params"] if len(groups) > 1 else []
-    learner.actor.train()
+    actor_params, critic_params = learner.actor_parameters, learner.critic_parameters
+    learner.models.actor.train()
+    algorithm = hooks.algorithm
     for epoch in range(cfg.epochs):
         order = units
         if cfg.epochs > 1 or minibatch < batch.size:
             order = [units[i] for i in torch.randperm(len(units), generator=generator).tolist()]
-        for mb_index in _split(order, minibatch):
+        for mb_index in split_units(order, minibatch):
             learner.optimizer.zero_grad(set_to_none=True)
-            for micro in _split(_units(len(mb_index), paired), cfg.micro_batch_size):
+            micros = split_units(mode.units(len(mb_index)), cfg.micro_batch_size)
+            context = minibatch_context(batch, mb_index, len(micros))
+            step_loss = 0.0
+            weighted: dict[str, float] = defaultdict(float)
+            for micro in micros:
                 index = [mb_index[i] for i in micro]
-                loss, metrics = micro_step(learner, batch, index)
+                loss, metrics = micro_step(learner, hooks, requirements, batch, index, context)
                 if not torch.isfinite(loss.detach()).all():
                     raise RunError(
-                        f"step {step}: algorithm {learner.algorithm_name!r} returned a "
-                        f"non-finite loss ({float(loss.detach())}) in epoch {epoch}; "
-                        "stopping (the last checkpoint is kept)"
+                        f"step {step}: algorithm {algorithm!r} returned a non-finite loss "
+                        f"({float(loss.detach())}) in epoch {epoch}; stopping (the last "
+                        "checkpoint is kept)"
                     )
-                (loss * (len(index) / len(mb_index))).backward()
-                sums["loss"].append(float(loss.detach()))
+                loss.backward()
+                step_loss += float(loss.detach())
+                share = len(index) / len(mb_index)
                 for k, v in metrics.items():
-                    sums[k].append(v)
+                    weighted[k] += share * v
+            sums["loss"].append(step_loss)
+            for k, v in weighted.items():
+                sums[k].append(v)
             norms = {"actor": _clip(actor_params, cfg.max_grad_norm)}
             if critic_params:
                 norms["critic"] = _clip(critic_params, cfg.max_grad_norm)
@@ -177,11 +122,11 @@ def update(learner: Learner, batch: RolloutBatch, step: int) -> dict[str, float]
                 if not math.isfinite(norm):  # stepping would write NaN into the weights
                     raise RunError(
                         f"step {step}: the {role}'s gradient norm is {norm} (algorithm "
-                        f"{learner.algorithm_name!r}, epoch {epoch}); stopping before the "
-                        "optimizer step (the last checkpoint is kept)"
+                        f"{algorithm!r}, epoch {epoch}); stopping before the optimizer step "
+                        "(the last checkpoint is kept)"
                     )
                 sums[f"{role}/grad_norm"].append(norm)
-            sums["lr"].append(float(groups[0]["lr"]))
+            sums["lr"].append(learner.lr)
             learner.optimizer.step()
             learner.scheduler.step()
     return {k: sum(v) / len(v) for k, v in sums.items()}

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from alignzoo import metrics as canonical
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
 from alignzoo.experiment.runfiles import (
@@ -31,11 +32,28 @@ from alignzoo.report import plots, stats
 from alignzoo.report.document import Block, render_html, render_markdown
 
 TRAIN_PLOTS = (
-    ("reward/mean", "training reward (mean over the step's samples)", "train_reward.png"),
-    ("kl", "KL to the reference", "train_kl.png"),
-    ("response_length/mean", "response length (tokens)", "train_response_length.png"),
-    ("entropy", "policy entropy (nats per token)", "train_entropy.png"),
+    (
+        canonical.REWARD_MEAN,
+        "training reward (mean over the step's samples)",
+        "",
+        "train_reward.png",
+    ),
+    (
+        canonical.KL_REF,
+        "KL to the reference",
+        "The same estimator in every arm: k3 over the step's responses, policy before the "
+        "step's update; arms without a reference model report none.",
+        "train_kl.png",
+    ),
+    (canonical.RESPONSE_LENGTH, "response length (tokens)", "", "train_response_length.png"),
+    (
+        canonical.ENTROPY,
+        "policy entropy (nats per token)",
+        "Computed the same way in every arm, policy before the step's update.",
+        "train_entropy.png",
+    ),
 )
+"""The training curves the report draws: canonical metrics only (alignzoo.metrics)."""
 
 
 # --------------------------------------------------------------------------- numbers
@@ -531,7 +549,7 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
     longest = max((len(r.metrics) for r in shown), default=0)
     window = plots.smoothing_window(longest)
     smoothed = f"each seed's curve a trailing mean over {window} steps; " if window > 1 else ""
-    for metric, label, filename in TRAIN_PLOTS:
+    for metric, label, note, filename in TRAIN_PLOTS:
         found = curves("metrics", metric, "step", window)
         if not found:
             continue
@@ -541,7 +559,7 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
         blocks.append(
             Block(
                 "img",
-                f"Training: {label} against step ({smoothed}{band}).",
+                f"Training: {label} against step ({smoothed}{band}). {note}".rstrip(),
                 path=f"plots/{filename}",
             )
         )

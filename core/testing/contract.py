@@ -16,7 +16,8 @@ The properties (check names):
   tensor that requires grad and back-propagates to ``outputs.logprobs``; ``compute_advantages``
   returns a batch of the same size whose ``advantages`` / ``returns`` (when set) are ``[B, R]``,
   finite, and 0 on padding.
-- ``metrics_finite_floats``: every metric is a finite Python float under a ``str`` key.
+- ``metrics_finite_floats``: every metric is a finite Python float under a ``str`` key that
+  is not one of the engine's canonical names (:mod:`alignzoo.metrics`).
 - ``finite_extreme_logprobs``: with every log-prob (policy, old, reference, mismatched) drawn
   near 0 or near -50, the loss and the gradients are finite.
 - ``padding_invariance``: overwriting padding with arbitrary values and appending more masked
@@ -24,6 +25,10 @@ The properties (check names):
 - ``sample_permutation``: shuffling the samples (with their group ids) keeps the loss and the
   metrics, and permutes the gradient rows the same way.
 - ``group_permutation``: reordering whole groups and renaming their ids keeps the same.
+- ``micro_batch_invariance``: splitting the batch into micro-batches (whole groups each), each
+  ``compute_loss`` given the whole batch's :class:`~alignzoo.types.LossContext`, gives shares
+  that add up to the whole batch's loss and gradients that add up to its gradient (gradient
+  accumulation changes nothing, for every loss aggregation).
 
 Use it from pytest in a plugin's own test suite::
 
@@ -55,6 +60,7 @@ from hypothesis.errors import HypothesisException
 from hypothesis.reporting import with_reporter
 
 from alignzoo.batch import PolicyOutputs, RolloutBatch
+from alignzoo.metrics import owned_by_engine
 from alignzoo.plugin import Algorithm
 from alignzoo.registry import build_plugin_manager, get_registry
 from alignzoo.testing.strategies import (
@@ -93,6 +99,7 @@ CHECKS = (
     "padding_invariance",
     "sample_permutation",
     "group_permutation",
+    "micro_batch_invariance",
 )
 """The names of the checks, in the order :func:`check_algorithm` reports them."""
 
@@ -139,7 +146,8 @@ def evaluate(component: Any, case: BatchCase, backward: bool = True) -> Evaluati
     """Run ``compute_advantages`` then ``compute_loss`` on ``case`` through a PluginManager.
 
     With ``backward`` the loss is back-propagated and the gradients w.r.t. ``outputs.logprobs``
-    (and ``outputs.values`` / ``outputs.mismatched_logprobs`` when present) are collected.
+    (and ``outputs.values`` when present) are collected. ``compute_loss`` gets the batch's own
+    :class:`~alignzoo.types.LossContext` (the batch is one optimizer step).
     Warnings the algorithm emits are silenced.
     """
     pm = build_plugin_manager([component])
@@ -149,7 +157,7 @@ def evaluate(component: Any, case: BatchCase, backward: bool = True) -> Evaluati
         advantaged = pm.hook.compute_advantages(batch=batch)
         if advantaged is not None:
             batch = advantaged
-        result = pm.hook.compute_loss(batch=batch, outputs=outputs)
+        result = pm.hook.compute_loss(batch=batch, outputs=outputs, context=batch.loss_context())
     if not isinstance(result, LossOutput):
         raise ContractViolation(f"compute_loss returned {type(result).__name__}, not LossOutput")
     loss = result.loss
@@ -160,7 +168,7 @@ def evaluate(component: Any, case: BatchCase, backward: bool = True) -> Evaluati
     if backward and loss.requires_grad and loss.numel() == 1:
         loss.reshape(()).backward()
         evaluation.logprob_grad = outputs.logprobs.grad
-        for name in ("values", "mismatched_logprobs"):
+        for name in ("values",):
             tensor = getattr(outputs, name)
             if tensor is not None and tensor.grad is not None:
                 evaluation.extra_grads[name] = tensor.grad
@@ -255,6 +263,11 @@ def _prop_metrics(factory: Callable[[], Any], case: BatchCase) -> None:
     for key, value in metrics.items():
         if not isinstance(key, str):
             raise ContractViolation(f"metric key {key!r} is not a str")
+        if owned_by_engine(key):
+            raise ContractViolation(
+                f"metric {key!r} is a name the engine computes for every arm (alignzoo.metrics); "
+                "put the algorithm's own value under its namespace"
+            )
         if isinstance(value, bool) or not isinstance(value, float):
             raise ContractViolation(
                 f"metric {key!r} is a {type(value).__name__} ({value!r}); expected a Python "
@@ -310,7 +323,62 @@ def _prop_permutation(
     _assert_metrics_close(base.result.metrics, perm.result.metrics, what)
 
 
+def _prop_micro_batches(
+    factory: Callable[[], Any], case: BatchCase, parts: list[list[int]]
+) -> None:
+    whole = evaluate(factory(), case)
+    pm = build_plugin_manager([factory()])
+    batch, outputs = case.build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        advantaged = pm.hook.compute_advantages(batch=batch)
+        batch = batch if advantaged is None else advantaged
+        context = batch.loss_context(micro_batches=len(parts))
+        total = 0.0
+        for part in parts:
+            index = torch.tensor(part, dtype=torch.long)
+
+            micro = PolicyOutputs(
+                logprobs=outputs.logprobs[index],
+                entropy=None if outputs.entropy is None else outputs.entropy[index],
+                values=None if outputs.values is None else outputs.values[index],
+            )
+            result = pm.hook.compute_loss(batch=batch.select(part), outputs=micro, context=context)
+            loss = result.loss.reshape(())
+            total += float(loss.detach())
+            if loss.requires_grad:
+                loss.backward()
+    what = f"micro-batches {parts} given the whole batch's LossContext"
+    if not _close(whole.loss, total):
+        raise ContractViolation(
+            f"{what}: their losses add up to {total!r}, the whole batch's loss is {whole.loss!r} "
+            "(normalise by context.tokens / context.sequences, not by the micro-batch's own)"
+        )
+    accumulated = (
+        outputs.logprobs.grad
+        if outputs.logprobs.grad is not None
+        else torch.zeros_like(outputs.logprobs)
+    )
+    mask = batch.response_mask.detach()
+    _assert_grads_close(_grad(whole), accumulated.detach(), f"{what}: accumulated gradient", mask)
+
+
 # --------------------------------------------------------------------------- strategies per check
+
+
+@st.composite
+def _micro_split(
+    draw: st.DrawFn, cases: st.SearchStrategy[BatchCase], by_group: bool
+) -> tuple[BatchCase, list[list[int]]]:
+    """A case and a split of its rows into 2-3 micro-batches (whole groups when ``by_group``)."""
+    case = draw(cases)
+    keys = list(dict.fromkeys(case.group_ids)) if by_group else list(range(case.size))
+    parts = draw(st.integers(2, 3))
+    assign = {key: draw(st.integers(0, parts - 1)) for key in keys}
+    split: list[list[int]] = [[] for _ in range(parts)]
+    for row in range(case.size):
+        split[assign[case.group_ids[row] if by_group else row]].append(row)
+    return case, [p for p in split if p]
 
 
 @st.composite
@@ -501,6 +569,12 @@ def check_algorithm(
             _group_permutation(cases),
             regrouped,
             "example = (batch, order, renaming of group ids)",
+        ),
+        (
+            "micro_batch_invariance",
+            _micro_split(cases, by_group=requirements.data == "preference"),
+            lambda ex: _prop_micro_batches(factory, *ex),
+            "example = (batch, the rows of each micro-batch)",
         ),
     ]
     results = [CheckResult("instantiate", True, f"{label}: {requirements}")]

@@ -13,8 +13,9 @@ hypothesis draws or from explicit numbers:
   per-sample columns of online, preference and unpaired data.
 - :func:`batch_cases`: a whole :class:`BatchCase` for given :class:`AlgorithmRequirements`
   (fills ``old_logprobs``/``scores`` for online data, ``ref_logprobs`` for a reference,
-  ``values`` for a critic, ``labels`` for preference/unpaired data, the ``mismatched_*``
-  sequence log-probs, ``entropy``), and :func:`batches` which builds it into tensors.
+  ``values`` for a critic, ``labels`` for preference/unpaired data, the unpaired mode's
+  ``mismatched_*`` sequence log-probs, ``entropy``), and :func:`batches` which builds it into
+  tensors.
 
 A :class:`BatchCase` is plain Python numbers, so hypothesis prints a falsifying example you can
 paste back (``BatchCase(...).build()``), and so the contract suite can pad, permute and relabel
@@ -120,10 +121,11 @@ def make_batch(
 
     ``logprobs`` ``[B, R]`` become ``outputs.logprobs``, a fresh leaf tensor with
     ``requires_grad`` (read its ``.grad`` after ``loss.backward()``); so do ``policy_values``
-    (``outputs.values``) and ``mismatched_logprobs`` (``outputs.mismatched_logprobs``).
-    ``mask`` defaults to all ones, ``group_ids`` to one group per sample, ``response_ids`` to
-    token 1 everywhere. Every other argument fills the batch field of the same name
-    (``values`` is the critic's rollout-time ``batch.values``).
+    (``outputs.values``). ``mismatched_logprobs`` and ``mismatched_ref_logprobs`` go to
+    ``batch.columns`` under those names (what the unpaired data mode computes, without
+    gradients). ``mask`` defaults to all ones, ``group_ids`` to one group per sample,
+    ``response_ids`` to token 1 everywhere. Every other argument fills the batch field of the
+    same name (``values`` is the critic's rollout-time ``batch.values``).
     """
     logp = _tensor(logprobs, dtype)
     if logp.dim() != 2:
@@ -148,6 +150,14 @@ def make_batch(
         return tensor
 
     score_tensor = opt(scores)
+    columns = {
+        name: tensor
+        for name, tensor in (
+            ("mismatched_logprobs", opt(mismatched_logprobs)),
+            ("mismatched_ref_logprobs", opt(mismatched_ref_logprobs)),
+        )
+        if tensor is not None
+    }
     batch = RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_mask=torch.ones_like(prompt_ids),
@@ -164,7 +174,7 @@ def make_batch(
         score_valid=None if score_tensor is None else torch.ones(size, dtype=torch.bool),
         labels=opt(labels),
         weights=opt(weights),
-        mismatched_ref_logprobs=opt(mismatched_ref_logprobs),
+        columns=columns,
     )
     if requires_grad:
         logp.requires_grad_(True)
@@ -172,7 +182,6 @@ def make_batch(
         logprobs=logp,
         entropy=opt(entropy),
         values=leaf(policy_values),
-        mismatched_logprobs=leaf(mismatched_logprobs),
     )
     return batch, outputs
 
@@ -399,7 +408,7 @@ def batch_cases(
     - ``data="preference"``: 1-4 shuffled pairs (:func:`preference_pairs`), ``labels``.
     - ``data="unpaired"``: 1-8 samples with ``labels`` (:func:`unpaired_labels`).
     - ``reference``: ``ref_logprobs``; ``critic``: ``values`` and ``policy_values``;
-      ``entropy``: ``entropy``; ``mismatched_pairs``: ``mismatched_logprobs`` (and
+      ``entropy``: ``entropy``; unpaired data: ``mismatched_logprobs`` (and
       ``mismatched_ref_logprobs`` with a reference), sequence log-probs in [-50·R, 0].
 
     ``logprobs`` is the strategy of every per-token log-prob (policy, old, reference), default
@@ -442,7 +451,7 @@ def batch_cases(
         case["policy_values"] = _rows(draw, value_strategy, size, width)
     if requirements.entropy:
         case["entropy"] = _rows(draw, st.floats(0.0, 5.0, width=32), size, width)
-    if requirements.mismatched_pairs:
+    if requirements.data == "unpaired":
         seq = st.floats(LOGPROB_MIN * width, 0.0, width=32)
         case["mismatched_logprobs"] = _column(draw, seq, size)
         if requirements.reference:

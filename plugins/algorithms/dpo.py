@@ -33,7 +33,11 @@ Data layout (how the engine hands pairs to this algorithm):
 - ``outputs.logprobs [B, R]``: per-token policy log-probs, with gradient.
 - ``batch.response_mask [B, R]``: 1.0 on real response tokens; sequence log-probs sum over it.
 - ``batch.weights [B]`` (optional): per-sample weights; a pair is weighted by the mean of its
-  two samples' weights, and the loss is the mean over pairs of weight × pair loss.
+  two samples' weights, and the loss is the mean over the optimizer step's pairs of
+  weight × pair loss (``context.groups``: each group is one pair).
+
+The pairing helpers are public, in :mod:`alignzoo.preference`; the engine's preference data
+modes (:mod:`alignzoo.engine.modes.preference`) build the pairs, offline or online.
 
 ``compute_advantages`` returns the batch unchanged: DPO needs no advantages.
 """
@@ -47,7 +51,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.types import AlgorithmRequirements, LossOutput
+from alignzoo.preference import (
+    mean_over_pairs,
+    pair_indices,
+    pair_weights,
+    preference_metrics,
+    require_labels,
+    sequence_logps,
+)
+from alignzoo.types import AlgorithmRequirements, LossContext, LossOutput
 
 if TYPE_CHECKING:
     import torch
@@ -96,49 +108,6 @@ class DPOParams(BaseModel):
 # --------------------------------------------------------------------------- pure functions
 
 
-def sequence_logps(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log π(y|x) = Σ_t log π(y_t | x, y_<t) over real tokens: ``[B, R]`` -> ``[B]``."""
-    return ops.masked_sum(logprobs, mask, dim=-1)
-
-
-def pair_indices(
-    group_ids: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pair samples by group id: returns (chosen rows, rejected rows), both ``[N]``, sorted by group.
-
-    Each group must hold exactly one sample labelled 1.0 (chosen) and one labelled 0.0
-    (rejected); anything else raises :class:`UserError` naming the group and its rows.
-    """
-    chosen_of: dict[int, list[int]] = {}
-    rejected_of: dict[int, list[int]] = {}
-    for row, (group, label) in enumerate(zip(group_ids.tolist(), labels.tolist(), strict=True)):
-        if label == 1.0:
-            chosen_of.setdefault(group, []).append(row)
-        elif label == 0.0:
-            rejected_of.setdefault(group, []).append(row)
-        else:
-            raise UserError(
-                f"batch.labels row {row} is {label!r}; expected 1.0 (chosen) or 0.0 (rejected)"
-            )
-    chosen: list[int] = []
-    rejected: list[int] = []
-    for group in sorted(set(chosen_of) | set(rejected_of)):
-        c, r = chosen_of.get(group, []), rejected_of.get(group, [])
-        if len(c) != 1 or len(r) != 1:
-            raise UserError(
-                f"preference group {group} (rows {sorted(c + r)}) has {len(c)} chosen and "
-                f"{len(r)} rejected samples; expected exactly one of each "
-                "(batch.labels 1.0 / 0.0 sharing a batch.group_ids value)"
-            )
-        chosen.append(c[0])
-        rejected.append(r[0])
-    device = group_ids.device
-    return (
-        torch.tensor(chosen, dtype=torch.long, device=device),
-        torch.tensor(rejected, dtype=torch.long, device=device),
-    )
-
-
 def dpo_loss(
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,
@@ -178,45 +147,6 @@ def dpo_loss(
     return losses, chosen_rewards, rejected_rewards
 
 
-def pair_weights(
-    weights: torch.Tensor | None, chosen: torch.Tensor, rejected: torch.Tensor
-) -> torch.Tensor | None:
-    """Weight of each pair: the mean of its chosen and rejected samples' weights (None if unset)."""
-    if weights is None:
-        return None
-    return 0.5 * (weights[chosen] + weights[rejected])
-
-
-def preference_metrics(
-    prefix: str,
-    loss: torch.Tensor,
-    chosen_rewards: torch.Tensor,
-    rejected_rewards: torch.Tensor,
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-) -> dict[str, float]:
-    """The metrics every pairwise preference loss reports, as plain floats."""
-    return {
-        f"{prefix}/loss": float(loss.detach()),
-        "rewards/chosen": float(chosen_rewards.mean()),
-        "rewards/rejected": float(rejected_rewards.mean()),
-        "rewards/margin": float((chosen_rewards - rejected_rewards).mean()),
-        "rewards/accuracy": float((chosen_rewards > rejected_rewards).float().mean()),
-        "logps/chosen": float(chosen_logps.detach().mean()),
-        "logps/rejected": float(rejected_logps.detach().mean()),
-    }
-
-
-def require_labels(batch: RolloutBatch, algorithm: str) -> torch.Tensor:
-    """``batch.labels``, or a UserError saying that preference data is needed."""
-    if batch.labels is None:
-        raise UserError(
-            f"{algorithm} needs batch.labels (1.0 chosen / 0.0 rejected per sample); "
-            "use preference data (data.kind: preference) or an online labeler that sets labels"
-        )
-    return batch.labels
-
-
 # --------------------------------------------------------------------------- plugin
 
 
@@ -237,7 +167,9 @@ class DPO(Algorithm):
         return batch
 
     @hookimpl
-    def compute_loss(self, batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
+    def compute_loss(
+        self, batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext
+    ) -> LossOutput:
         p = self.params
         labels = require_labels(batch, "DPO")
         chosen, rejected = pair_indices(batch.group_ids, labels)
@@ -261,8 +193,13 @@ class DPO(Algorithm):
             label_smoothing=p.label_smoothing,
         )
         weights = pair_weights(batch.weights, chosen, rejected)
-        loss = (losses if weights is None else weights * losses).mean()
+        loss = mean_over_pairs(losses, weights, context)  # E over the step's pairs
         metrics = preference_metrics(
-            "dpo", loss, chosen_rewards, rejected_rewards, logps[chosen], logps[rejected]
+            "dpo",
+            mean_over_pairs(losses.detach(), weights, None),
+            chosen_rewards,
+            rejected_rewards,
+            logps[chosen],
+            logps[rejected],
         )
         return LossOutput(loss=loss, metrics=metrics)

@@ -26,7 +26,13 @@ from pydantic import ConfigDict, Field
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.types import AggregationParams, AlgorithmRequirements, LossAggregation, LossOutput
+from alignzoo.types import (
+    AggregationParams,
+    AlgorithmRequirements,
+    LossAggregation,
+    LossContext,
+    LossOutput,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -126,11 +132,13 @@ def grpo_loss(
     params: GRPOParams,
     ref_logprobs: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    context: LossContext | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO objective (Shao et al. 2024, eq. 3), negated: the clipped surrogate plus beta * KL.
 
-    All inputs are ``[B, R]`` (``weights`` ``[B]``). Returns the scalar loss and detached metric
-    tensors (``kl`` only when ``ref_logprobs`` is given).
+    All inputs are ``[B, R]`` (``weights`` ``[B]``). The loss is aggregated over the optimizer
+    step's counts in ``context`` (this batch's own without it). Returns the scalar loss and
+    detached metric tensors (``grpo/kl_k3`` only when ``ref_logprobs`` is given).
     """
     mask_b = mask.bool()
     advantages = torch.where(mask_b, advantages, 0.0)
@@ -142,16 +150,18 @@ def grpo_loss(
     metrics: dict[str, torch.Tensor] = {}
     if ref_logprobs is not None:
         kl_mat = ops.masked_kl_penalty(logprobs, ref_logprobs, mask, "k3")  # GRPO eq. 4
-        metrics["kl"] = ops.masked_mean(kl_mat.detach(), mask)
+        metrics["grpo/kl_k3"] = ops.masked_mean(kl_mat.detach(), mask)
         if params.beta > 0:
             loss_mat = loss_mat + params.beta * kl_mat  # ... - beta * D_KL(pi || pi_ref)  (eq. 3)
 
-    def aggregate(mat: torch.Tensor) -> torch.Tensor:
+    def aggregate(mat: torch.Tensor, ctx: LossContext | None) -> torch.Tensor:
         weighted = ops.weight_samples(mat, weights)
-        return ops.aggregate_loss(weighted, mask, params.loss_aggregation, params.norm_constant)
+        return ops.aggregate_loss(
+            weighted, mask, params.loss_aggregation, params.norm_constant, ctx
+        )
 
-    loss = aggregate(loss_mat)
-    metrics["actor/pg_loss"] = aggregate(pg_mat.detach())
+    loss = aggregate(loss_mat, context)  # this micro-batch's share of the step's loss
+    metrics["actor/pg_loss"] = aggregate(pg_mat.detach(), None)  # its own mean
     metrics.update(ops.clip_fractions(clipped_low, clipped_high, mask))
     metrics["actor/approx_kl"] = ops.approx_kl(logprobs, old_logprobs, mask)
     return loss, metrics
@@ -182,7 +192,9 @@ class GRPO(Algorithm):
         return batch
 
     @hookimpl
-    def compute_loss(self, batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
+    def compute_loss(
+        self, batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext
+    ) -> LossOutput:
         if batch.advantages is None or batch.old_logprobs is None:
             raise UserError("grpo: compute_loss needs batch.advantages and batch.old_logprobs")
         if self.params.beta > 0 and batch.ref_logprobs is None:
@@ -195,7 +207,6 @@ class GRPO(Algorithm):
             self.params,
             ref_logprobs=batch.ref_logprobs,
             weights=batch.weights,
+            context=context,
         )
-        if outputs.entropy is not None:
-            metrics["entropy"] = ops.masked_mean(outputs.entropy.detach(), batch.response_mask)
         return LossOutput(loss, {k: float(v) for k, v in metrics.items()})

@@ -12,8 +12,10 @@ the KTO loss is E[λ_y - v(x, y)] with the value function
 
 so a desirable sample costs λ_D (1 - σ(β(r - z0))) and an undesirable one λ_U (1 - σ(β(z0 - r))).
 As in the paper, z0 is estimated from *mismatched* pairs in the batch (prompt x_i with another
-sample's completion y_j): the mean of log π(y_j|x_i) - log π_ref(y_j|x_i), clamped at 0 and
-detached, so no gradient flows through it.
+sample's completion y_j): the mean of log π(y_j|x_i) - log π_ref(y_j|x_i), clamped at 0, with no
+gradient through it. It is computed once per training step, in ``compute_advantages``, from the
+whole step batch and the behaviour snapshot (the policy before the step's update), so it does
+not depend on the micro-batching; every sample carries it in ``batch.columns["kto/z0"]``.
 
 The paper recommends weights with λ_D n_D / (λ_U n_U) in [1, 4/3] (n_D, n_U: numbers of
 desirable and undesirable examples). The ratio is computed on each micro-batch that holds both
@@ -27,14 +29,15 @@ Data layout (how the engine hands unpaired feedback to this algorithm):
 - ``batch.ref_logprobs [B, R]``: per-token reference log-probs.
 - ``outputs.logprobs [B, R]``: per-token policy log-probs, with gradient.
 - ``batch.response_mask [B, R]``: 1.0 on real tokens; sequence log-probs sum over it.
-- ``batch.mismatched_ref_logprobs [B]`` and ``outputs.mismatched_logprobs [B]``: reference and
-  policy *sequence* log-probs of prompt i with another sample's completion (requirement
-  ``mismatched_pairs``).
+- ``batch.columns["mismatched_logprobs"]`` and ``batch.columns["mismatched_ref_logprobs"]``
+  ``[B]``: behaviour-snapshot and reference *sequence* log-probs of prompt i with another
+  sample's completion, computed without gradients by the unpaired data mode
+  (:mod:`alignzoo.engine.modes.unpaired`).
 - ``batch.weights [B]`` (optional): multiplies each sample's loss.
 - ``batch.group_ids`` is not used.
 
-The loss is the mean over samples of weight × per-sample loss. ``compute_advantages`` returns
-the batch unchanged.
+The loss is the mean over the optimizer step's samples of weight × per-sample loss.
+``compute_advantages`` adds ``batch.columns["kto/z0"]``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.types import AlgorithmRequirements, LossOutput
+from alignzoo.types import AlgorithmRequirements, LossContext, LossOutput
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +63,10 @@ else:
 
 RECOMMENDED_RATIO = (1.0, 4.0 / 3.0)
 """The paper's recommended range for λ_D n_D / (λ_U n_U)."""
+
+MISMATCHED_LOGPROBS = "mismatched_logprobs"  # batch.columns keys of the unpaired data mode
+MISMATCHED_REF_LOGPROBS = "mismatched_ref_logprobs"
+Z0 = "kto/z0"
 
 
 class KTOParams(BaseModel):
@@ -79,8 +86,8 @@ def kto_reference_point(
     mismatched_logps: torch.Tensor, mismatched_ref_logps: torch.Tensor
 ) -> torch.Tensor:
     """z0 = max(0, mean_i [log π(y_j|x_i) - log π_ref(y_j|x_i)]), detached (a scalar)."""
-    kl = (mismatched_logps - mismatched_ref_logps).mean()  # KL(π || π_ref) from mismatched pairs
-    return kl.clamp(min=0.0).detach()  # z0 = max(0, KL), no gradient
+    kl = (mismatched_logps - mismatched_ref_logps).detach().mean()  # KL(π || π_ref), mismatched
+    return kl.clamp(min=0.0)  # z0 = max(0, KL), no gradient
 
 
 def kto_loss(
@@ -116,9 +123,7 @@ class KTO(Algorithm):
 
     Params = KTOParams
     params: KTOParams
-    requirements = AlgorithmRequirements(
-        reference=True, data="unpaired", mismatched_pairs=True, entropy=False
-    )
+    requirements = AlgorithmRequirements(reference=True, data="unpaired", entropy=False)
 
     def __init__(self, params: KTOParams | dict | None = None) -> None:
         super().__init__(params)
@@ -126,37 +131,47 @@ class KTO(Algorithm):
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        """z0 from the whole step batch, once per step, carried by every sample."""
+        columns = batch.columns
+        if MISMATCHED_LOGPROBS not in columns or MISMATCHED_REF_LOGPROBS not in columns:
+            raise UserError(
+                "KTO needs batch.columns['mismatched_logprobs'] and "
+                "['mismatched_ref_logprobs'] (sequence log-probs of prompts with other samples' "
+                "completions, for z0); the unpaired data mode adds them"
+            )
+        z0 = kto_reference_point(columns[MISMATCHED_LOGPROBS], columns[MISMATCHED_REF_LOGPROBS])
+        columns[Z0] = z0.expand(batch.size).clone()
         return batch
 
     @hookimpl
-    def compute_loss(self, batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
+    def compute_loss(
+        self, batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext
+    ) -> LossOutput:
         p = self.params
         labels = self._labels(batch)
         if batch.ref_logprobs is None:
             raise UserError("KTO needs batch.ref_logprobs (a reference model); none was given")
-        if batch.mismatched_ref_logprobs is None or outputs.mismatched_logprobs is None:
-            raise UserError(
-                "KTO needs batch.mismatched_ref_logprobs and outputs.mismatched_logprobs "
-                "(sequence log-probs of prompts with other samples' completions, for z0)"
-            )
+        if Z0 not in batch.columns:
+            raise UserError("KTO: batch.columns['kto/z0'] is missing; compute_advantages sets it")
         desirable = labels == 1.0
         logps = ops.masked_sum(outputs.logprobs, batch.response_mask, dim=-1)  # log π(y|x)
         ref_logps = ops.masked_sum(batch.ref_logprobs, batch.response_mask, dim=-1).detach()
         logratios = logps - ref_logps  # r(x, y) = log π(y|x)/π_ref(y|x)
-        z0 = kto_reference_point(outputs.mismatched_logprobs, batch.mismatched_ref_logprobs)
+        z0 = batch.columns[Z0].to(logratios.dtype)
         losses = kto_loss(
             logratios, desirable, z0, p.beta, p.desirable_weight, p.undesirable_weight
         )
         if batch.weights is not None:
             losses = batch.weights * losses
-        loss = losses.mean()
-        return LossOutput(loss=loss, metrics=self._metrics(loss, logratios, desirable, z0))
+        loss = ops.mean_over_samples(losses, context)  # E over the optimizer step's samples
+        metrics = self._metrics(losses.detach().mean(), logratios, desirable, z0)
+        return LossOutput(loss=loss, metrics=metrics)
 
     def _labels(self, batch: RolloutBatch) -> torch.Tensor:
         if batch.labels is None:
             raise UserError(
                 "KTO needs batch.labels (1.0 desirable / 0.0 undesirable per sample); "
-                "use unpaired feedback data or an online labeler that sets labels"
+                "use unpaired feedback data or run the arm online"
             )
         bad = ((batch.labels != 1.0) & (batch.labels != 0.0)).nonzero().flatten().tolist()
         if bad:
@@ -174,14 +189,16 @@ class KTO(Algorithm):
         rewards = p.beta * logratios.detach()  # β log π/π_ref, as reported by DPO
         n_d = int(desirable.sum())
         n_u = int(desirable.numel()) - n_d
-        metrics = {"kto/loss": float(loss.detach()), "kto/z0": float(z0)}
+        metrics = {"kto/loss": float(loss), "kto/z0": float(z0[0]) if z0.numel() else 0.0}
         if n_d:
-            metrics["rewards/chosen"] = float(rewards[desirable].mean())
+            metrics["kto/rewards/chosen"] = float(rewards[desirable].mean())
         if n_u:
-            metrics["rewards/rejected"] = float(rewards[~desirable].mean())
+            metrics["kto/rewards/rejected"] = float(rewards[~desirable].mean())
         ratio = weight_ratio(n_d, n_u, p.desirable_weight, p.undesirable_weight)
         if ratio is not None:
-            metrics["rewards/margin"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+            metrics["kto/rewards/margin"] = (
+                metrics["kto/rewards/chosen"] - metrics["kto/rewards/rejected"]
+            )
             outside = not (RECOMMENDED_RATIO[0] <= ratio <= RECOMMENDED_RATIO[1] + 1e-9)
             metrics["kto/weight_ratio"] = ratio
             metrics["kto/weight_ratio_outside_range"] = float(outside)

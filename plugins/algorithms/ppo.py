@@ -21,7 +21,13 @@ from pydantic import ConfigDict, Field, model_validator
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.types import AggregationParams, AlgorithmRequirements, LossAggregation, LossOutput
+from alignzoo.types import (
+    AggregationParams,
+    AlgorithmRequirements,
+    LossAggregation,
+    LossContext,
+    LossOutput,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -151,16 +157,25 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 def ppo_loss(
-    batch: RolloutBatch, outputs: PolicyOutputs, params: PPOParams
+    batch: RolloutBatch,
+    outputs: PolicyOutputs,
+    params: PPOParams,
+    context: LossContext | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The PPO loss of one micro-batch and its metrics (everything but ``kl_coef``)."""
+    """The PPO loss of one micro-batch and its metrics (everything but ``ppo/kl_coef``).
+
+    Every term is aggregated over the optimizer step's counts in ``context`` (this batch's own
+    without it); the reported losses are this micro-batch's own means.
+    """
     mask = batch.response_mask
     mask_b = mask.bool()
     assert batch.old_logprobs is not None and batch.advantages is not None
 
-    def aggregate(mat: torch.Tensor) -> torch.Tensor:
+    def aggregate(mat: torch.Tensor, ctx: LossContext | None = context) -> torch.Tensor:
         weighted = ops.weight_samples(mat, batch.weights)
-        return ops.aggregate_loss(weighted, mask, params.loss_aggregation, params.norm_constant)
+        return ops.aggregate_loss(
+            weighted, mask, params.loss_aggregation, params.norm_constant, ctx
+        )
 
     logprobs = torch.where(mask_b, outputs.logprobs, 0.0)
     log_ratio = logprobs - torch.where(mask_b, batch.old_logprobs, 0.0)
@@ -168,9 +183,8 @@ def ppo_loss(
     pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
         log_ratio, advantages, params.clip_eps, params.clip_eps, params.dual_clip
     )  # L_clip  (Schulman 2017, eq. 7; dual clip: Ye et al. 2020)
-    pg_loss = aggregate(pg_mat)
-    loss = pg_loss
-    metrics: dict[str, Any] = {"actor/pg_loss": pg_loss.detach()}
+    loss = aggregate(pg_mat)
+    metrics: dict[str, Any] = {"actor/pg_loss": aggregate(pg_mat.detach(), None)}
     metrics.update(ops.clip_fractions(clipped_low, clipped_high, mask))
     metrics["actor/approx_kl"] = ops.approx_kl(outputs.logprobs, batch.old_logprobs, mask)
 
@@ -181,9 +195,8 @@ def ppo_loss(
     vf_mat, vf_clipped = value_loss(
         outputs.values, batch.values, batch.returns, mask, params.cliprange_value
     )
-    vf_loss = aggregate(vf_mat)
-    loss = loss + params.vf_coef * vf_loss  # + c1 * L_vf  (Schulman 2017, eq. 9)
-    metrics["critic/vf_loss"] = vf_loss.detach()
+    loss = loss + params.vf_coef * aggregate(vf_mat)  # + c1 * L_vf  (Schulman 2017, eq. 9)
+    metrics["critic/vf_loss"] = aggregate(vf_mat.detach(), None)
     metrics["critic/vf_clipfrac"] = ops.masked_mean(vf_clipped.float(), mask)
     metrics["critic/explained_variance"] = explained_variance(outputs.values, batch.returns, mask)
 
@@ -191,17 +204,15 @@ def ppo_loss(
         entropy = torch.where(mask_b, outputs.entropy, 0.0)
         if params.entropy_coef > 0:
             loss = loss - params.entropy_coef * aggregate(entropy)  # - c2 S[pi]  (PPO eq. 9)
-        metrics["entropy"] = ops.masked_mean(entropy.detach(), mask)
 
     if batch.ref_logprobs is not None:
         kl_mat = ops.masked_kl_penalty(
             outputs.logprobs, batch.ref_logprobs, mask, params.kl_estimator
         )
-        kl = aggregate(kl_mat)
         if params.kl_loss_coef > 0:
-            loss = loss + params.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.detach()
-        metrics["kl"] = ops.masked_mean(kl_mat.detach(), mask)
+            loss = loss + params.kl_loss_coef * aggregate(kl_mat)
+            metrics["actor/kl_loss"] = aggregate(kl_mat.detach(), None)
+        metrics["ppo/kl_penalty"] = ops.masked_mean(kl_mat.detach(), mask)
     return loss, {name: float(value) for name, value in metrics.items()}
 
 
@@ -264,11 +275,13 @@ class PPO(Algorithm):
         return batch
 
     @hookimpl
-    def compute_loss(self, batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
+    def compute_loss(
+        self, batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext
+    ) -> LossOutput:
         if batch.advantages is None or batch.old_logprobs is None:
             raise UserError("ppo: compute_loss needs batch.advantages and batch.old_logprobs")
         if self.params.kl_loss_coef > 0 and batch.ref_logprobs is None:
             raise UserError("ppo: kl_loss_coef > 0 needs batch.ref_logprobs")
-        loss, metrics = ppo_loss(batch, outputs, self.params)
-        metrics["kl_coef"] = self.kl_ctl.value
+        loss, metrics = ppo_loss(batch, outputs, self.params, context)
+        metrics["ppo/kl_coef"] = self.kl_ctl.value
         return LossOutput(loss, metrics)

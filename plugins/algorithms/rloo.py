@@ -20,7 +20,13 @@ from pydantic import ConfigDict, Field
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.types import AggregationParams, AlgorithmRequirements, LossAggregation, LossOutput
+from alignzoo.types import (
+    AggregationParams,
+    AlgorithmRequirements,
+    LossAggregation,
+    LossContext,
+    LossOutput,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +112,9 @@ class RLOO(Algorithm):
         return batch
 
     @hookimpl
-    def compute_loss(self, batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
+    def compute_loss(
+        self, batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext
+    ) -> LossOutput:
         if batch.advantages is None or batch.old_logprobs is None:
             raise UserError("rloo: compute_loss needs batch.advantages and batch.old_logprobs")
         params = self.params
@@ -120,14 +128,14 @@ class RLOO(Algorithm):
             params.loss_aggregation,
             params.norm_constant,
             batch.weights,
-        )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated
-        metrics.update(
-            ops.policy_diagnostics(
-                outputs.logprobs,
-                batch.response_mask,
+            context,
+        )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated over the optimizer step
+        if batch.ref_logprobs is not None:  # the estimator of the reward's KL penalty, now
+            kl = ops.masked_kl_penalty(
+                outputs.logprobs.detach(),
                 batch.ref_logprobs,
-                outputs.entropy,
+                batch.response_mask,
                 params.kl_estimator,
             )
-        )
+            metrics["rloo/kl_penalty"] = ops.masked_mean(kl, batch.response_mask)
         return LossOutput(loss, {name: float(value) for name, value in metrics.items()})

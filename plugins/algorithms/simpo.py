@@ -20,7 +20,8 @@ Data layout (as for DPO):
 - ``batch.labels [B]``: 1.0 for the chosen response, 0.0 for the rejected one.
 - ``outputs.logprobs [B, R]``: per-token policy log-probs, with gradient.
 - ``batch.response_mask [B, R]``: 1.0 on real tokens; |y| is the number of real tokens.
-- ``batch.weights [B]`` (optional): a pair is weighted by the mean of its samples' weights.
+- ``batch.weights [B]`` (optional): a pair is weighted by the mean of its samples' weights;
+  the loss is the mean over the optimizer step's pairs (``context.groups``).
 
 ``compute_advantages`` returns the batch unchanged.
 """
@@ -33,8 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
 from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.plugins.algorithms import dpo
-from alignzoo.types import AlgorithmRequirements, LossOutput
+from alignzoo.preference import (
+    mean_over_pairs,
+    pair_indices,
+    pair_weights,
+    preference_metrics,
+    require_labels,
+)
+from alignzoo.types import AlgorithmRequirements, LossContext, LossOutput
 
 if TYPE_CHECKING:
     import torch
@@ -96,17 +103,24 @@ class SimPO(Algorithm):
         return batch
 
     @hookimpl
-    def compute_loss(self, batch: RolloutBatch, outputs: PolicyOutputs) -> LossOutput:
+    def compute_loss(
+        self, batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext
+    ) -> LossOutput:
         p = self.params
-        labels = dpo.require_labels(batch, "SimPO")
-        chosen, rejected = dpo.pair_indices(batch.group_ids, labels)
+        labels = require_labels(batch, "SimPO")
+        chosen, rejected = pair_indices(batch.group_ids, labels)
         avg_logps = average_logps(outputs.logprobs, batch.response_mask)
         losses, chosen_rewards, rejected_rewards = simpo_loss(
             avg_logps[chosen], avg_logps[rejected], p.beta, p.gamma_beta_ratio
         )
-        weights = dpo.pair_weights(batch.weights, chosen, rejected)
-        loss = (losses if weights is None else weights * losses).mean()
-        metrics = dpo.preference_metrics(
-            "simpo", loss, chosen_rewards, rejected_rewards, avg_logps[chosen], avg_logps[rejected]
+        weights = pair_weights(batch.weights, chosen, rejected)
+        loss = mean_over_pairs(losses, weights, context)  # E over the step's pairs
+        metrics = preference_metrics(
+            "simpo",
+            mean_over_pairs(losses.detach(), weights, None),
+            chosen_rewards,
+            rejected_rewards,
+            avg_logps[chosen],
+            avg_logps[rejected],
         )
         return LossOutput(loss=loss, metrics=metrics)

@@ -1,5 +1,8 @@
 """Rule labeler for the embedded arithmetic task: exact match on the extracted number.
 
+Every score says whether the answer is right in ``info["correct"]``, so the engine reports
+``eval/exact_match`` and online KTO counts correct samples as desirable.
+
 Pure Python (no torch): the response's first line must be an integer (see
 :func:`alignzoo.world.task.extract_answer`); it is compared with the reference answer found in
 ``request.extra[answer_field]`` (the ``answer`` column of the data).
@@ -33,7 +36,6 @@ class ArithmeticLabeler(Labeler):
 
     params: Params
 
-    @hookimpl
     def score(self, request: LabelRequest) -> Score:
         """1.0 for the right number, ``partial_credit`` for a wrong one, 0.0 (invalid) if malformed."""
         field = self.params.answer_field
@@ -51,7 +53,7 @@ class ArithmeticLabeler(Labeler):
             )
         got = extract_answer(request.response)
         if got is None:
-            return Score(0.0, valid=False, info={"malformed": True})
+            return Score(0.0, valid=False, info={"malformed": True, "correct": False})
         if got == expected:
             return Score(1.0, info={"extracted": got, "correct": True})
         return Score(self.params.partial_credit, info={"extracted": got, "correct": False})

@@ -110,7 +110,6 @@ class RewardModelLabeler(Labeler):
         self.model.requires_grad_(False)
 
     # ------------------------------------------------------------------ scoring
-    @hookimpl
     def score(self, request: LabelRequest) -> Score:
         return self.score_batch([request])[0]
 

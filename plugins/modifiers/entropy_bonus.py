@@ -20,7 +20,7 @@ from alignzoo.plugin import Modifier, hookimpl
 
 if TYPE_CHECKING:
     from alignzoo.batch import PolicyOutputs, RolloutBatch
-    from alignzoo.types import LossOutput
+    from alignzoo.types import LossContext, LossOutput
 
 ops = lazy_import("alignzoo.ops")
 
@@ -43,7 +43,7 @@ class EntropyBonus(Modifier):
 
     @hookimpl(wrapper=True)
     def compute_loss(
-        self, batch: RolloutBatch, outputs: PolicyOutputs
+        self, batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext
     ) -> Generator[None, Any, LossOutput]:
         result: LossOutput = yield
         if outputs.entropy is None:
@@ -51,8 +51,13 @@ class EntropyBonus(Modifier):
                 "modifier entropy_bonus: outputs.entropy is missing; the algorithm's requirements "
                 "must keep entropy=True"
             )
-        entropy = ops.masked_mean(outputs.entropy, batch.response_mask)
+        # the token mean over the optimizer step (this micro-batch's share), like the loss
+        entropy = ops.aggregate_loss(
+            outputs.entropy, batch.response_mask, "token-mean", None, context
+        )
         bonus = self.params.coef * entropy
         result.loss = result.loss - bonus
-        result.metrics["entropy_bonus"] = float(bonus.detach())
+        result.metrics["entropy_bonus"] = float(
+            self.params.coef * ops.masked_mean(outputs.entropy.detach(), batch.response_mask)
+        )
         return result

@@ -28,6 +28,11 @@ Signals (each fires at most once per run; a threshold set to ``null`` disables i
   consistent nor better. Skipped while every step's rewards are 0/1 (then the std is
   sqrt(mean (1 - mean)), a function of the mean, and says nothing the mean does not).
 
+The checks read only the canonical metrics (:mod:`alignzoo.metrics`: ``reward/mean``,
+``reward/std``, ``response_length/mean``, ``entropy``, ``kl/ref``), which the engine computes
+the same way in every arm, so one threshold means the same thing for GRPO and for DPO. A
+metric an arm does not report (``kl/ref`` without a reference model) is not checked.
+
 Values are smoothed by an exponential moving average (``smoothing``) before checking. When a
 signal fires, ``metrics["health/<signal>"] = 1.0`` is added to that step's metrics, a warning
 naming the run, the signal and the step where it began is printed on ``run.console``, and a
@@ -46,6 +51,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from alignzoo import metrics as canonical
 from alignzoo.plugin import Modifier, hookimpl
 
 SIGNALS = (
@@ -69,11 +75,6 @@ class HealthParams(BaseModel):
     )
     warmup_steps: int = Field(5, ge=0, description="Steps observed before any signal may fire.")
     window: int = Field(20, ge=2, description="Steps over which drifts and trends are measured.")
-    reward_key: str = "reward/mean"
-    reward_std_key: str = "reward/std"
-    length_key: str = "response_length/mean"
-    entropy_key: str = "entropy"
-    kl_key: str = "kl"
     reward_min_rise: float | None = Field(
         0.1, ge=0, description="Rise of the reward above its start before a collapse counts."
     )
@@ -146,11 +147,16 @@ class HealthChecks(Modifier):
         state = self._state(run)
         state["n"] += 1
         smoothed: dict[str, float] = {}
-        p = self.params
-        mean, std = metrics.get(p.reward_key), metrics.get(p.reward_std_key)
+        mean, std = metrics.get(canonical.REWARD_MEAN), metrics.get(canonical.REWARD_STD)
         if mean is not None and std is not None and not _bernoulli(float(mean), float(std)):
             state["graded_rewards"] = True
-        for key in (p.reward_key, p.reward_std_key, p.length_key, p.entropy_key, p.kl_key):
+        for key in (
+            canonical.REWARD_MEAN,
+            canonical.REWARD_STD,
+            canonical.RESPONSE_LENGTH,
+            canonical.ENTROPY,
+            canonical.KL_REF,
+        ):
             value = metrics.get(key)
             if value is None or not math.isfinite(float(value)):
                 continue
@@ -190,8 +196,8 @@ class HealthChecks(Modifier):
         found: list[tuple[str, int, str]] = []
         ready = state["n"] > p.warmup_steps
 
-        if p.reward_key in smoothed:
-            r = smoothed[p.reward_key]
+        if canonical.REWARD_MEAN in smoothed:
+            r = smoothed[canonical.REWARD_MEAN]
             state.setdefault("reward_start", r)
             best = state.get("reward_max")
             if best is None or r > best[1]:
@@ -212,8 +218,8 @@ class HealthChecks(Modifier):
                     )
                 )
 
-        if p.length_key in smoothed and p.length_drift is not None and ready:
-            hist = state["history"][p.length_key]
+        if canonical.RESPONSE_LENGTH in smoothed and p.length_drift is not None and ready:
+            hist = state["history"][canonical.RESPONSE_LENGTH]
             if len(hist) > p.window:
                 (s0, l0), (_, l1) = hist[0], hist[-1]
                 change = (l1 - l0) / max(abs(l0), 1e-8)
@@ -227,9 +233,9 @@ class HealthChecks(Modifier):
                         )
                     )
 
-        if p.entropy_key in smoothed and ready:
-            e = smoothed[p.entropy_key]
-            hist = state["history"][p.entropy_key]
+        if canonical.ENTROPY in smoothed and ready:
+            e = smoothed[canonical.ENTROPY]
+            hist = state["history"][canonical.ENTROPY]
             if p.entropy_floor is not None:
                 if e < p.entropy_floor:
                     below = state.setdefault("entropy_below_since", step)
@@ -261,9 +267,9 @@ class HealthChecks(Modifier):
                         )
                     )
 
-        if p.kl_key in smoothed and ready:
-            k = smoothed[p.kl_key]
-            hist = state["history"][p.kl_key]
+        if canonical.KL_REF in smoothed and ready:
+            k = smoothed[canonical.KL_REF]
+            hist = state["history"][canonical.KL_REF]
             if p.kl_max is not None and k > p.kl_max:
                 over = state.setdefault("kl_over_since", step)
                 found.append(
@@ -291,8 +297,8 @@ class HealthChecks(Modifier):
                     )
 
         graded = state.get("graded_rewards", False)
-        if p.reward_std_key in smoothed and p.std_after_steps is not None and graded:
-            s = smoothed[p.reward_std_key]
+        if canonical.REWARD_STD in smoothed and p.std_after_steps is not None and graded:
+            s = smoothed[canonical.REWARD_STD]
             initial = state.get("std_initial")
             if initial is None:
                 # The initial level: the smoothed std once the warm-up is over.

@@ -152,14 +152,16 @@ def train_on_fixed_batch(
     with torch.no_grad():
         before = policy(batch.response_ids).logprobs.clone()
     for _ in range(steps):
-        out = algorithm.compute_loss(batch, policy(batch.response_ids))
+        out = algorithm.compute_loss(batch, policy(batch.response_ids), batch.loss_context())
         optimizer.zero_grad()
         out.loss.backward()
         optimizer.step()
         losses.append(float(out.loss.detach()))
     with torch.no_grad():
         after = policy(batch.response_ids).logprobs.clone()
-        final = float(algorithm.compute_loss(batch, policy(batch.response_ids)).loss)
+        final = float(
+            algorithm.compute_loss(batch, policy(batch.response_ids), batch.loss_context()).loss
+        )
     return TrainingResult(losses[0], final, before, after)
 
 

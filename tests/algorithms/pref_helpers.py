@@ -28,7 +28,7 @@ def run_loss(algorithm: Algorithm, batch: RolloutBatch, outputs: PolicyOutputs) 
     """compute_advantages then compute_loss through a PluginManager holding only ``algorithm``."""
     pm = build_plugin_manager([algorithm])
     batch = pm.hook.compute_advantages(batch=batch)
-    return pm.hook.compute_loss(batch=batch, outputs=outputs)
+    return pm.hook.compute_loss(batch=batch, outputs=outputs, context=batch.loss_context())
 
 
 def pair_batch(
@@ -124,9 +124,9 @@ def train(
             mismatched_ref_logprobs=ref_mismatched,
             response_ids=problem.response_ids,
         )
-        outputs = PolicyOutputs(
-            logprobs=problem.logprobs(table), mismatched_logprobs=problem.mismatched(table)
-        )
+        with torch.no_grad():  # the behaviour snapshot, as the unpaired data mode computes it
+            batch.columns["mismatched_logprobs"] = problem.mismatched(table)
+        outputs = PolicyOutputs(logprobs=problem.logprobs(table))
         result = run_loss(algorithm, batch, outputs)
         optimiser.zero_grad()
         result.loss.backward()

@@ -39,7 +39,7 @@ def test_sigmoid_loss_is_log2_at_zero_margin(chosen, ref_chosen, shift):
     batch, outputs = pair_batch([chosen], [rejected], [ref_chosen], [ref_rejected])
     result = run_loss(DPO(), batch, outputs)
     assert result.loss.item() == pytest.approx(math.log(2.0), abs=1e-9)
-    assert result.metrics["rewards/margin"] == pytest.approx(0.0, abs=1e-9)
+    assert result.metrics["dpo/rewards/margin"] == pytest.approx(0.0, abs=1e-9)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "robust", "hinge"])
@@ -146,12 +146,12 @@ def test_golden_sigmoid():
     assert result.loss.item() == pytest.approx(expected, abs=1e-6)
     m = result.metrics
     assert m["dpo/loss"] == pytest.approx(expected, abs=1e-6)
-    assert m["rewards/chosen"] == pytest.approx(0.1 * (0.5 + -1.0) / 2, abs=1e-6)
-    assert m["rewards/rejected"] == pytest.approx(0.1 * (-0.75 + 0.5) / 2, abs=1e-6)
-    assert m["rewards/margin"] == pytest.approx(0.1 * (H_A + H_B) / 2, abs=1e-6)
-    assert m["rewards/accuracy"] == pytest.approx(0.5)  # A is ranked right, B wrong
-    assert m["logps/chosen"] == pytest.approx((-1.5 + -3.0) / 2, abs=1e-6)
-    assert m["logps/rejected"] == pytest.approx((-3.75 + -1.0) / 2, abs=1e-6)
+    assert m["dpo/rewards/chosen"] == pytest.approx(0.1 * (0.5 + -1.0) / 2, abs=1e-6)
+    assert m["dpo/rewards/rejected"] == pytest.approx(0.1 * (-0.75 + 0.5) / 2, abs=1e-6)
+    assert m["dpo/rewards/margin"] == pytest.approx(0.1 * (H_A + H_B) / 2, abs=1e-6)
+    assert m["dpo/rewards/accuracy"] == pytest.approx(0.5)  # A is ranked right, B wrong
+    assert m["dpo/logps/chosen"] == pytest.approx((-1.5 + -3.0) / 2, abs=1e-6)
+    assert m["dpo/logps/rejected"] == pytest.approx((-3.75 + -1.0) / 2, abs=1e-6)
 
 
 def test_golden_cdpo():
@@ -199,7 +199,7 @@ def test_golden_reference_free():
     h_a, h_b = -1.5 - -3.75, -3.0 - -1.0  # π(chosen) - π(rejected): 2.25, -2.0
     expected = (neg_log_sigmoid(0.1 * h_a) + neg_log_sigmoid(0.1 * h_b)) / 2
     assert result.loss.item() == pytest.approx(expected, abs=1e-6)
-    assert result.metrics["rewards/chosen"] == pytest.approx(0.1 * (-1.5 + -3.0) / 2, abs=1e-6)
+    assert result.metrics["dpo/rewards/chosen"] == pytest.approx(0.1 * (-1.5 + -3.0) / 2, abs=1e-6)
 
 
 def test_golden_weights_average_over_the_pair():

@@ -28,10 +28,10 @@ def test_entropy_bonus_wraps_grpo_loss():
     batch, outputs = grpo_inputs()
     grpo = GRPO()
     grpo.compute_advantages(batch)
-    plain = grpo.compute_loss(batch, outputs)
+    plain = grpo.compute_loss(batch, outputs, batch.loss_context())
 
     pm = build_plugin_manager([GRPO(), EntropyBonus({"coef": 0.1})])
-    wrapped = pm.hook.compute_loss(batch=batch, outputs=outputs)
+    wrapped = pm.hook.compute_loss(batch=batch, outputs=outputs, context=batch.loss_context())
     mean_entropy = (1.0 + 2.0 + 3.0 + 0.5) / 4  # masked mean over the 4 response tokens
     assert wrapped.loss.item() == pytest.approx(plain.loss.item() - 0.1 * mean_entropy, abs=1e-6)
     assert wrapped.metrics["entropy_bonus"] == pytest.approx(0.1 * mean_entropy, abs=1e-6)
@@ -50,4 +50,4 @@ def test_entropy_bonus_default_coef_and_missing_entropy():
     outputs.entropy = None
     pm = build_plugin_manager([GRPO(), EntropyBonus()])
     with pytest.raises(UserError, match="entropy"):
-        pm.hook.compute_loss(batch=batch, outputs=outputs)
+        pm.hook.compute_loss(batch=batch, outputs=outputs, context=batch.loss_context())

@@ -128,7 +128,7 @@ def loss_case(log_ratio, advantages, mask=None, ref=None, **params):
     logprobs = (old + log_ratio).requires_grad_()
     batch = make_batch(mask, old_logprobs=old, advantages=advantages, ref_logprobs=ref)
     algo = GRPO({"beta": 0.0, **params})
-    out = algo.compute_loss(batch, PolicyOutputs(logprobs=logprobs))
+    out = algo.compute_loss(batch, PolicyOutputs(logprobs=logprobs), batch.loss_context())
     out.loss.backward()
     return out, logprobs.grad
 
@@ -172,7 +172,7 @@ def test_grpo_kl_golden_and_beta_zero():
     k3 = math.exp(-0.5) - 1 + 0.5
     out, _ = loss_case(log_ratio, adv, ref=ref, beta=0.04)
     assert out.loss.item() == pytest.approx(-2.0 + 0.04 * k3, abs=1e-6)
-    assert out.metrics["kl"] == pytest.approx(k3, abs=1e-6)
+    assert out.metrics["grpo/kl_k3"] == pytest.approx(k3, abs=1e-6)
     assert out.metrics["actor/pg_loss"] == pytest.approx(-2.0, abs=1e-6)
     no_kl, _ = loss_case(log_ratio, adv, ref=ref, beta=0.0)
     assert no_kl.loss.item() == pytest.approx(-2.0, abs=1e-6)
@@ -205,7 +205,9 @@ def test_grpo_sample_weights_multiply_the_per_sample_loss():
     old = torch.zeros(2, 1)
     batch = make_batch(mask, old_logprobs=old, advantages=torch.tensor([[1.0], [3.0]]))
     batch.weights = torch.tensor([0.5, 0.0])
-    out = GRPO({"beta": 0.0}).compute_loss(batch, PolicyOutputs(logprobs=old.clone()))
+    out = GRPO({"beta": 0.0}).compute_loss(
+        batch, PolicyOutputs(logprobs=old.clone()), batch.loss_context()
+    )
     assert out.loss.item() == pytest.approx((-1.0 * 0.5 + 0.0) / 2, abs=1e-6)
 
 

@@ -68,9 +68,9 @@ def test_golden_default_params():
     m = result.metrics
     assert m["kto/z0"] == pytest.approx(0.25, abs=1e-9)
     assert m["kto/loss"] == pytest.approx(expected_loss(0.1, 0.25), abs=1e-6)
-    assert m["rewards/chosen"] == pytest.approx(0.1 * (0.5 + -0.5) / 2, abs=1e-9)
-    assert m["rewards/rejected"] == pytest.approx(0.1 * (-1.0 + 1.0) / 2, abs=1e-9)
-    assert m["rewards/margin"] == pytest.approx(0.0, abs=1e-9)
+    assert m["kto/rewards/chosen"] == pytest.approx(0.1 * (0.5 + -0.5) / 2, abs=1e-9)
+    assert m["kto/rewards/rejected"] == pytest.approx(0.1 * (-1.0 + 1.0) / 2, abs=1e-9)
+    assert m["kto/rewards/margin"] == pytest.approx(0.0, abs=1e-9)
     assert m["kto/weight_ratio"] == pytest.approx(1.0)
     assert m["kto/weight_ratio_outside_range"] == 0.0
 
@@ -149,11 +149,12 @@ def test_z0_receives_no_gradient(r, mismatched, desirable):
         mismatched_ref_logprobs=[-10.0, -10.0],  # mismatched log-ratios mostly > 0: z0 > 0
         dtype=torch.float64,
     )
+    leaf = batch.columns["mismatched_logprobs"].requires_grad_(True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = run_loss(KTO(), batch, outputs)
     result.loss.backward()
-    grad = outputs.mismatched_logprobs.grad
+    grad = leaf.grad
     assert grad is None or bool((grad == 0).all())
     assert outputs.logprobs.grad is not None
     assert result.metrics["kto/z0"] == pytest.approx(max(0.0, sum(mismatched) / 2 + 10.0))
@@ -192,13 +193,13 @@ def test_single_kind_batch_reports_no_ratio_and_finite_metrics():
     batch.labels = torch.ones(4, dtype=torch.float64)
     result = run_loss(KTO(), batch, outputs)
     assert "kto/weight_ratio" not in result.metrics
-    assert "rewards/rejected" not in result.metrics
-    assert result.metrics["rewards/chosen"] == pytest.approx(0.1 * sum(R) / 4)
+    assert "kto/rewards/rejected" not in result.metrics
+    assert result.metrics["kto/rewards/chosen"] == pytest.approx(0.1 * sum(R) / 4)
 
 
 def test_missing_inputs_are_clear_errors():
     batch, outputs = golden_batch()
-    batch.mismatched_ref_logprobs = None
+    del batch.columns["mismatched_ref_logprobs"]
     with pytest.raises(UserError, match="mismatched"):
         run_loss(KTO(), batch, outputs)
     batch, outputs = golden_batch()
@@ -213,7 +214,7 @@ def test_missing_inputs_are_clear_errors():
 
 def test_requirements_and_params():
     req = build_plugin_manager([KTO()]).hook.algorithm_requirements()
-    assert (req.reference, req.data, req.mismatched_pairs) == (True, "unpaired", True)
+    assert (req.reference, req.data) == (True, "unpaired")
     assert KTO().params.beta == 0.1
     assert (KTO().params.desirable_weight, KTO().params.undesirable_weight) == (1.0, 1.0)
     with pytest.raises(ValidationError):

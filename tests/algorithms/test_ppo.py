@@ -37,7 +37,7 @@ def pg_case(mask, log_ratio, advantages, **params):
     batch = make_batch(mask, old_logprobs=old, advantages=advantages, values=zeros, returns=zeros)
     algo = PPO({**PG_ONLY, **params})
     outputs = PolicyOutputs(logprobs=logprobs, values=zeros.clone().requires_grad_())
-    out = algo.compute_loss(batch, outputs)
+    out = algo.compute_loss(batch, outputs, batch.loss_context())
     out.loss.backward()
     return out, logprobs.grad
 
@@ -126,7 +126,9 @@ def test_ppo_value_clip_golden():
         returns=returns,
     )
     algo = PPO({**PG_ONLY, "vf_coef": 0.5, "cliprange_value": 0.2})
-    out = algo.compute_loss(batch, PolicyOutputs(logprobs=torch.zeros(1, 2), values=values))
+    out = algo.compute_loss(
+        batch, PolicyOutputs(logprobs=torch.zeros(1, 2), values=values), batch.loss_context()
+    )
     # token 1: unclipped (2 - 3)^2 = 1; clipped V = 1 + 0.2 = 1.2 -> (1.2 - 3)^2 = 3.24; max 3.24
     # token 2: unclipped (1.05 - 1.1)^2 = 0.0025; V inside the clip range -> same; max 0.0025
     vf = 0.5 * (3.24 + 0.0025) / 2
@@ -198,8 +200,9 @@ def test_adaptive_kl_updates_from_observed_kl_and_resumes_from_state_dict():
     out = algo.compute_loss(
         batch,
         PolicyOutputs(logprobs=old.clone(), values=torch.zeros(2, 3, requires_grad=True)),
+        batch.loss_context(),
     )
-    assert out.metrics["kl_coef"] == pytest.approx(expected)
+    assert out.metrics["ppo/kl_coef"] == pytest.approx(expected)
 
     resumed = PPO(params)
     resumed.load_state_dict(algo.state_dict())
@@ -218,10 +221,12 @@ def test_ppo_kl_loss_term_golden():
     )
     algo = PPO({**PG_ONLY, "kl_loss_coef": 0.5, "kl_estimator": "k3"})
     assert algo.algorithm_requirements().reference
-    out = algo.compute_loss(batch, PolicyOutputs(logprobs=zeros.clone(), values=zeros.clone()))
+    out = algo.compute_loss(
+        batch, PolicyOutputs(logprobs=zeros.clone(), values=zeros.clone()), batch.loss_context()
+    )
     k3 = (math.exp(-1.0) - 1 + 1.0 + 0.0) / 2  # log r = ref - logp = [-1, 0]
     assert out.loss.item() == pytest.approx(0.5 * k3, abs=1e-6)
-    assert out.metrics["kl"] == pytest.approx(k3, abs=1e-6)
+    assert out.metrics["ppo/kl_penalty"] == pytest.approx(k3, abs=1e-6)
 
 
 def test_ppo_whitening_and_entropy_bonus():
@@ -238,9 +243,9 @@ def test_ppo_whitening_and_entropy_bonus():
     zeros = torch.zeros(2, 3)
     batch = make_batch(mask, old_logprobs=zeros, advantages=zeros, values=zeros, returns=zeros)
     outputs = PolicyOutputs(logprobs=zeros.clone(), entropy=entropy, values=zeros.clone())
-    out = PPO({**PG_ONLY, "entropy_coef": 0.1}).compute_loss(batch, outputs)
+    out = PPO({**PG_ONLY, "entropy_coef": 0.1}).compute_loss(batch, outputs, batch.loss_context())
     assert out.loss.item() == pytest.approx(-0.1 * 15.0 / 5, abs=1e-6)
-    assert out.metrics["entropy"] == pytest.approx(3.0)
+    assert "entropy" not in out.metrics  # the engine reports entropy, the same for every arm
 
 
 def test_ppo_explained_variance_and_metric_names():
@@ -255,12 +260,12 @@ def test_ppo_explained_variance_and_metric_names():
         ref_logprobs=torch.zeros(2, 2),
     )
     outputs = PolicyOutputs(logprobs=torch.zeros(2, 2), entropy=torch.ones(2, 2), values=returns)
-    out = PPO().compute_loss(batch, outputs)
+    out = PPO().compute_loss(batch, outputs, batch.loss_context())
     assert out.metrics["critic/explained_variance"] == pytest.approx(1.0)
     outputs.values = torch.full((2, 2), 2.5)  # predicting the mean explains nothing
-    assert PPO().compute_loss(batch, outputs).metrics["critic/explained_variance"] == pytest.approx(
-        0.0, abs=1e-6
-    )
+    assert PPO().compute_loss(batch, outputs, batch.loss_context()).metrics[
+        "critic/explained_variance"
+    ] == pytest.approx(0.0, abs=1e-6)
     expected = {
         "actor/pg_loss",
         "actor/clipfrac",
@@ -270,11 +275,11 @@ def test_ppo_explained_variance_and_metric_names():
         "critic/vf_loss",
         "critic/vf_clipfrac",
         "critic/explained_variance",
-        "entropy",
-        "kl",
-        "kl_coef",
+        "ppo/kl_penalty",
+        "ppo/kl_coef",
     }
     assert expected <= set(out.metrics)
+    assert not {"kl", "entropy", "kl/ref"} & set(out.metrics)  # canonical names are the engine's
     assert all(isinstance(v, float) and math.isfinite(v) for v in out.metrics.values())
 
 
@@ -318,6 +323,8 @@ def test_ppo_training_lowers_loss_and_raises_high_reward_tokens():
     assert torch.all(result.logprobs_after[up] > result.logprobs_before[up])
     assert torch.all(result.logprobs_after[down] < result.logprobs_before[down])
     # the critic moved towards the returns too (TinyPolicy(4, 4) rebuilds the initial weights)
-    trained = algo.compute_loss(batch, policy(ids)).metrics["critic/vf_loss"]
-    initial = algo.compute_loss(batch, TinyPolicy(length=4, vocab=4)(ids)).metrics["critic/vf_loss"]
+    trained = algo.compute_loss(batch, policy(ids), batch.loss_context()).metrics["critic/vf_loss"]
+    initial = algo.compute_loss(
+        batch, TinyPolicy(length=4, vocab=4)(ids), batch.loss_context()
+    ).metrics["critic/vf_loss"]
     assert trained < 0.8 * initial  # value clipping keeps V within 0.2 of the rollout values

@@ -73,7 +73,9 @@ def test_reinforce_pp_loss_golden_and_requirements():
     old = torch.zeros(1, 2)
     logprobs = torch.tensor([[math.log(0.7), 0.0]], requires_grad=True)
     batch = make_batch(mask, old_logprobs=old, advantages=torch.tensor([[-1.0, 0.5]]))
-    out = ReinforcePlusPlus().compute_loss(batch, PolicyOutputs(logprobs=logprobs))
+    out = ReinforcePlusPlus().compute_loss(
+        batch, PolicyOutputs(logprobs=logprobs), batch.loss_context()
+    )
     # token-mean of -min(rA, clip(r)A): 0.7 < 0.8 with A < 0 -> 0.8; ratio 1 -> -0.5
     assert out.loss.item() == pytest.approx((0.8 - 0.5) / 2, abs=1e-6)
     assert out.metrics["actor/clipfrac_low"] == pytest.approx(0.5)

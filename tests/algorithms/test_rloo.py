@@ -87,7 +87,9 @@ def test_rloo_loss_golden_and_requirements():
     adv = torch.tensor([[2.0, 2.0, 0.0]])
     logprobs = torch.tensor([[math.log(1.1), math.log(1.5), 3.0]], requires_grad=True)
     batch = make_batch(mask, old_logprobs=old, advantages=adv)
-    out = RLOO({"kl_coef": 0.0}).compute_loss(batch, PolicyOutputs(logprobs=logprobs))
+    out = RLOO({"kl_coef": 0.0}).compute_loss(
+        batch, PolicyOutputs(logprobs=logprobs), batch.loss_context()
+    )
     # seq-mean-token-sum (the paper's sequence-level REINFORCE): -(1.1 * 2) - (1.2 * 2) clipped
     assert out.loss.item() == pytest.approx(-(2.2 + 2.4), abs=1e-6)
     assert out.metrics["actor/clipfrac_high"] == pytest.approx(0.5)

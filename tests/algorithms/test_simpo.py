@@ -92,11 +92,11 @@ def test_golden_simpo():
     assert result.loss.item() == pytest.approx(expected, abs=1e-6)
     m = result.metrics
     assert m["simpo/loss"] == pytest.approx(expected, abs=1e-6)
-    assert m["rewards/chosen"] == pytest.approx((2.0 * -1.0 + 2.0 * -2.0) / 2, abs=1e-6)
-    assert m["rewards/rejected"] == pytest.approx((2.0 * -3.0 + 2.0 * -1.0) / 2, abs=1e-6)
-    assert m["rewards/margin"] == pytest.approx((4.0 + -2.0) / 2, abs=1e-6)
-    assert m["rewards/accuracy"] == pytest.approx(0.5)
-    assert m["logps/chosen"] == pytest.approx((-1.0 + -2.0) / 2, abs=1e-6)
+    assert m["simpo/rewards/chosen"] == pytest.approx((2.0 * -1.0 + 2.0 * -2.0) / 2, abs=1e-6)
+    assert m["simpo/rewards/rejected"] == pytest.approx((2.0 * -3.0 + 2.0 * -1.0) / 2, abs=1e-6)
+    assert m["simpo/rewards/margin"] == pytest.approx((4.0 + -2.0) / 2, abs=1e-6)
+    assert m["simpo/rewards/accuracy"] == pytest.approx(0.5)
+    assert m["simpo/logps/chosen"] == pytest.approx((-1.0 + -2.0) / 2, abs=1e-6)
 
 
 def test_golden_gradient_is_length_normalised():

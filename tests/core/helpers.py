@@ -6,7 +6,7 @@ from importlib import metadata
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from alignzoo import Algorithm, AlgorithmRequirements, Backend, DeviceMapper, Labeler, hookimpl
+from alignzoo import Algorithm, AlgorithmRequirements, Backend, DeviceMapper, Labeler
 from alignzoo.registry import Registry
 
 
@@ -26,7 +26,6 @@ class ToyAlgorithm(Algorithm):
 class ToyLabeler(Labeler):
     """A toy labeler."""
 
-    @hookimpl
     def score(self, request):  # pragma: no cover - not called
         raise NotImplementedError
 

@@ -37,7 +37,7 @@ def loss_through_hooks(components) -> tuple[float, dict]:
     pm = build_plugin_manager(components)
     batch, outputs = small_batch()
     batch = pm.hook.compute_advantages(batch=batch)
-    result = pm.hook.compute_loss(batch=batch, outputs=outputs)
+    result = pm.hook.compute_loss(batch=batch, outputs=outputs, context=batch.loss_context())
     return float(result.loss.detach()), result.metrics
 
 

@@ -143,25 +143,42 @@ def test_hookimpl_with_an_argument_the_hookspec_lacks_is_a_plugin_load_error():
         build_plugin_manager([WrongArg()])
 
 
-def test_chain_transform_batch_passes_only_the_declared_arguments_in_pluggy_order():
+def test_transform_batch_chains_with_only_the_declared_arguments_in_pluggy_order():
+    from dataclasses import replace
+
     from alignzoo import Modifier, hookimpl
-    from alignzoo.registry import chain_transform_batch
+    from alignzoo.engine.hooks import Hooks
+    from alignzoo.errors import RunError
+    from alignzoo.testing import make_batch
+
+    def trail(batch):
+        return batch.extras[0].setdefault("trail", [])
 
     class AppendA(Modifier):
         @hookimpl
         def transform_batch(self, batch):  # pluggy allows omitting `run`
-            return [*batch, "a"]
+            new = replace(batch, extras=[{"trail": [*trail(batch), "a"]}])
+            return new
 
     class AppendRun(Modifier):
         @hookimpl
         def transform_batch(self, batch, run):
-            batch.append(run)  # mutates in place and returns None: the same batch goes on
+            trail(batch).append(run)  # mutates in place and returns None: the same batch goes on
 
     class First(Modifier):
         @hookimpl(tryfirst=True)
         def transform_batch(self, run, batch):
-            return [*batch, "first"]
+            return replace(batch, extras=[{"trail": [*trail(batch), "first"]}])
 
-    pm = build_plugin_manager([AppendA(), AppendRun(), First()])
+    hooks = Hooks(build_plugin_manager([AppendA(), AppendRun(), First()]))
+    batch, _ = make_batch([[0.0]])
     # tryfirst first, then last registered first (the order pluggy itself calls them in)
-    assert chain_transform_batch(pm, [], "R") == ["first", "R", "a"]
+    assert trail(hooks.transform_batch(batch, "R")) == ["first", "R", "a"]
+
+    class NotABatch(Modifier):
+        @hookimpl
+        def transform_batch(self, batch):
+            return [batch]
+
+    with pytest.raises(RunError, match="transform_batch of NotABatch returned list"):
+        Hooks(build_plugin_manager([NotABatch()])).transform_batch(batch, "R")

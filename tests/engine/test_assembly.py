@@ -14,46 +14,46 @@ from alignzoo.engine.assemble import assemble
 from alignzoo.errors import UserError
 
 
-def _engine(write_experiment: Callable[..., Path], tmp_path: Path, arm: dict, name: str = "a"):
+def _assembled(write_experiment: Callable[..., Path], tmp_path: Path, arm: dict, name: str = "a"):
     loaded = load_experiment(write_experiment(arms={name: arm}))
     return loaded, assemble(loaded, name, 0, tmp_path / "run", log=lambda *_: None)
 
 
 def test_grpo_without_kl_loads_no_reference_and_no_critic(write_experiment, tmp_path) -> None:
-    loaded, engine = _engine(
+    loaded, assembled = _assembled(
         write_experiment, tmp_path, {"algorithm": {"name": "grpo", "params": {"beta": 0.0}}}
     )
-    run = engine.run
+    run = assembled.context
     assert run.reference is None and run.critic is None
     assert set(run.devices) == {"actor", "rollout", "labeler"}
     assert all(d == "cpu" for d in run.devices.values())
     assert run.actor.training and next(run.actor.parameters()).requires_grad
     # Fresh instances: the run never touches the components held by the loaded experiment.
-    assert all(c is not loaded.components["a"][slot] for slot, c in engine.components.items())
-    assert engine.pm.is_registered(engine.components["algorithm"])
-    assert not engine.pm.is_registered(loaded.components["a"]["algorithm"])
+    assert all(c is not loaded.components["a"][slot] for slot, c in assembled.components.items())
+    assert assembled.hooks.pm.is_registered(assembled.components["algorithm"])
+    assert not assembled.hooks.pm.is_registered(loaded.components["a"]["algorithm"])
     # The backend got the run's tokenizer and samples from the actor.
-    assert engine.components["backend"].model is run.actor
+    assert assembled.components["backend"].model is run.actor
 
 
 def test_ppo_loads_a_frozen_reference_and_a_value_head(write_experiment, tmp_path) -> None:
-    _, engine = _engine(write_experiment, tmp_path, {"algorithm": "ppo"})
-    run = engine.run
+    _, assembled = _assembled(write_experiment, tmp_path, {"algorithm": "ppo"})
+    run = assembled.context
     assert set(run.devices) == {"actor", "rollout", "labeler", "ref", "critic"}
     assert run.reference is not None and not run.reference.training
     assert not any(p.requires_grad for p in run.reference.parameters())
     assert type(run.critic).__name__.endswith("ForTokenClassification")
     assert run.critic.config.num_labels == 1
     # The critic's parameters are trained (second param group), the reference's are not.
-    groups = engine.learner.optimizer.param_groups
+    groups = assembled.learner.optimizer.param_groups
     assert len(groups) == 2
     assert {id(p) for p in groups[1]["params"]} == {id(p) for p in run.critic.parameters()}
 
 
 def test_critic_head_init_is_seeded(write_experiment, tmp_path) -> None:
     loaded = load_experiment(write_experiment(arms={"ppo": {"algorithm": "ppo"}}))
-    a = assemble(loaded, "ppo", 5, tmp_path / "a", log=lambda *_: None).run.critic
-    b = assemble(loaded, "ppo", 5, tmp_path / "b", log=lambda *_: None).run.critic
+    a = assemble(loaded, "ppo", 5, tmp_path / "a", log=lambda *_: None).models.critic
+    b = assemble(loaded, "ppo", 5, tmp_path / "b", log=lambda *_: None).models.critic
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert (pa == pb).all(), name
 
@@ -62,8 +62,8 @@ def test_lora_trains_only_adapters(write_experiment, tmp_path) -> None:
     loaded = load_experiment(
         write_experiment(arms={"a": {"algorithm": "rloo", "model": {"lora": {"r": 2, "alpha": 4}}}})
     )
-    engine = assemble(loaded, "a", 0, tmp_path / "run", log=lambda *_: None)
-    trainable = [n for n, p in engine.run.actor.named_parameters() if p.requires_grad]
+    assembled = assemble(loaded, "a", 0, tmp_path / "run", log=lambda *_: None)
+    trainable = [n for n, p in assembled.models.actor.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
 
 
@@ -109,7 +109,8 @@ def test_an_arm_can_read_its_preference_data_offline(write_experiment, tmp_path)
     )
     online = assemble_mod.assemble(loaded, "online", 0, tmp_path / "on", log=lambda *_: None)
     offline = assemble_mod.assemble(loaded, "offline", 0, tmp_path / "off", log=lambda *_: None)
-    assert online.online and not offline.online
+    assert online.mode.online and not offline.mode.online
+    assert (online.mode.name, offline.mode.name) == ("online pairs", "offline preference")
     assert {"chosen", "rejected"} <= set(offline.sampler.dataset.column_names)
 
 

@@ -23,8 +23,8 @@ class NaNAfterThree(GRPO):
     calls = 0
 
     @hookimpl
-    def compute_loss(self, batch, outputs):
-        result = super().compute_loss(batch, outputs)
+    def compute_loss(self, batch, outputs, context):
+        result = super().compute_loss(batch, outputs, context)
         NaNAfterThree.calls += 1
         if NaNAfterThree.calls >= 3:  # one micro-batch per step in this experiment
             result.loss = result.loss + torch.tensor(float("nan"))

@@ -86,5 +86,5 @@ def test_offline_dpo_improves_preference_accuracy(write_experiment, tmp_path) ->
     rows = _run(write_experiment, tmp_path, False, "dpo")
     assert "reward/mean" not in rows[0]  # nothing is sampled offline
     assert rows[0]["throughput/tokens_per_s"] > 0  # the dataset's response tokens are counted
-    diff, se = improvement([r["rewards/accuracy"] for r in rows[1:]], WINDOW)
+    diff, se = improvement([r["dpo/rewards/accuracy"] for r in rows[1:]], WINDOW)
     assert diff > 2 * se, f"offline dpo: accuracy changed by {diff:+.3f} (standard error {se:.3f})"

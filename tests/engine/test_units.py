@@ -22,12 +22,16 @@ from alignzoo.engine.checkpoint import (
     truncate_jsonl,
 )
 from alignzoo.engine.evaluate import evaluate
+from alignzoo.engine.hooks import Hooks
+from alignzoo.engine.learner import lr_factor
 from alignzoo.engine.loop import budget_spent
-from alignzoo.engine.prepare import mismatch_partners
-from alignzoo.engine.rollout import label_desirable, pair_by_score
+from alignzoo.engine.modes import select_mode
+from alignzoo.engine.modes.preference import OfflinePreference, pair_by_score
+from alignzoo.engine.modes.samples import OnlineSamples
+from alignzoo.engine.modes.unpaired import label_desirable, mismatch_partners
 from alignzoo.engine.sampler import PromptSampler
-from alignzoo.engine.update import _split, _units, lr_factor
-from alignzoo.types import SamplingParams, Score
+from alignzoo.engine.update import split_units
+from alignzoo.types import AlgorithmRequirements, SamplingParams, Score
 
 
 def _dataset(n: int) -> datasets.Dataset:
@@ -99,11 +103,15 @@ def test_mismatched_partner_is_the_next_sample() -> None:
 
 
 def test_minibatches_keep_preference_pairs_together() -> None:
-    units = _units(6, paired=True)
+    units = OfflinePreference().units(6)
     assert units == [[0, 1], [2, 3], [4, 5]]
-    assert _split(units, 3) == [[0, 1], [2, 3], [4, 5]]  # 3 samples -> one pair per micro-batch
-    assert _split(units, 4) == [[0, 1, 2, 3], [4, 5]]
-    assert _split(_units(6, paired=False), 4) == [[0, 1, 2, 3], [4, 5]]
+    assert split_units(units, 3) == [[0, 1], [2, 3], [4, 5]]  # 3 samples: a pair per micro-batch
+    assert split_units(units, 4) == [[0, 1, 2, 3], [4, 5]]
+    assert split_units(OnlineSamples().units(6), 4) == [[0, 1, 2, 3], [4, 5]]
+
+
+def _steps(spec, arm, data: str = "online", online: bool = True) -> int | None:
+    return total_optimizer_steps(spec, arm, select_mode(AlgorithmRequirements(data=data), online))
 
 
 def _arm(**training) -> ArmSpec:
@@ -120,19 +128,19 @@ def _spec(budget: Budget) -> SimpleNamespace:
 def test_scheduler_length_counts_the_optimizer_steps_each_data_mode_takes() -> None:
     steps = _spec(Budget(steps=10))
     # online: 8 x 4 = 32 samples; minibatches of 8 -> 4 optimizer steps per step, x 2 epochs
-    assert total_optimizer_steps(steps, _arm(minibatch_size=8, epochs=2)) == 80
+    assert _steps(steps, _arm(minibatch_size=8, epochs=2)) == 80
     # online pairs: at most 8 pairs = 16 samples; minibatches of 8 -> 2 per step
-    assert total_optimizer_steps(steps, _arm(minibatch_size=8), "preference", True) == 20
+    assert _steps(steps, _arm(minibatch_size=8), "preference", True) == 20
     # offline preference: 8 rows = 16 samples -> 2 per step; offline unpaired: 8 samples -> 1
-    assert total_optimizer_steps(steps, _arm(minibatch_size=8), "preference", False) == 20
-    assert total_optimizer_steps(steps, _arm(minibatch_size=8), "unpaired", False) == 10
+    assert _steps(steps, _arm(minibatch_size=8), "preference", False) == 20
+    assert _steps(steps, _arm(minibatch_size=8), "unpaired", False) == 10
     # odd minibatch with pairs: 5 samples hold 2 pairs -> 8 pairs take 4 optimizer steps
-    assert total_optimizer_steps(steps, _arm(minibatch_size=5), "preference", False) == 40
+    assert _steps(steps, _arm(minibatch_size=5), "preference", False) == 40
     # a sample budget counts what each mode counts: offline preference 16 per step
     samples = _spec(Budget(samples=160))
-    assert total_optimizer_steps(samples, _arm(), "preference", False) == 10
-    assert total_optimizer_steps(samples, _arm()) == 5  # online: 32 per step
-    assert total_optimizer_steps(_spec(Budget(wall_clock_s=5)), _arm()) is None
+    assert _steps(samples, _arm(), "preference", False) == 10
+    assert _steps(samples, _arm()) == 5  # online: 32 per step
+    assert _steps(_spec(Budget(wall_clock_s=5)), _arm()) is None
 
 
 def test_lr_schedules() -> None:
@@ -222,14 +230,25 @@ def test_evaluation_is_greedy_and_pass_at_k_samples(monkeypatch) -> None:
         )
 
     def score_batch(requests):
-        return [Score(float(r.response == r.extra["answer"])) for r in requests]
+        right = [r.response == r.extra["answer"] for r in requests]
+        return [Score(float(c), info={"correct": c}) for c in right]
 
     pm = SimpleNamespace(hook=SimpleNamespace(generate=generate, score_batch=score_batch))
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
-    out = evaluate(pm, rows, 5, pass_at_k=2, sampling=SamplingParams(temperature=0.0))
+    out = evaluate(Hooks(pm), rows, 5, pass_at_k=2, sampling=SamplingParams(temperature=0.0))
     assert calls == [(1, 0.0, 5), (2, 1.0, 5)]  # greedy first; pass@k never samples greedily
     assert out["eval/exact_match"] == 0.5 and out["eval/score"] == 0.5
     assert out["eval/pass@2"] == 0.5
+
+    # exact match is the labeler's word: a labeler that does not say what is correct gets none,
+    # whatever the data's answer column holds (the engine never checks answers itself)
+    def no_verdict(requests):
+        return [Score(float(r.response == r.extra["answer"])) for r in requests]
+
+    pm = SimpleNamespace(hook=SimpleNamespace(generate=generate, score_batch=no_verdict))
+    out = evaluate(Hooks(pm), rows, 5, pass_at_k=2)
+    assert "eval/exact_match" not in out and out["eval/score"] == 0.5
+    assert out["eval/pass@2"] == 0.5  # without a verdict a prompt passes on a score above 0
 
 
 def test_evaluation_reports_raw_scores_of_a_normalising_labeler() -> None:
@@ -252,5 +271,5 @@ def test_evaluation_reports_raw_scores_of_a_normalising_labeler() -> None:
         return [Score(r - mean, info={"raw": r}) for r in raw]
 
     pm = SimpleNamespace(hook=SimpleNamespace(generate=generate, score_batch=score_batch))
-    out = evaluate(pm, [{"prompt": "x"}, {"prompt": "y"}, {"prompt": "z"}], 3)
+    out = evaluate(Hooks(pm), [{"prompt": "x"}, {"prompt": "y"}, {"prompt": "z"}], 3)
     assert out["eval/score"] == pytest.approx(2.0)  # mean of the raw 1, 2, 3, not 0

@@ -11,13 +11,19 @@ import torch
 
 from alignzoo.batch import RolloutBatch
 from alignzoo.config.schema import EmbeddedModelConfig, TrainingConfig
-from alignzoo.engine.forward import evaluating, no_autocast, policy_forward
+from alignzoo.engine.forward import evaluating, policy_forward
+from alignzoo.engine.hooks import Hooks, check_layout
 from alignzoo.engine.labeling import label
-from alignzoo.engine.rollout import check_layout, tokenized_batch
-from alignzoo.engine.update import Learner, build_scheduler, update
+from alignzoo.engine.learner import Learner, build_scheduler
+from alignzoo.engine.models import Models
+from alignzoo.engine.modes import select_mode
+from alignzoo.engine.tokenize import tokenized_batch
+from alignzoo.engine.update import update
 from alignzoo.errors import RunError, UserError
 from alignzoo.ops import aggregate_loss
+from alignzoo.plugin import Algorithm, Labeler, hookimpl
 from alignzoo.plugins.backends.hf import HFBackend
+from alignzoo.registry import build_plugin_manager
 from alignzoo.types import AlgorithmRequirements, LossOutput, SamplingParams, Score
 from alignzoo.world.model import build_model
 from alignzoo.world.tokenizer import build_tokenizer
@@ -55,30 +61,50 @@ def test_training_logprobs_are_the_samplers_logprobs(world) -> None:
     )
 
 
-def _learner(model, cfg: TrainingConfig, loss_fn, paired: bool = False) -> Learner:
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+class FnAlgorithm(Algorithm):
+    """An algorithm whose loss is a given function of (batch, outputs)."""
 
-    def compute_loss(batch, outputs):
-        return LossOutput(loss_fn(batch, outputs), {})
+    def __init__(self, loss_fn, paired: bool) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+        self.requirements = AlgorithmRequirements(data="preference" if paired else "online")
 
-    return Learner(
-        pm=SimpleNamespace(hook=SimpleNamespace(compute_loss=compute_loss)),
-        actor=model,
-        critic=None,
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg, None),
-        cfg=cfg,
-        requirements=AlgorithmRequirements(
-            reference=False, critic=False, data="preference" if paired else "online"
-        ),
-        autocast=no_autocast,
-        algorithm_name="test_algo",
-        seed=0,
+    @hookimpl
+    def compute_advantages(self, batch):
+        return batch
+
+    @hookimpl
+    def compute_loss(self, batch, outputs, context):
+        return LossOutput(self.loss_fn(batch, outputs, context), {})
+
+
+class Updater:
+    """The update stage of a run with a one-function algorithm, on a given model."""
+
+    def __init__(self, model, cfg: TrainingConfig, loss_fn, paired: bool = False) -> None:
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+        models = Models(tokenizer=None, actor=model, policy_path="")
+        self.learner = Learner(
+            models=models,
+            optimizer=optimizer,
+            scheduler=build_scheduler(optimizer, cfg, None),
+            cfg=cfg,
+            seed=0,
+        )
+        algorithm = FnAlgorithm(loss_fn, paired)
+        self.requirements = algorithm.requirements
+        self.hooks = Hooks(build_plugin_manager([algorithm]), "test_algo")
+        self.mode = select_mode(self.requirements, online=not paired)
+        self.scheduler = self.learner.scheduler
+
+    def __call__(self, batch, step: int) -> dict:
+        return update(self.learner, self.hooks, self.requirements, self.mode, batch, step)
+
+
+def _seq_mean_nll(batch, outputs, context):
+    return aggregate_loss(
+        -outputs.logprobs, batch.response_mask, "seq-mean-token-mean", None, context
     )
-
-
-def _seq_mean_nll(batch, outputs):
-    return aggregate_loss(-outputs.logprobs, batch.response_mask, "seq-mean-token-mean")
 
 
 def _params(model) -> torch.Tensor:
@@ -93,7 +119,7 @@ def test_gradient_accumulation_matches_one_full_batch_step(world) -> None:
     for micro in (8, 2, 3):  # one forward; four; three of uneven sizes (3, 3, 2)
         m = copy.deepcopy(model)
         cfg = TrainingConfig(lr=1.0, micro_batch_size=micro, max_grad_norm=None)
-        update(_learner(m, cfg, _seq_mean_nll), batch, step=1)
+        Updater(m, cfg, _seq_mean_nll)(batch, step=1)
         deltas.append(_params(m) - start)
     assert deltas[0].abs().max() > 0
     torch.testing.assert_close(deltas[1], deltas[0], atol=1e-6, rtol=1e-4)
@@ -106,13 +132,13 @@ def test_minibatches_and_epochs_give_one_optimizer_step_each(world) -> None:
     cfg = TrainingConfig(lr=0.0, micro_batch_size=2, minibatch_size=4, epochs=3)
     seen: list[int] = []
 
-    def counting(batch, outputs):
+    def counting(batch, outputs, context):
         seen.append(batch.size)
-        return _seq_mean_nll(batch, outputs)
+        return _seq_mean_nll(batch, outputs, context)
 
-    learner = _learner(copy.deepcopy(model), cfg, counting)
-    update(learner, batch, step=1)
-    assert learner.scheduler.last_epoch == 3 * 2  # 3 epochs x 2 minibatches of 4
+    updater = Updater(copy.deepcopy(model), cfg, counting)
+    updater(batch, step=1)
+    assert updater.scheduler.last_epoch == 3 * 2  # 3 epochs x 2 minibatches of 4
     assert seen == [2] * 12  # every sample once per epoch, in micro-batches of 2
 
 
@@ -120,23 +146,23 @@ def test_the_lr_metric_is_the_lr_the_step_used(world) -> None:
     model, tokenizer = world
     batch = _sampled(model, tokenizer)
     cfg = TrainingConfig(lr=1e-3, micro_batch_size=8, warmup_steps=4)
-    learner = _learner(copy.deepcopy(model), cfg, _seq_mean_nll)
-    assert update(learner, batch, step=1)["lr"] == pytest.approx(1e-3 / 4)
-    assert update(learner, batch, step=2)["lr"] == pytest.approx(2e-3 / 4)
+    updater = Updater(copy.deepcopy(model), cfg, _seq_mean_nll)
+    assert updater(batch, step=1)["lr"] == pytest.approx(1e-3 / 4)
+    assert updater(batch, step=2)["lr"] == pytest.approx(2e-3 / 4)
 
 
 def test_a_non_finite_gradient_stops_before_the_weights_change(world) -> None:
     model, tokenizer = world
     batch = _sampled(model, tokenizer)
 
-    def finite_loss_nan_grad(batch, outputs):
+    def finite_loss_nan_grad(batch, outputs, context):
         return (outputs.logprobs.sum() * 0.0).sqrt()  # value 0, gradient 0 * inf = nan
 
     m = copy.deepcopy(model)
     before = _params(m)
     cfg = TrainingConfig(lr=1.0, micro_batch_size=8)
     with pytest.raises(RunError, match=r"step 5: the actor's gradient norm is nan.*test_algo"):
-        update(_learner(m, cfg, finite_loss_nan_grad), batch, step=5)
+        Updater(m, cfg, finite_loss_nan_grad)(batch, step=5)
     assert torch.equal(_params(m), before)
 
 
@@ -145,9 +171,9 @@ def test_a_loss_that_is_not_a_scalar_is_a_clear_error(world) -> None:
     batch = _sampled(model, tokenizer)
     cfg = TrainingConfig(lr=1.0, micro_batch_size=8)
     with pytest.raises(RunError, match=r"scalar tensor.*shape \[8\]"):
-        update(_learner(copy.deepcopy(model), cfg, lambda b, o: -o.logprobs.sum(-1)), batch, 1)
+        Updater(copy.deepcopy(model), cfg, lambda b, o, c: -o.logprobs.sum(-1))(batch, 1)
     with pytest.raises(RunError, match="requires_grad=False"):
-        update(_learner(copy.deepcopy(model), cfg, lambda b, o: torch.tensor(0.0)), batch, 1)
+        Updater(copy.deepcopy(model), cfg, lambda b, o, c: torch.tensor(0.0))(batch, 1)
 
 
 def test_offline_prompts_are_encoded_like_the_backend_encodes_them() -> None:
@@ -186,15 +212,22 @@ def test_a_crashing_or_wrong_labeler_fails_with_a_named_error(world) -> None:
     model, tokenizer = world
     batch = _sampled(model, tokenizer)
 
-    def pm(fn):
-        return SimpleNamespace(hook=SimpleNamespace(score_batch=fn))
+    def hooks(fn):
+        class FnLabeler(Labeler):
+            @hookimpl
+            def score_batch(self, requests):
+                return fn(requests)
+
+        return Hooks(build_plugin_manager([FnLabeler()]))
 
     with pytest.raises(RunError, match="the labeler failed: KeyError"):
-        label(pm(lambda requests: {}["x"]), batch)
+        label(hooks(lambda requests: {}["x"]), batch)
     with pytest.raises(RunError, match="Score\\(value='high'\\) for response 0"):
-        label(pm(lambda requests: [Score("high") for _ in requests]), batch)  # type: ignore[arg-type]
+        label(hooks(lambda requests: [Score("high") for _ in requests]), batch)  # type: ignore[arg-type]
+    with pytest.raises(RunError, match="non-finite score for response 0"):
+        label(hooks(lambda requests: [Score(float("nan")) for _ in requests]), batch)
     with pytest.raises(UserError, match="fix me"):  # a user error keeps its own message
-        label(pm(lambda requests: (_ for _ in ()).throw(UserError("fix me"))), batch)
+        label(hooks(lambda requests: (_ for _ in ()).throw(UserError("fix me"))), batch)
 
 
 def test_hf_backend_refuses_a_rollout_device_other_than_the_actors(world) -> None:
@@ -218,9 +251,9 @@ def test_a_preference_batch_with_a_broken_pair_is_refused(world) -> None:
     batch = _sampled(model, tokenizer)
     batch.group_ids = torch.arange(4).repeat_interleave(2)
     cfg = TrainingConfig(lr=1.0, micro_batch_size=8)
-    learner = _learner(copy.deepcopy(model), cfg, _seq_mean_nll, paired=True)
-    update(learner, batch, step=1)  # adjacent pairs: fine
+    updater = Updater(copy.deepcopy(model), cfg, _seq_mean_nll, paired=True)
+    updater(batch, step=1)  # adjacent pairs: fine
     with pytest.raises(RunError, match="step 2: the preference batch is no longer adjacent"):
-        update(learner, batch.select([0, 1, 2, 4, 5, 6]), step=2)
+        updater(batch.select([0, 1, 2, 4, 5, 6]), step=2)
     with pytest.raises(RunError, match="7 samples"):
-        update(learner, batch.select(list(range(7))), step=3)
+        updater(batch.select(list(range(7))), step=3)

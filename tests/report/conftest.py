@@ -62,7 +62,7 @@ def write_experiment(
                         "time_s": step * (1.0 + seed),
                         "samples": step * 8,
                         "reward/mean": final * step / steps,
-                        "kl": 0.01 * step,
+                        "kl/ref": 0.01 * step,
                         "response_length/mean": 12.0,
                         "entropy": 0.4,
                     }

@@ -79,7 +79,7 @@ def train_metrics(lr: float, seed: int, step: int) -> dict[str, float]:
     return {
         "reward/mean": round(0.2 + gain * (1 - math.exp(-step / 4)) + noise(seed) / 2, 6),
         "reward/std": 0.4,
-        "kl": round(0.01 * step if lr > 0 else 0.0, 6),
+        "kl/ref": round(0.01 * step if lr > 0 else 0.0, 6),
         "response_length/mean": 10.0 + seed,
         "entropy": 0.5,
         "loss": 0.1,

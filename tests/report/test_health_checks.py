@@ -28,7 +28,7 @@ def healthy(step: int) -> dict[str, float]:
         "reward/std": 0.4 * math.exp(-step / 60) + 0.05 + wiggle / 2,
         "response_length/mean": 12 + 2 * math.sin(step / 9),
         "entropy": 0.6 - 0.002 * step + wiggle,
-        "kl": 0.02 + 0.005 * math.sin(step / 3),
+        "kl/ref": 0.02 + 0.005 * math.sin(step / 3),
         "loss": 0.1,
     }
 
@@ -122,7 +122,7 @@ def test_entropy_explosion_by_rise_and_by_ceiling(tmp_path: Path) -> None:
 
 def test_kl_runaway_above_max(tmp_path: Path) -> None:
     run = make_run(tmp_path)
-    seq = [with_(s, kl=0.02 if s < 30 else 3.0) for s in range(1, 40)]
+    seq = [with_(s, **{"kl/ref": 0.02 if s < 30 else 3.0}) for s in range(1, 40)]
     drive(HealthChecks({"kl_growth": None}), run, seq)
     got = fired(run)
     assert set(got) == {"kl_runaway"} and got["kl_runaway"]["step"] >= 30
@@ -130,7 +130,7 @@ def test_kl_runaway_above_max(tmp_path: Path) -> None:
 
 def test_kl_runaway_growing_monotonically(tmp_path: Path) -> None:
     run = make_run(tmp_path)
-    seq = [with_(s, kl=0.01 * 1.05**s) for s in range(1, 60)]  # stays below kl_max = 1
+    seq = [with_(s, **{"kl/ref": 0.01 * 1.05**s}) for s in range(1, 60)]  # stays below kl_max = 1
     drive(HealthChecks(), run, seq)
     assert "kl_runaway" in fired(run)
 
@@ -138,14 +138,16 @@ def test_kl_runaway_growing_monotonically(tmp_path: Path) -> None:
 def test_kl_leaving_the_reference_and_levelling_off_is_healthy(tmp_path: Path) -> None:
     """Every run's KL starts at 0, rises smoothly and levels off: not a runaway."""
     run = make_run(tmp_path)
-    seq = [with_(s, kl=0.05 * (1 - math.exp(-s / 15))) for s in range(1, 151)]
+    seq = [with_(s, **{"kl/ref": 0.05 * (1 - math.exp(-s / 15))}) for s in range(1, 151)]
     drive(HealthChecks(), run, seq)
     assert fired(run) == {}
 
 
 def test_kl_runaway_from_near_zero_is_caught_once_it_matters(tmp_path: Path) -> None:
     run = make_run(tmp_path)
-    seq = [with_(s, kl=0.001 * 1.08**s) for s in range(1, 80)]  # 0.001 -> 0.4, below kl_max
+    seq = [
+        with_(s, **{"kl/ref": 0.001 * 1.08**s}) for s in range(1, 80)
+    ]  # 0.001 -> 0.4, below kl_max
     drive(HealthChecks(), run, seq)
     got = fired(run)
     assert set(got) == {"kl_runaway"}
@@ -202,7 +204,7 @@ def test_state_survives_resume(tmp_path: Path) -> None:
 
 def test_missing_metrics_are_ignored(tmp_path: Path) -> None:
     run = make_run(tmp_path)
-    drive(HealthChecks(), run, [{"loss": 1.0, "kl": float("nan")} for _ in range(60)])
+    drive(HealthChecks(), run, [{"loss": 1.0, "kl/ref": float("nan")} for _ in range(60)])
     assert fired(run) == {}
 
 

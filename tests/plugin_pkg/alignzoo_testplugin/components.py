@@ -44,11 +44,11 @@ class VanillaPG(Algorithm):
         return batch
 
     @hookimpl
-    def compute_loss(self, batch, outputs):
+    def compute_loss(self, batch, outputs, context):
         from alignzoo.ops import aggregate_loss
 
         per_token = -batch.advantages * outputs.logprobs
-        loss = aggregate_loss(per_token, batch.response_mask, "token-mean")
+        loss = aggregate_loss(per_token, batch.response_mask, "token-mean", context=context)
         return LossOutput(loss, {"pg/advantage_mean": float(batch.advantages.mean())})
 
 
@@ -62,7 +62,6 @@ class KeywordLabeler(Labeler):
 
     Params = KeywordParams
 
-    @hookimpl
     def score(self, request: LabelRequest) -> Score:
         return Score(1.0 if self.params.keyword in request.response else 0.0)
 

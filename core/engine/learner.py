@@ -1,0 +1,97 @@
+"""The learner: what trains the models. It owns the optimizer (AdamW, one parameter group for
+the actor and one for the critic), the learning-rate schedule and, later, the module wrapping of
+data-parallel training (DDP / FSDP2); the models themselves stay in :class:`Models`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from alignzoo.config.schema import TrainingConfig
+from alignzoo.engine.models import Models, trainable_parameters
+
+
+def build_optimizer(
+    actor_params: list[torch.nn.Parameter],
+    critic_params: list[torch.nn.Parameter],
+    cfg: TrainingConfig,
+) -> torch.optim.AdamW:
+    """AdamW with one parameter group for the actor and one for the critic (its own lr)."""
+    groups = [{"params": actor_params, "lr": cfg.lr}]
+    if critic_params:
+        groups.append(
+            {"params": critic_params, "lr": cfg.critic_lr if cfg.critic_lr is not None else cfg.lr}
+        )
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, warmup: int, total: int | None, schedule: str) -> float:
+    """Multiplier of the base lr at optimizer step ``step`` (0-based): linear warmup, then the
+    schedule (linear / cosine decay to 0 over ``total`` steps; constant without a known total)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total is None or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total: int | None
+) -> Any:
+    """A LambdaLR following :func:`lr_factor`; ``total`` counts optimizer steps (None: unknown)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total, cfg.lr_schedule)
+    )
+
+
+@dataclass
+class Learner:
+    """The optimizer and schedule over the trainable models of a run, and the arm's settings."""
+
+    models: Models
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    cfg: TrainingConfig
+    seed: int
+
+    @property
+    def actor_parameters(self) -> list[torch.nn.Parameter]:
+        """The actor's trainable parameters (the optimizer's first group)."""
+        return list(self.optimizer.param_groups[0]["params"])
+
+    @property
+    def critic_parameters(self) -> list[torch.nn.Parameter]:
+        """The critic's parameters (the second group), empty without a critic."""
+        groups = self.optimizer.param_groups
+        return list(groups[1]["params"]) if len(groups) > 1 else []
+
+    @property
+    def lr(self) -> float:
+        """The actor's current learning rate."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+def build_learner(
+    models: Models, cfg: TrainingConfig, total_steps: int | None, seed: int
+) -> Learner:
+    """AdamW over the actor's (and critic's) trainable parameters with the arm's schedule;
+    ``total_steps`` counts optimizer steps (None: unknown, for a wall-clock budget)."""
+    optimizer = build_optimizer(
+        trainable_parameters(models.actor),
+        trainable_parameters(models.critic) if models.critic is not None else [],
+        cfg,
+    )
+    return Learner(
+        models=models,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg, total_steps),
+        cfg=cfg,
+        seed=seed,
+    )

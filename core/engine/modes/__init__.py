@@ -1,0 +1,190 @@
+"""Data modes: where a step's batch comes from, what it holds and how it counts.
+
+An algorithm declares the kind of data it learns from (``AlgorithmRequirements.data``); with
+the arm's ``online`` setting that picks one mode:
+
+================== ======================================= =====================================
+mode               batch                                   module
+================== ======================================= =====================================
+online samples     ``prompts x samples_per_prompt`` sampled :mod:`~alignzoo.engine.modes.samples`
+                   and scored (PPO, GRPO, RLOO, ...)
+online pairs       per prompt, best vs worst sample (DPO)  :mod:`~alignzoo.engine.modes.preference`
+offline preference prompt / chosen / rejected rows         :mod:`~alignzoo.engine.modes.preference`
+online unpaired    sampled, labelled desirable or not (KTO) :mod:`~alignzoo.engine.modes.unpaired`
+offline unpaired   prompt / completion / label rows        :mod:`~alignzoo.engine.modes.unpaired`
+================== ======================================= =====================================
+
+A mode owns the dataset columns it reads, how it builds the step's :class:`RolloutBatch`
+(:meth:`DataMode.collect`, then :meth:`DataMode.select` after the no-grad forward passes),
+anything more it computes without gradients (:meth:`DataMode.prepare`, after batch
+transforms), which samples minibatching must keep together (:attr:`DataMode.unit`) and how a
+step counts towards the budget (:meth:`DataMode.step_sizes`). The engine has no branch on an
+algorithm or a data kind: a new algorithm with a new data need adds a mode here and names its
+kind, and touches nothing else in the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from alignzoo import metrics as canonical
+from alignzoo.batch import RolloutBatch
+from alignzoo.engine.labeling import label
+from alignzoo.errors import RunError
+
+if TYPE_CHECKING:
+    from alignzoo.config.schema import TrainingConfig
+    from alignzoo.engine.hooks import Hooks
+    from alignzoo.engine.prepare import Scorer
+    from alignzoo.types import AlgorithmRequirements
+    from alignzoo.types import DataMode as DataKind
+
+PROMPT_COLUMN = "prompt"
+OFFLINE_MAX_TOKENS = 512
+"""Longest response (in tokens, EOS included) an offline row is cut to."""
+
+
+@dataclass
+class StepSource:
+    """What a mode may use to build a step's batch: the hooks (backend, labeler), the
+    tokenizer (offline rows) and the arm's training settings."""
+
+    hooks: Hooks
+    tokenizer: Any
+    training: TrainingConfig
+
+
+@dataclass
+class Collected:
+    """A step's batch as collected: the samples, what they count towards the budget, metrics.
+
+    ``batch`` is everything sampled (or read); the mode's :meth:`DataMode.select` later picks
+    what trains from it. ``samples`` counts towards a samples budget; ``tokens`` are the
+    response tokens seen (for throughput).
+    """
+
+    batch: RolloutBatch
+    samples: int
+    tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def split_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Prompts, and the other columns of each row (what the labeler gets as ``extra``)."""
+    prompts = [str(r[PROMPT_COLUMN]) for r in rows]
+    extras = [{k: v for k, v in r.items() if k != PROMPT_COLUMN} for r in rows]
+    return prompts, extras
+
+
+def correct_flags(batch: RolloutBatch) -> list[bool] | None:
+    """Per sample, the labeler's ``info["correct"]``; None unless every sample carries a bool."""
+    flags = [info.get("correct") for info in batch.label_info]
+    if len(flags) != batch.size or not all(isinstance(f, bool) for f in flags):
+        return None
+    return [bool(f) for f in flags]
+
+
+def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collected:
+    """The online start of a step: ``samples_per_prompt`` responses per row, scored."""
+    cfg = source.training
+    prompts, extras = split_rows(rows)
+    m: dict[str, float] = {}
+    start = time.perf_counter()
+    batch = source.hooks.generate(prompts, extras, cfg.samples_per_prompt, cfg.sampling)
+    m["timing/generate"] = time.perf_counter() - start
+    start = time.perf_counter()
+    label(source.hooks, batch)
+    m["timing/label"] = time.perf_counter() - start
+    assert batch.scores is not None and batch.score_valid is not None
+    m[canonical.REWARD_MEAN] = float(batch.scores.mean())
+    m[canonical.REWARD_STD] = float(batch.scores.std(unbiased=False))
+    m[canonical.REWARD_VALID_FRAC] = float(batch.score_valid.float().mean())
+    m["batch/prompts"], m["batch/responses"] = float(len(prompts)), float(batch.size)
+    m[canonical.RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
+    return Collected(batch, samples=batch.size, tokens=int(batch.response_mask.sum()), metrics=m)
+
+
+def read_rows(batch: RolloutBatch, rows: int) -> Collected:
+    """The offline start of a step: a batch tokenised from ``rows`` dataset rows."""
+    m = {
+        "batch/prompts": float(rows),
+        "batch/responses": float(batch.size),
+        canonical.RESPONSE_LENGTH: float(batch.response_mask.sum(dim=1).mean()),
+    }
+    return Collected(batch, samples=batch.size, tokens=int(batch.response_mask.sum()), metrics=m)
+
+
+class DataMode:
+    """Base of the data modes; subclasses set the class attributes and :meth:`collect`."""
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[DataKind] = "online"
+    online: ClassVar[bool] = True
+    columns: ClassVar[tuple[str, ...]] = (PROMPT_COLUMN,)
+    """Dataset columns of the train split the mode reads (TRL's standard names)."""
+    unit: ClassVar[int] = 1
+    """Consecutive samples of a training batch that minibatching never separates."""
+
+    def collect(self, rows: list[dict[str, Any]], source: StepSource) -> Collected:
+        """The step's samples from ``rows`` (the sampler's next ``prompts_per_step`` rows)."""
+        raise NotImplementedError
+
+    def select(self, batch: RolloutBatch, metrics: dict[str, float]) -> RolloutBatch | None:
+        """The training batch picked from the collected one (after its no-grad forward passes);
+        None when the step has nothing to learn from. May add ``batch/*`` metrics."""
+        return batch
+
+    def prepare(self, batch: RolloutBatch, scorer: Scorer) -> RolloutBatch:
+        """Anything more the mode computes without gradients, after the batch transforms."""
+        return batch
+
+    def check(self, batch: RolloutBatch, step: int) -> None:
+        """Raise a RunError when a batch transform broke the mode's layout."""
+        if batch.size % self.unit:
+            raise RunError(
+                f"step {step}: the {self.name} batch has {batch.size} samples, not a multiple "
+                f"of {self.unit}; a batch transform must keep or drop whole units"
+            )
+
+    def units(self, size: int) -> list[list[int]]:
+        """The indivisible index groups of a training batch of ``size`` samples."""
+        return [list(range(i, min(size, i + self.unit))) for i in range(0, size, self.unit)]
+
+    def step_sizes(self, cfg: TrainingConfig) -> tuple[int, int]:
+        """(samples a step counts towards the budget, samples it trains on at most)."""
+        sampled = cfg.prompts_per_step * cfg.samples_per_prompt
+        return sampled, sampled
+
+
+def select_mode(requirements: AlgorithmRequirements, online: bool) -> DataMode:
+    """The data mode for an algorithm's data kind, sampled online or read offline."""
+    from alignzoo.engine.modes import preference, samples, unpaired
+
+    modes: dict[tuple[str, bool], type[DataMode]] = {
+        ("online", True): samples.OnlineSamples,
+        ("online", False): samples.OnlineSamples,
+        ("preference", True): preference.OnlinePairs,
+        ("preference", False): preference.OfflinePreference,
+        ("unpaired", True): unpaired.OnlineUnpaired,
+        ("unpaired", False): unpaired.OfflineUnpaired,
+    }
+    key = (requirements.data, online or requirements.data == "online")
+    if key not in modes:
+        raise RunError(f"no data mode for data kind {requirements.data!r}")
+    return modes[key]()
+
+
+def required_columns(kind: str) -> tuple[str, ...]:
+    """The columns a data file of ``kind`` (online, preference, unpaired) must have."""
+    from alignzoo.engine.modes import preference, samples, unpaired
+
+    by_kind: dict[str, type[DataMode]] = {
+        "online": samples.OnlineSamples,
+        "preference": preference.OfflinePreference,
+        "unpaired": unpaired.OfflineUnpaired,
+    }
+    if kind not in by_kind:
+        raise ValueError(f"mode must be one of {', '.join(by_kind)}, got {kind!r}")
+    return by_kind[kind].columns

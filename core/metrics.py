@@ -1,0 +1,78 @@
+"""The canonical metric names: what every arm reports, computed by the engine in one way.
+
+An A/B comparison is only fair when the numbers it puts side by side mean the same thing in
+every arm. The metrics listed here are computed by the engine, never by an algorithm, with one
+estimator and at one policy snapshot, so GRPO's ``kl/ref`` and DPO's ``kl/ref`` are the same
+quantity. The report, the console line and the health checks read only these names.
+Algorithm-specific values live under the algorithm's own namespace (``grpo/kl_k3``,
+``ppo/kl_penalty``, ``dpo/loss``, ``actor/clipfrac``, ...); ``compute_loss`` may not return a
+canonical name (the engine refuses it, naming the key).
+
+The *behaviour snapshot* is the policy's weights at the start of a training step, before its
+update: the weights that sampled the step's responses in an online arm.
+"""
+
+from __future__ import annotations
+
+KL_REF = "kl/ref"
+"""Mean over the step's response tokens of the k3 estimate of KL(π || π_ref) (Schulman 2020),
+π the behaviour snapshot. Reported by every arm that has a reference model loaded. In online
+arms the tokens are samples of π, so this estimates the KL; in offline arms they are the
+dataset's responses, so it measures the log-ratio on that data (not an on-policy KL)."""
+
+ENTROPY = "entropy"
+"""Mean per-token entropy of the behaviour snapshot over the step's response tokens."""
+
+RESPONSE_LENGTH = "response_length/mean"
+"""Mean number of response tokens (EOS included) per sample of the step's batch."""
+
+REWARD_MEAN = "reward/mean"
+"""Mean labeler score over the step's sampled responses (online arms)."""
+
+REWARD_STD = "reward/std"
+"""Population standard deviation of the labeler scores over the step's sampled responses."""
+
+REWARD_VALID_FRAC = "reward/valid_frac"
+"""Fraction of the step's responses the labeler could judge (``Score.valid``)."""
+
+LOSS = "loss"
+"""The optimised loss, summed over the micro-batches of an optimizer step, averaged over the
+step's optimizer steps. Its scale differs between algorithms: compare its trend, not its level."""
+
+LR = "lr"
+"""The actor's learning rate used by the step's optimizer steps (their mean)."""
+
+EVAL_SCORE = "eval/score"
+"""Mean labeler score of greedy responses to the held-out prompts (unscaled: ``info['raw']``)."""
+
+EVAL_EXACT_MATCH = "eval/exact_match"
+"""Fraction of greedy held-out responses the labeler marks correct (``Score.info['correct']``)."""
+
+EVAL_RESPONSE_LENGTH = "eval/response_length"
+"""Mean number of tokens of the greedy held-out responses."""
+
+CANONICAL: dict[str, str] = {
+    KL_REF: "KL to the reference (k3, behaviour snapshot)",
+    ENTROPY: "policy entropy per token (behaviour snapshot)",
+    RESPONSE_LENGTH: "response length (tokens)",
+    REWARD_MEAN: "training reward (mean)",
+    REWARD_STD: "training reward (std)",
+    REWARD_VALID_FRAC: "responses the labeler could judge",
+    LOSS: "loss",
+    LR: "learning rate",
+    EVAL_SCORE: "held-out score",
+    EVAL_EXACT_MATCH: "held-out exact match",
+    EVAL_RESPONSE_LENGTH: "held-out response length",
+}
+"""Every canonical name with the label the report gives it."""
+
+GRAD_NORMS = ("actor/grad_norm", "critic/grad_norm")
+"""Gradient norms before clipping, per trainable role (engine-owned)."""
+
+ENGINE_NAMESPACES = ("reward/", "batch/", "timing/", "throughput/", "eval/", "health/")
+"""Prefixes owned by the engine (and health checks): an algorithm's metrics may not use them."""
+
+
+def owned_by_engine(name: str) -> bool:
+    """True when ``name`` is a canonical metric or lies in a namespace the engine owns."""
+    return name in CANONICAL or name in GRAD_NORMS or name.startswith(ENGINE_NAMESPACES)
