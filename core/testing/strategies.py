@@ -113,6 +113,8 @@ def make_batch(
     policy_values: Any = None,
     mismatched_logprobs: Any = None,
     mismatched_ref_logprobs: Any = None,
+    advantages: Any = None,
+    returns: Any = None,
     response_ids: Any = None,
     dtype: torch.dtype = torch.float32,
     requires_grad: bool = True,
@@ -174,6 +176,8 @@ def make_batch(
         score_valid=None if score_tensor is None else torch.ones(size, dtype=torch.bool),
         labels=opt(labels),
         weights=opt(weights),
+        advantages=opt(advantages),
+        returns=opt(returns),
         columns=columns,
     )
     if requires_grad:

@@ -13,7 +13,7 @@ import pytest
 
 from .conftest import read_jsonl, tiny_experiment
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VOLATILE = ("timing/", "throughput/")
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from alignzoo.config.loader import load_experiment
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_grpo_ablation_arms_are_the_three_variants() -> None:

@@ -13,7 +13,7 @@ from alignzoo.engine.loop import run_one
 
 from .conftest import TINY_MODEL, TINY_TASK, read_jsonl
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STABLE = ("reward/mean", "reward/std", "response_length/mean", "entropy", "actor/grad_norm", "loss")
 
 

@@ -1,7 +1,7 @@
 """The GPU code paths: bf16 autocast, roles split over devices, flash-attn.
 
 Skipped where no CUDA device exists (every CPU machine, CI included); a session lent a GPU runs
-them with `pytest -q tests/engine/test_cuda_paths.py` (about a minute).
+them with `pytest -q tests/core/engine/test_cuda_paths.py` (about a minute).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from alignzoo.config.loader import load_experiment
 from alignzoo.engine.loop import run_one
-from tests.engine.conftest import read_jsonl
+from tests.core.engine.conftest import read_jsonl
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -10,8 +10,7 @@ from alignzoo.errors import UserError
 from alignzoo.plugins.algorithms.grpo import GRPO
 from alignzoo.plugins.modifiers.entropy_bonus import EntropyBonus
 from alignzoo.registry import build_plugin_manager
-
-from .helpers import make_batch, right_padded_mask
+from tests.plugins.algorithms.helpers import make_batch, right_padded_mask
 
 
 def grpo_inputs():

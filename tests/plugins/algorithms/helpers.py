@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from alignzoo import testing
 from alignzoo.batch import PolicyOutputs, RolloutBatch
 from alignzoo.plugin import Algorithm
 
@@ -15,37 +16,24 @@ from alignzoo.plugin import Algorithm
 def make_batch(
     mask: torch.Tensor | Sequence[Sequence[float]],
     *,
-    scores: Sequence[float] | torch.Tensor | None = None,
-    group_ids: Sequence[int] | torch.Tensor | None = None,
     response_ids: torch.Tensor | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    returns: torch.Tensor | None = None,
-    weights: Sequence[float] | torch.Tensor | None = None,
+    **fields: object,
 ) -> RolloutBatch:
-    """A RolloutBatch of B samples with a one-token prompt; unspecified tensors stay None."""
+    """A RolloutBatch of B samples from its response mask (the public builder,
+    :func:`alignzoo.testing.make_batch`, with placeholder policy log-probs); every other field
+    (scores, group_ids, old_logprobs, ref_logprobs, values, advantages, returns, weights) is
+    passed on, and unspecified ones stay None."""
     mask_t = torch.as_tensor(mask, dtype=torch.float32)
-    b, r = mask_t.shape
-    if group_ids is None:
-        group_ids = list(range(b))
     if response_ids is None:
-        response_ids = torch.zeros(b, r, dtype=torch.long)
-    return RolloutBatch(
-        prompt_ids=torch.zeros(b, 1, dtype=torch.long),
-        prompt_mask=torch.ones(b, 1, dtype=torch.long),
+        response_ids = torch.zeros(mask_t.shape, dtype=torch.long)
+    batch, _ = testing.make_batch(
+        torch.zeros(mask_t.shape),
+        mask=mask_t,
         response_ids=response_ids,
-        response_mask=mask_t,
-        group_ids=torch.as_tensor(group_ids, dtype=torch.long),
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        values=values,
-        scores=None if scores is None else torch.as_tensor(scores, dtype=torch.float32),
-        advantages=advantages,
-        returns=returns,
-        weights=None if weights is None else torch.as_tensor(weights, dtype=torch.float32),
+        requires_grad=False,
+        **fields,  # type: ignore[arg-type]
     )
+    return batch
 
 
 def right_padded_mask(lengths: Sequence[int], width: int | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ from alignzoo.config.loader import LoadedExperiment
 from alignzoo.errors import UserError
 from alignzoo.experiment import runner
 from alignzoo.experiment.runner import run_experiment
-from tests.report.fake_engine import (
+from tests.core.experiment.fake_engine import (
     DIE_ENV,
     KILL_ENV,
     LOG_ENV,

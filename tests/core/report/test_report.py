@@ -17,7 +17,7 @@ from scipy import stats as sps
 
 from alignzoo.errors import UserError
 from alignzoo.report.sections import write_report
-from tests.report.conftest import Builder
+from tests.core.report.conftest import Builder
 
 BASE = [0.52, 0.55, 0.49, 0.53, 0.51]
 SAME_DIST = [0.50, 0.54, 0.53, 0.49, 0.55]  # A/A: the same distribution, other draws

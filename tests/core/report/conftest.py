@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from alignzoo.config.schema import ExperimentSpec
-from tests.report.fake_engine import make_spec
+from tests.core.experiment.fake_engine import make_spec
 
 Builder = Callable[..., Path]
 

@@ -10,8 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alignzoo import ops
-
-from .helpers import any_masks, floats_tensor, padded_masks, right_padded_mask
+from tests.plugins.algorithms.helpers import (
+    any_masks,
+    floats_tensor,
+    padded_masks,
+    right_padded_mask,
+)
 
 FAST = settings(max_examples=40, deadline=None)
 
