@@ -21,11 +21,15 @@ which checks what a single-result hook returned and names the component when it 
 Shapes: ``B`` samples in a batch, ``P`` prompt tokens (left-padded), ``R`` response tokens
 (right-padded). See :class:`alignzoo.batch.RolloutBatch` and :class:`alignzoo.batch.PolicyOutputs`.
 
-Order of the calls in a run (a test pins it): ``algorithm_requirements``, ``place_roles``,
-``on_run_start``, ``sync_weights``; an evaluation (``generate``, ``score_batch``); then per
-training step: [``generate``, ``score_batch``] (online arms), ``transform_batch``,
-``compute_advantages``, ``compute_loss`` once per micro-batch of every optimizer step,
-``sync_weights``, ``on_step_end``, and evaluations on their schedule; finally ``on_run_end``.
+Order of the calls in a run (tests/core/engine/test_hook_order.py pins it):
+``algorithm_requirements``, ``place_roles``, ``on_run_start``, ``sync_weights``; an evaluation
+(``generate``, ``score_batch``, per 128 prompts, and again for ``evaluation.pass_at_k``); then
+per training step: [``generate``, ``score_batch``] (online arms), ``transform_batch`` once per
+implementation (no call when no component implements it), ``compute_advantages``,
+``compute_loss`` once per micro-batch of every optimizer step of every epoch, ``sync_weights``,
+``on_step_end``, and evaluations on their schedule; after the last step, an evaluation unless
+that step had one; finally ``on_run_end``. A step left with nothing to train on (no untied
+online pair, or every sample filtered out) calls no further hook before ``on_step_end``.
 """
 
 from __future__ import annotations

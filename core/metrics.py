@@ -42,6 +42,15 @@ step's optimizer steps. Its scale differs between algorithms: compare its trend,
 LR = "lr"
 """The actor's learning rate used by the step's optimizer steps (their mean)."""
 
+BATCH_PROMPTS = "batch/prompts"
+"""Prompts (dataset rows) the step used."""
+
+BATCH_RESPONSES = "batch/responses"
+"""Responses the step sampled (online) or read (offline)."""
+
+STEP_SECONDS = "timing/step"
+"""Wall-clock seconds of the whole training step."""
+
 EVAL_SCORE = "eval/score"
 """Mean labeler score of greedy responses to the held-out prompts (unscaled: ``info['raw']``)."""
 
@@ -60,6 +69,9 @@ CANONICAL: dict[str, str] = {
     REWARD_VALID_FRAC: "responses the labeler could judge",
     LOSS: "loss",
     LR: "learning rate",
+    BATCH_PROMPTS: "prompts per step",
+    BATCH_RESPONSES: "responses per step",
+    STEP_SECONDS: "seconds per step",
     EVAL_SCORE: "held-out score",
     EVAL_EXACT_MATCH: "held-out exact match",
     EVAL_RESPONSE_LENGTH: "held-out response length",

@@ -231,7 +231,7 @@ def trace_hook_calls(
     """Print every hook call of ``pm`` with the components it reached and its duration.
 
     One line per call to ``write`` (default: standard error), e.g.
-    ``[alignzoo hook] compute_loss -> GRPO, EntropyBonus: 3.1 ms``. This is pluggy's hook-call
+    ``[alignzoo hook] compute_loss -> EntropyBonus, GRPO: 3.1 ms`` (a wrapper is entered first). This is pluggy's hook-call
     monitoring; what ``ALIGNZOO_TRACE_HOOKS=1`` turns on. Returns the function that stops it.
     """
     emit = write if write is not None else (lambda line: print(line, file=sys.stderr, flush=True))

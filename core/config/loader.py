@@ -333,8 +333,10 @@ def _build_components(
         built[field_path] = cls(params)
     algorithm = built.get("algorithm")
     if arm.online is False and algorithm is not None:
-        requirements = algorithm.algorithm_requirements()  # type: ignore[attr-defined]
-        if requirements is not None and requirements.data == "online":
+        from alignzoo.engine.hooks import Hooks
+
+        requirements = Hooks(build_plugin_manager([algorithm])).algorithm_requirements()
+        if requirements.data == "online":
             base_path: Path_ = ("arms", arm_name, "online")
             issues.append(
                 ConfigIssue(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
 
 if TYPE_CHECKING:
+    import torch
     from rich.console import Console
 
     from alignzoo.engine.models import Models
@@ -56,17 +57,17 @@ class RunContext:
         return self._models().tokenizer
 
     @property
-    def actor(self) -> Any:
+    def actor(self) -> torch.nn.Module:
         """The trainable policy (shortcut for ``models.actor``)."""
         return self._models().actor
 
     @property
-    def reference(self) -> Any:
+    def reference(self) -> torch.nn.Module | None:
         """The frozen reference policy or None (shortcut for ``models.reference``)."""
         return self._models().reference
 
     @property
-    def critic(self) -> Any:
+    def critic(self) -> torch.nn.Module | None:
         """The value model or None (shortcut for ``models.critic``)."""
         return self._models().critic
 

@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 
 def implementers(pm: pluggy.PluginManager, hook: str) -> str:
-    """The components implementing ``hook``, as ``'GRPO, EntropyBonus'`` (call order)."""
+    """The components implementing ``hook`` in call order, as ``'EntropyBonus, GRPO'`` (wrappers first)."""
     caller = getattr(pm.hook, hook)
     names = []
     for impl in reversed(caller.get_hookimpls()):

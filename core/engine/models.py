@@ -32,12 +32,12 @@ class Models:
     Everything else (the learner, the stages, the hooks' ``run``) reads the models from here.
     """
 
-    tokenizer: Any
-    actor: Any
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    actor: torch.nn.Module
     policy_path: str
     devices: dict[str, str] = field(default_factory=dict)
-    reference: Any | None = None
-    critic: Any | None = None
+    reference: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
     autocast: Callable[[], Any] = contextlib.nullcontext
 
     def device(self, role: str) -> str:
@@ -54,13 +54,13 @@ def load_models(
     seed: int,
 ) -> Models:
     """Tokenizer, actor and, when asked for, the reference and the critic, each on its device."""
+    device = devices.get("actor", "cpu")
     models = Models(
         tokenizer=load_tokenizer(path),
-        actor=None,
+        actor=load_actor(path, cfg, device),
         policy_path=path,
         devices=dict(devices),
     )
-    models.actor = load_actor(path, cfg, models.device("actor"))
     if reference:
         models.reference = load_reference(path, cfg, models.device("ref"))
     if critic:

@@ -1,5 +1,7 @@
 """Where a run's numbers go: the console line, metrics.jsonl (always), TensorBoard and W&B.
 
+The console line shows canonical metrics only (:mod:`alignzoo.metrics`), the same in every arm.
+
 Files of a run folder: ``metrics.jsonl`` (one line per optimizer step), ``eval.jsonl`` (one line
 per evaluation), ``samples.jsonl`` (a few prompt / response / score rows per step).
 """
@@ -14,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
+from alignzoo import metrics as canonical
 from alignzoo.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -98,11 +101,12 @@ class Sinks:
             m = metrics
             self.console.print(
                 f"[bold]{self.run_name}[/bold] step {step}: "
-                f"{_fmt(m, 'batch/prompts', '.0f')} prompts → {_fmt(m, 'batch/responses', '.0f')} responses "
-                f"(mean len {_fmt(m, 'response_length/mean', '.1f')}) │ "
-                f"reward {_fmt(m, 'reward/mean')} ± {_fmt(m, 'reward/std')} │ "
-                f"loss {_fmt(m, 'loss', '.4f')} │ kl/ref {_fmt(m, 'kl/ref', '.4f')} │ "
-                f"entropy {_fmt(m, 'entropy')} │ {_fmt(m, 'timing/step', '.2f')}s",
+                f"{_fmt(m, canonical.BATCH_PROMPTS, '.0f')} prompts → "
+                f"{_fmt(m, canonical.BATCH_RESPONSES, '.0f')} responses "
+                f"(mean len {_fmt(m, canonical.RESPONSE_LENGTH, '.1f')}) │ "
+                f"reward {_fmt(m, canonical.REWARD_MEAN)} ± {_fmt(m, canonical.REWARD_STD)} │ "
+                f"loss {_fmt(m, canonical.LOSS, '.4f')} │ kl/ref {_fmt(m, canonical.KL_REF, '.4f')} │ "
+                f"entropy {_fmt(m, canonical.ENTROPY)} │ {_fmt(m, canonical.STEP_SECONDS, '.2f')}s",
                 highlight=False,
             )
 

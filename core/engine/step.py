@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.modes import StepSource
 from alignzoo.engine.prepare import Scorer, prepare
@@ -73,8 +74,8 @@ def train_step(run: Run, step: int) -> StepResult:
         m.update(update(run.learner, hooks, run.requirements, mode, batch, step))
         hooks.sync_weights(run.models.actor)
         m["timing/update"] = time.perf_counter() - t
-    m["timing/step"] = time.perf_counter() - start
-    m["throughput/tokens_per_s"] = result.tokens / max(m["timing/step"], 1e-9)
+    m[canonical.STEP_SECONDS] = time.perf_counter() - start
+    m["throughput/tokens_per_s"] = result.tokens / max(m[canonical.STEP_SECONDS], 1e-9)
     return result
 
 

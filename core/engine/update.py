@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 
+from alignzoo import metrics as canonical
 from alignzoo.batch import PolicyOutputs, RolloutBatch
 from alignzoo.engine.forward import critic_forward, policy_forward
 from alignzoo.engine.hooks import Hooks
@@ -112,7 +113,7 @@ def update(
                 share = len(index) / len(mb_index)
                 for k, v in metrics.items():
                     weighted[k] += share * v
-            sums["loss"].append(step_loss)
+            sums[canonical.LOSS].append(step_loss)
             for k, v in weighted.items():
                 sums[k].append(v)
             norms = {"actor": _clip(actor_params, cfg.max_grad_norm)}
@@ -126,7 +127,7 @@ def update(
                         "(the last checkpoint is kept)"
                     )
                 sums[f"{role}/grad_norm"].append(norm)
-            sums["lr"].append(learner.lr)
+            sums[canonical.LR].append(learner.lr)
             learner.optimizer.step()
             learner.scheduler.step()
     return {k: sum(v) / len(v) for k, v in sums.items()}

@@ -101,7 +101,8 @@ def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collecte
     m[canonical.REWARD_MEAN] = float(batch.scores.mean())
     m[canonical.REWARD_STD] = float(batch.scores.std(unbiased=False))
     m[canonical.REWARD_VALID_FRAC] = float(batch.score_valid.float().mean())
-    m["batch/prompts"], m["batch/responses"] = float(len(prompts)), float(batch.size)
+    m[canonical.BATCH_PROMPTS] = float(len(prompts))
+    m[canonical.BATCH_RESPONSES] = float(batch.size)
     m[canonical.RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
     return Collected(batch, samples=batch.size, tokens=int(batch.response_mask.sum()), metrics=m)
 
@@ -109,8 +110,8 @@ def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collecte
 def read_rows(batch: RolloutBatch, rows: int) -> Collected:
     """The offline start of a step: a batch tokenised from ``rows`` dataset rows."""
     m = {
-        "batch/prompts": float(rows),
-        "batch/responses": float(batch.size),
+        canonical.BATCH_PROMPTS: float(rows),
+        canonical.BATCH_RESPONSES: float(batch.size),
         canonical.RESPONSE_LENGTH: float(batch.response_mask.sum(dim=1).mean()),
     }
     return Collected(batch, samples=batch.size, tokens=int(batch.response_mask.sum()), metrics=m)
