@@ -2,7 +2,8 @@
 
 Importing ``alignzoo`` is light (no torch). The public API::
 
-    from alignzoo import hookimpl, Algorithm, Labeler, Backend, DeviceMapper, Modifier
+    from alignzoo import hookimpl, Algorithm, Labeler, Backend, DeviceMapper, Modifier, Stateful
+    from alignzoo import LabelRequest, Score, LossContext, LossOutput, AlgorithmRequirements
     from alignzoo import RolloutBatch, PolicyOutputs, LossOutput      # tensors (imports torch)
     from alignzoo import load_experiment, get_registry
 """
@@ -24,10 +25,18 @@ from alignzoo.plugin import (
     Labeler,
     Modifier,
     NoParams,
+    Stateful,
     hookimpl,
 )
 from alignzoo.registry import Registry, get_registry
-from alignzoo.types import AlgorithmRequirements, LabelRequest, LossOutput, SamplingParams, Score
+from alignzoo.types import (
+    AlgorithmRequirements,
+    LabelRequest,
+    LossContext,
+    LossOutput,
+    SamplingParams,
+    Score,
+)
 
 if TYPE_CHECKING:
     from alignzoo.batch import PolicyOutputs, RolloutBatch
@@ -49,6 +58,7 @@ __all__ = [
     "LabelRequest",
     "Labeler",
     "LoadedExperiment",
+    "LossContext",
     "LossOutput",
     "Modifier",
     "NoParams",
@@ -58,6 +68,7 @@ __all__ = [
     "RunError",
     "SamplingParams",
     "Score",
+    "Stateful",
     "UserError",
     "__version__",
     "get_registry",
