@@ -1,6 +1,6 @@
 """Run one arm of an experiment in a child process (used by the kill-and-resume test).
 
-Usage: python -m tests.engine._resume_worker EXPERIMENT.yaml ARM SEED OUT_DIR RESUME(0|1)
+Usage: python -m tests.core.engine._resume_worker EXPERIMENT.yaml ARM SEED OUT_DIR RESUME(0|1)
 """
 
 from __future__ import annotations

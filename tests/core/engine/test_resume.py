@@ -23,7 +23,7 @@ def _worker(exp: Path, out: Path, resume: bool) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "tests.engine._resume_worker",
+            "tests.core.engine._resume_worker",
             str(exp),
             "ppo",
             "3",
