@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 
+from alignzoo import provenance
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import Budget
 from alignzoo.engine.assemble import Run, assemble
@@ -216,9 +217,14 @@ def run_one(
     sinks: Sinks | None = None
     device = "cpu"
     log = console.log if console is not None else (lambda *_: None)
+    session = provenance.collect(loaded.source)
+    recorded = False
     try:
         run = assemble(loaded, arm, seed, out_dir, console=console, log=log)
         device = run.models.device("actor")
+        session.update(provenance.policy_fields(run.models.policy_path))
+        provenance.record(out_dir, session, resume)
+        recorded = True
         state = start_or_resume(run, resume)
         write_status(out_dir, "running", state, None, device)
         sinks = Sinks(
@@ -238,6 +244,8 @@ def run_one(
         raise
     except Exception as exc:
         status, error = "failed", f"{type(exc).__name__}: {exc}"
+        if not recorded:  # even a run that could not start says what it ran on
+            provenance.record(out_dir, session, resume)
         (out_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
         if console is not None:
             console.print(f"[red]{out_dir}: run failed: {error}[/red]")

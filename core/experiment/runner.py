@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from alignzoo import provenance
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
@@ -260,6 +261,7 @@ def run_experiment(
     spec = loaded.spec
     out = experiment_dir(spec, out_dir)
     prepare_folder(spec, out, resume)
+    provenance.record(out, provenance.collect(loaded.source), resume)
     fn: RunFn = run_fn if run_fn is not None else _run_one
     say = console.print if console is not None else (lambda *a, **k: None)
 

@@ -10,6 +10,7 @@ import yaml
 
 from alignzoo.config.loader import load_experiment
 from alignzoo.engine.loop import run_one
+from alignzoo.provenance import file_sha256, read_sessions
 
 from .conftest import TINY_MODEL, TINY_TASK, read_jsonl
 
@@ -68,6 +69,11 @@ def test_smoke_run_writes_the_run_folder(write_experiment, tmp_path) -> None:
     assert len(kept) == 2 and kept[-1] == f"step-{steps:06d}"
     assert (out / "checkpoints" / "latest").read_text().strip() == kept[-1]
 
+    (session,) = read_sessions(out)  # what produced the folder: code, libraries, machine
+    assert session["threads"] >= 1 and session["torch"] and session["cpu"]
+    assert session["experiment_sha256"] == file_sha256(Path(loaded.source))
+    assert "embedded" in session["policy"] and len(session["policy_sha256"]) == 64
+
 
 def test_resuming_a_finished_run_changes_nothing(write_experiment, tmp_path) -> None:
     loaded = load_experiment(write_experiment(budget={"steps": 3}))
@@ -77,6 +83,7 @@ def test_resuming_a_finished_run_changes_nothing(write_experiment, tmp_path) -> 
     summary = run_one(loaded, "grpo", 0, out, resume=True)
     assert summary.status == "finished" and summary.steps == 3
     assert {n: (out / n).read_text() for n in before} == before
+    assert len(read_sessions(out)) == 2  # the resumed session is recorded beside the first
 
 
 def test_sample_budget_stops_at_the_first_step_reaching_it(write_experiment, tmp_path) -> None:
@@ -92,3 +99,4 @@ def test_a_bad_policy_path_fails_the_run_with_its_error(write_experiment, tmp_pa
     assert summary.status == "failed" and "nowhere" in summary.error
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["status"] == "failed" and "model.policy" in status["error"]
+    assert read_sessions(tmp_path / "run")  # a run that could not start still says where it ran

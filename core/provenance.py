@@ -1,0 +1,177 @@
+"""Provenance: what produced a run folder, so that a difference between two machines' results
+can be explained from the files alone.
+
+``provenance.json`` (in the experiment folder and in every run folder) holds a list of
+*sessions*, one appended per invocation (a resumed run may continue on another machine), each:
+
+- ``alignzoo``: the installed version; ``git``: the commit of the source tree alignzoo was
+  imported from and whether it had uncommitted changes (``{}`` outside a git checkout);
+- ``python``, ``torch``, ``transformers``: versions (read from the installed metadata);
+- ``cpu``: the CPU model, ``cpu_count``, ``gpu``: the CUDA device names (empty without CUDA);
+- ``threads``: torch's intra-op thread count (``OMP_NUM_THREADS`` as set, too);
+- ``command``: the command line; ``experiment_sha256``: a hash of the experiment file;
+- ``policy``: the policy folder a run loaded (the embedded warm start's cache entry or the
+  user's checkpoint) and ``policy_sha256``, a hash of its files (files over 16 MiB are hashed
+  by size and their first and last MiB, so a multi-GB checkpoint costs no minute);
+- ``started``: when the session started (UTC, ISO 8601).
+
+Floating-point results are reproducible on the same machine type with the same thread count
+and the same versions; these are the fields that say whether two folders share them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PROVENANCE_FILE = "provenance.json"
+BIG_FILE = 16 * 2**20
+EDGE = 2**20
+COMPARED = ("alignzoo", "git", "python", "torch", "transformers", "cpu", "gpu", "threads")
+"""The fields that decide whether two sessions' numbers are comparable to the last digit."""
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_state(folder: Path) -> dict[str, Any]:
+    """``{"commit": sha, "dirty": bool}`` of the git checkout holding ``folder``; {} if none."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "dirty": bool(status.strip())}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _gpus() -> list[str]:
+    torch = sys.modules.get("torch")  # only ask CUDA when torch is already loaded
+    if torch is None or not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def _threads() -> int | None:
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else None
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes; a file over 16 MiB by its size, first and last MiB."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size <= BIG_FILE:
+            for block in iter(lambda: f.read(EDGE), b""):
+                digest.update(block)
+        else:
+            digest.update(f"size={size}".encode())
+            digest.update(f.read(EDGE))
+            f.seek(size - EDGE)
+            digest.update(f.read(EDGE))
+    return digest.hexdigest()
+
+
+def folder_sha256(folder: Path) -> str:
+    """A hash of every file below ``folder`` (relative names and :func:`file_sha256`)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode())
+        digest.update(file_sha256(path).encode())
+    return digest.hexdigest()
+
+
+def collect(
+    experiment_file: str | Path | None = None, policy: str | Path | None = None
+) -> dict[str, Any]:
+    """This session's provenance (see the module docstring)."""
+    source = Path(__file__).resolve().parent  # the package folder (core/ in a checkout)
+    entry: dict[str, Any] = {
+        "alignzoo": _version("alignzoo"),
+        "git": git_state(source),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "gpu": _gpus(),
+        "threads": _threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "command": shlex.join(sys.argv),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if experiment_file is not None and Path(experiment_file).is_file():
+        entry["experiment_sha256"] = file_sha256(Path(experiment_file))
+    if policy is not None:
+        entry.update(policy_fields(policy))
+    return entry
+
+
+def policy_fields(policy: str | Path) -> dict[str, Any]:
+    """``policy`` (the folder a run loaded its starting weights from) and its ``policy_sha256``."""
+    folder = Path(policy)
+    return {
+        "policy": str(policy),
+        "policy_sha256": folder_sha256(folder) if folder.is_dir() else None,
+    }
+
+
+def read_sessions(folder: Path) -> list[dict[str, Any]]:
+    """The sessions recorded in ``folder/provenance.json`` ([] when absent or unreadable)."""
+    try:
+        data = json.loads((Path(folder) / PROVENANCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    sessions = data.get("sessions") if isinstance(data, dict) else None
+    return [s for s in sessions if isinstance(s, dict)] if isinstance(sessions, list) else []
+
+
+def record(folder: Path, entry: dict[str, Any], resume: bool) -> None:
+    """Write ``entry`` as ``folder/provenance.json``'s newest session (after the earlier ones
+    when ``resume``), atomically."""
+    sessions = read_sessions(folder) if resume else []
+    text = json.dumps({"sessions": [*sessions, entry]}, indent=2)
+    tmp = Path(folder) / f".{PROVENANCE_FILE}.tmp"
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(Path(folder) / PROVENANCE_FILE)
+
+
+def comparable_key(entry: dict[str, Any]) -> tuple[str, ...]:
+    """The fields of :data:`COMPARED` as strings: equal keys, same numbers to the last digit."""
+    return tuple(json.dumps(entry.get(name), sort_keys=True) for name in COMPARED)

@@ -1,0 +1,96 @@
+"""The report's provenance section: which code, libraries, machine and threads produced the runs.
+
+Reads ``provenance.json`` of the experiment folder (one session per ``alignzoo run``) and of
+every run folder. Runs whose sessions agree on :data:`~alignzoo.provenance.COMPARED`
+(versions, commit, CPU, GPU, threads) are grouped; more than one group means the arms' numbers
+did not all come from the same setting, and the report says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alignzoo.experiment.runfiles import RunData
+from alignzoo.provenance import comparable_key, read_sessions
+from alignzoo.report.document import Block
+
+
+def _git(entry: dict[str, Any]) -> str:
+    git = entry.get("git") or {}
+    if not git:
+        return "not a git checkout"
+    return (
+        f"{str(git.get('commit', ''))[:12]}{' (uncommitted changes)' if git.get('dirty') else ''}"
+    )
+
+
+def _threads(entry: dict[str, Any]) -> str:
+    threads = entry.get("threads")
+    omp = entry.get("omp_num_threads")
+    text = "?" if threads is None else str(threads)
+    return text + (f" (OMP_NUM_THREADS={omp})" if omp is not None else "")
+
+
+def _describe(entry: dict[str, Any]) -> list[str]:
+    gpus = entry.get("gpu") or []
+    return [
+        str(entry.get("alignzoo") or "?"),
+        _git(entry),
+        f"python {entry.get('python', '?')}, torch {entry.get('torch', '?')}, "
+        f"transformers {entry.get('transformers', '?')}",
+        f"{entry.get('cpu', '?')} ({entry.get('cpu_count', '?')} cores)",
+        ", ".join(gpus) if gpus else "none",
+        _threads(entry),
+    ]
+
+
+def provenance_blocks(run_dir: Path, runs: list[RunData]) -> list[Block]:
+    """The provenance section of the report (always present; says when nothing was recorded)."""
+    blocks = [Block("h2", "Provenance")]
+    sessions = read_sessions(run_dir)
+    if sessions:
+        last = sessions[-1]
+        items = [
+            f"command: `{last.get('command', '?')}` (started {last.get('started', '?')}; "
+            f"{len(sessions)} invocation(s) of this folder)",
+            f"experiment file sha256: {str(last.get('experiment_sha256', '?'))[:16]}",
+        ]
+        blocks.append(Block("ul", items=items))
+    groups: dict[tuple[str, ...], dict[str, Any]] = {}
+    members: dict[tuple[str, ...], list[str]] = {}
+    policies: set[str] = set()
+    for run in runs:
+        for entry in read_sessions(run.path):
+            key = comparable_key(entry)
+            groups.setdefault(key, entry)
+            members.setdefault(key, []).append(run.name)
+            if entry.get("policy_sha256"):
+                policies.add(f"{entry.get('policy')} (sha256 {str(entry['policy_sha256'])[:16]})")
+    if not groups:
+        blocks.append(Block("p", "No run folder records its provenance (provenance.json)."))
+        return blocks
+    headers = ["alignzoo", "commit", "libraries", "CPU", "GPU", "threads", "run sessions"]
+    rows = [[*_describe(groups[key]), str(len(members[key]))] for key in groups]
+    blocks.append(Block("table", headers=headers, rows=rows))
+    if len(groups) > 1:
+        blocks.append(
+            Block(
+                "p",
+                f"The runs come from {len(groups)} different settings (rows above): numbers are "
+                "reproducible to the last digit only within one setting (same versions, commit, "
+                "CPU, GPU and thread count), so small differences between arms may be rounding.",
+            )
+        )
+    else:
+        blocks.append(
+            Block(
+                "p",
+                "Every run session shares one setting: a rerun with the same setting gives the "
+                "same numbers; another CPU, thread count or library version may change the last "
+                "digits and, through training, more.",
+            )
+        )
+    if policies:
+        blocks.append(Block("p", "Starting policy: " + "; ".join(sorted(policies)) + "."))
+    return blocks
