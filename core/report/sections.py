@@ -30,6 +30,7 @@ from alignzoo.experiment.runfiles import (
 )
 from alignzoo.report import plots, stats
 from alignzoo.report.document import Block, render_html, render_markdown
+from alignzoo.report.provenance import provenance_blocks
 
 TRAIN_PLOTS = (
     (
@@ -267,6 +268,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks += _runs_table(exp)
     blocks.append(Block("h2", "Plots"))
     blocks += _plots(exp.run_dir, exp.arms, exp.runs, exp.key)
+    blocks += provenance_blocks(exp.run_dir, exp.runs)
     return blocks, f"alignzoo report: {exp.name}"
 
 
@@ -350,12 +352,13 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
 
 
 def _comparisons(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
-    """Each arm against the baseline: difference, CI, p-values, verdict, seeds to detect."""
+    """Each arm against the baseline, all arms one family: difference, the deciding test's
+    simultaneous CI, raw and Holm-adjusted p, verdict, seeds to detect."""
     baseline, key = exp.baseline, exp.key
     blocks = [Block("h2", f"Against the baseline ({baseline})")]
     base_values = rows[baseline].final if baseline in rows else []
-    comparison_rows: list[list[str]] = []
-    sentences: list[str] = []
+    # One entry per arm, in the experiment's order: what to compare, or why there is nothing.
+    entries: list[stats.ArmValues | str] = []
     for arm in exp.arms:
         if arm == baseline:
             continue
@@ -363,73 +366,121 @@ def _comparisons(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
         if not values or not base_values:
             missing = arm if not values else baseline
             why = "no finished run" if not rows[missing].finished else f"no finished run with {key}"
-            sentences.append(f"{arm}: no comparison yet ({missing} has {why}).")
+            entries.append(f"{arm}: no comparison yet ({missing} has {why}).")
             continue
         base_seeds, arm_seeds = rows[baseline].final_by_seed, rows[arm].final_by_seed
-        paired = len(base_seeds) >= 2 and set(base_seeds) == set(arm_seeds)
-        if paired:  # the same seeds in both arms: compare seed by seed
-            base_values = [base_seeds[s] for s in sorted(base_seeds)]
-            values = [arm_seeds[s] for s in sorted(base_seeds)]
-        c = stats.compare(
-            base_values,
-            values,
-            arm=arm,
+        if len(base_seeds) >= 2 and set(base_seeds) == set(arm_seeds):
+            # The same seeds in both arms: compare seed by seed.
+            order = sorted(base_seeds)
+            entries.append(
+                stats.ArmValues(
+                    arm, [base_seeds[s] for s in order], [arm_seeds[s] for s in order], True
+                )
+            )
+        else:
+            entries.append(stats.ArmValues(arm, base_values, values, False))
+    found = iter(
+        stats.compare_arms(
+            [e for e in entries if isinstance(e, stats.ArmValues)],
             baseline=baseline,
             metric=key,
             higher_is_better=exp.higher,
-            paired=paired,
         )
-        base_values = rows[baseline].final
-        comparison_rows.append(
-            [
-                arm,
-                fmt_signed(c.difference),
-                "n/a" if c.ci is None else f"{fmt_signed(c.ci[0])} to {fmt_signed(c.ci[1])}",
-                fmt_p(c.p_permutation),
-                fmt_p(c.p_welch),
-                fmt_signed(c.cohens_d),
-                c.verdict,
-                "—" if c.verdict != "no detectable difference" else fmt(c.seeds_needed),
-            ]
+    )
+    comparisons = [e if isinstance(e, str) else next(found) for e in entries]
+    done = [c for c in comparisons if isinstance(c, stats.Comparison)]
+    k = max((c.n_comparisons for c in done), default=0)
+    alpha = stats.ALPHA
+    if k > 1:
+        blocks.append(
+            Block(
+                "p",
+                f"p-values adjusted for {k} comparisons with Holm's method: the verdict uses the "
+                f"adjusted p (better or worse below {alpha:g}), so the chance of any false "
+                f"better or worse in this table is at most {alpha:.0%}, given each test's "
+                f"assumptions. The intervals are simultaneous: each at level 1 - {alpha:g}/{k}, "
+                f"all {k} together cover the true differences with at least {1 - alpha:.0%} "
+                "probability.",
+            )
         )
-        sentences.append(c.sentence)
-    if comparison_rows:
+    elif k == 1:
+        blocks.append(
+            Block(
+                "p",
+                "One comparison: its p-value needs no adjustment for multiple comparisons "
+                "(Holm's method over 1 comparison leaves it unchanged).",
+            )
+        )
+    if done:
         blocks.append(
             Block(
                 "table",
                 headers=[
                     "arm",
                     "difference",
-                    "95% bootstrap CI",
-                    "p (permutation)",
-                    "p (t-test)",
-                    "effect size",
+                    "95% CI" if k <= 1 else f"simultaneous 95% CI ({k} arms)",
+                    "test (and its CI)",
+                    "p",
+                    "p (Holm)" if k <= 1 else f"p (Holm, {k} comparisons)",
                     "verdict",
                     "seeds per arm to detect",
                 ],
-                rows=comparison_rows,
+                rows=[
+                    [
+                        c.arm,
+                        fmt_signed(c.difference),
+                        "n/a"
+                        if c.ci is None
+                        else f"{fmt_signed(c.ci[0])} to {fmt_signed(c.ci[1])}",
+                        c.test or "n/a (fewer than 2 seeds)",
+                        fmt_p(c.p_value),
+                        fmt_p(c.p_adjusted),
+                        c.verdict,
+                        "—" if c.verdict != "no detectable difference" else fmt(c.seeds_needed),
+                    ]
+                    for c in done
+                ],
             )
         )
-    if sentences:
-        blocks.append(Block("ul", items=sentences))
+    if comparisons:
+        blocks.append(
+            Block("ul", items=[c if isinstance(c, str) else c.sentence for c in comparisons])
+        )
     else:
         blocks.append(Block("p", "Only the baseline arm: nothing to compare."))
+    if k == 0:
+        family = "no arm has a test yet (each needs 2 or more seeds, as does the baseline)"
+    else:
+        with_test = f"the {k} arms" if k > 1 else "the one arm"
+        family = (
+            f"{with_test} with a test (2 or more seeds in both arms), k = {k}; a verdict needs "
+            f"its Holm-adjusted p below {alpha:g}"
+        )
     blocks.append(
         Block(
             "p",
             "Difference: arm minus baseline. Arms that finished the same seeds are compared seed "
             "by seed (paired): a seed fixes the prompt order and the initial weights, so each "
-            "seed's difference removes what that seed does to both arms. Paired, the verdict "
-            "uses the sign-flip test when it can reach p < 0.05 (6 or more seeds) and the paired "
-            "t-test otherwise; the effect size is d_z (mean difference / SD of the differences); "
-            "the bootstrap CI resamples seeds (pairs) whole. Unpaired (the arms finished "
-            "different seeds), the verdict uses the permutation test (exact up to 9,999 splits, "
-            "Monte Carlo beyond) when it can reach p < 0.05 and Welch's t-test otherwise; the "
-            "effect size is Cohen's d; the bootstrap resamples each arm's seeds independently. "
-            "Bootstrap intervals (10,000 resamples, fixed seed) are narrower than the truth with "
-            "few seeds, so one can exclude 0 where the test detects nothing: the verdict follows "
-            "the test. Seeds to detect: per arm, for the t-test above at α = 0.05 with 80% "
-            "power, taking the observed difference and spread as the truth.",
+            "seed's difference removes what that seed does to both arms; arms that finished "
+            "different seeds are compared unpaired. "
+            f"Family: {family}. "
+            "Test: paired, the exact sign-flip test of the per-seed differences when it can give "
+            f"p below {alpha:g}/k (Holm's strictest step; its smallest p is 2/2^n with n seeds), "
+            "otherwise the paired t-test, which assumes the per-seed differences are roughly "
+            "normal; unpaired, the exact permutation test (exact up to 100,000 splits, Monte "
+            f"Carlo beyond) when it can give p below {alpha:g}/k (smallest p 2/C(n_a + n_b, n_a)), "
+            "otherwise Welch's t-test, which assumes each arm's per-seed values are roughly "
+            "normal. The p column is that test's raw p, the Holm column its adjusted p. "
+            f"CI: the interval of the row's test at level 1 - {alpha:g}/k (Bonferroni), so the k "
+            f"intervals hold together with at least {1 - alpha:.0%} probability: the t-interval (paired "
+            "or Welch) for a t-test; for a sign-flip or permutation test, the shifts of the arm "
+            f"that test does not reject at {alpha:g}/k. An interval excludes 0 exactly when the "
+            f"raw p is below {alpha:g}/k, and then the verdict is better or worse; Holm's later "
+            f"steps ({alpha:g}/(k - 1), ..., {alpha:g}) can detect a difference whose interval "
+            "includes 0, and that row's sentence says so. Effect size (in the sentence): d_z "
+            "(mean difference / SD of the differences) paired, Cohen's d unpaired. Seeds to "
+            f"detect: per arm, for the t-test at {alpha:g}/k with 80% power, taking the observed "
+            "difference and spread as the truth.",
         )
     )
     return blocks

@@ -70,12 +70,19 @@ def test_table_numbers_match_the_statistics(experiment_dir: Builder) -> None:
 
     cmp = table_row(md, "Against the baseline (base)", "other")
     assert float(cmp[1]) == pytest.approx(np.mean(SAME_DIST) - np.mean(BASE), abs=1e-4)
-    # Both arms finished seeds 0-4: the comparison is paired by seed.
+    # Both arms finished seeds 0-4: the comparison is paired by seed; 2/2^5 > 0.05, so the
+    # paired t-test decides, and the interval is its t-interval.
     p_paired = sps.ttest_rel(SAME_DIST, BASE).pvalue
+    assert cmp[3] == "paired t-test"
     assert cmp[4] == f"{p_paired:.4f}"
+    assert cmp[5] == cmp[4]  # one comparison: Holm leaves p as it is
+    ci = sps.ttest_rel(SAME_DIST, BASE).confidence_interval(0.95)
+    assert cmp[2] == f"{ci.low:+.4g} to {ci.high:+.4g}"
     assert "paired" in md
     assert cmp[6] == "no detectable difference"
     assert int(cmp[7]) > 5  # seeds that would detect a difference this small
+    assert "One comparison: its p-value needs no adjustment" in md
+    assert "per-seed differences are roughly normal" in md
 
 
 def test_aa_is_no_detectable_difference_and_broken_arm_is_worse(experiment_dir: Builder) -> None:
@@ -266,6 +273,53 @@ def test_arms_with_different_seeds_are_compared_unpaired(experiment_dir: Builder
     write_report(root)
     md = (root / "report.md").read_text()
     cmp = table_row(md, "Against the baseline (base)", "other")
-    p_welch = sps.ttest_ind(SAME_DIST[:3], BASE, equal_var=False).pvalue
-    assert cmp[4] == f"{p_welch:.4f}"
+    # 3 + 5 seeds: the exact permutation test can reach 2/C(8, 3) = 0.036 < 0.05, so it decides
+    # (the report used to show Welch's p here; it now shows the deciding test's p). In
+    # hundredths the values are integers, so scipy sees the ties exactly as the report does.
+    p_perm = sps.permutation_test(
+        (np.multiply(SAME_DIST[:3], 100).round(), np.multiply(BASE, 100).round()),
+        lambda x, y, axis=-1: np.mean(x, axis=axis) - np.mean(y, axis=axis),
+        permutation_type="independent",
+        n_resamples=np.inf,
+    ).pvalue
+    assert cmp[3] == "permutation test"
+    assert cmp[4] == f"{p_perm:.4f}"
     assert "paired by seed" not in md.split("## Against the baseline")[1].split("Difference:")[0]
+
+
+FOUR = [0.34, 0.36, 0.33, 0.38]  # 4 seeds, a spread from seed to seed
+
+
+def test_seven_arms_are_one_family_adjusted_with_holm(experiment_dir: Builder) -> None:
+    """The issue's report: with 4 seeds and six arms against the baseline, a paired t p of 0.02
+    is not a verdict (Holm: 6 x 0.02), its interval is the simultaneous t-interval and includes
+    0, and the report says why the t-test decides; a broken arm is still worse."""
+    finals = {"grpo": FOUR}
+    finals["dpo_online"] = [b + d for b, d in zip(FOUR, [-0.01, -0.02, -0.015, -0.03], strict=True)]
+    finals["lr0"] = [v - 0.2 + e for v, e in zip(FOUR, [0.001, -0.002, 0.0, 0.003], strict=True)]
+    for i, e in enumerate([0.01, -0.01, 0.005, 0.0]):
+        finals[f"same{i}"] = [v + e * (j == i) for j, v in enumerate(FOUR)]
+    root = experiment_dir(finals=finals, baseline="grpo")
+    write_report(root)
+    md = (root / "report.md").read_text()
+    part = section(md, "Against the baseline (grpo)")
+    assert "p-values adjusted for 6 comparisons with Holm's method" in part
+    assert "| p | p (Holm, 6 comparisons) | verdict |" in part
+    assert "simultaneous 95% CI (6 arms)" in part
+
+    dpo = table_row(md, "Against the baseline (grpo)", "dpo_online")
+    test = sps.ttest_rel(finals["dpo_online"], FOUR)
+    assert dpo[3] == "paired t-test"
+    assert dpo[4] == f"{test.pvalue:.4f}"
+    assert float(dpo[5]) > float(dpo[4])  # adjusted
+    assert dpo[6] == "no detectable difference"  # unadjusted, p = 0.02 would say "worse"
+    ci = test.confidence_interval(1 - 0.05 / 6)
+    assert dpo[2] == f"{ci.low:+.4g} to {ci.high:+.4g}"
+    assert ci.low < 0 < ci.high
+    assert "cannot go below p = 0.125" in part and "0.05/6" in part
+    assert "per-seed differences are roughly normal" in part
+
+    lr0 = table_row(md, "Against the baseline (grpo)", "lr0")
+    assert lr0[6] == "worse" and lr0[5] == "< 0.0001"
+    low, high = (float(x) for x in lr0[2].split(" to "))
+    assert low < high < 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -82,11 +84,12 @@ def test_monte_carlo_permutation_is_close_to_exact_and_deterministic() -> None:
     exact = sps.permutation_test(
         (y, x), _diff_of_means, permutation_type="independent", n_resamples=np.inf
     ).pvalue
-    # C(16, 8) = 12870 splits > 5000 resamples: the Monte Carlo path.
-    mc = stats.permutation_pvalue(x, y, n_resamples=5000, seed=3)
-    assert mc == stats.permutation_pvalue(x, y, n_resamples=5000, seed=3)
+    # C(16, 8) = 12870 splits: exact by default (up to 100,000), Monte Carlo when told so.
+    mc = stats.permutation_pvalue(x, y, n_resamples=5000, seed=3, max_exact=0)
+    assert mc == stats.permutation_pvalue(x, y, n_resamples=5000, seed=3, max_exact=0)
     assert mc == pytest.approx(exact, abs=0.02)
-    assert stats.permutation_pvalue(x, y, n_resamples=20000) == pytest.approx(exact, rel=1e-9)
+    assert mc != stats.permutation_pvalue(x, y, n_resamples=5000, seed=4, max_exact=0)
+    assert stats.permutation_pvalue(x, y) == pytest.approx(exact, rel=1e-9)
 
 
 def test_min_permutation_pvalue() -> None:
@@ -270,3 +273,197 @@ def test_pairing_detects_what_the_unpaired_test_cannot() -> None:
     assert low < paired.difference < high < 0
     with pytest.raises(ValueError, match="one value per seed"):
         stats.compare([1.0, 2.0], [1.0, 2.0, 3.0], paired=True)
+
+
+# --------------------------------------------------------------------------- intervals of the tests
+
+
+def test_t_intervals_match_scipy() -> None:
+    diffs = np.subtract(PAIRED_ARM, PAIRED_BASE)
+    ref = sps.ttest_rel(PAIRED_ARM, PAIRED_BASE).confidence_interval(0.99)
+    assert stats.paired_t_ci(diffs, alpha=0.01) == pytest.approx((ref.low, ref.high))
+    for x, y in [(A, B), (C, D), (A, C)]:
+        ref = sps.ttest_ind(y, x, equal_var=False).confidence_interval(0.95)
+        assert stats.welch_ci(x, y) == pytest.approx((ref.low, ref.high))
+    assert stats.paired_t_ci([0.1]) is None and stats.welch_ci([0.5], A) is None
+    assert stats.paired_t_ci([0.2, 0.2, 0.2]) == (pytest.approx(0.2), pytest.approx(0.2))
+
+
+def _check_ends(pvalue_at: Callable[[float], float | None], low: float, high: float) -> None:
+    """Just inside the interval the test does not reject the shift; just outside it does."""
+    for shift, rejected in [
+        (low - 1e-6, True),
+        (low + 1e-6, False),
+        (high - 1e-6, False),
+        (high + 1e-6, True),
+    ]:
+        p = pvalue_at(shift)
+        assert p is not None and (p < 0.05) == rejected, (shift, p)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_sign_flip_interval_is_the_set_of_shifts_not_rejected(k: int) -> None:
+    rng = np.random.default_rng(5)
+    for n in (6, 7, 8, 9):
+        d = np.round(rng.normal(0.2, 1.0, n), 2)  # rounded: ties among the subset means
+        ci = stats.sign_flip_ci(d, 0.05 / k)
+        if stats.min_sign_flip_pvalue(n) >= 0.05 / k:
+            assert ci is None  # no shift can be rejected
+            continue
+        assert ci is not None
+        low, high = ci
+        assert low <= np.mean(d) <= high
+        _check_ends(lambda shift, d=d: k * stats.sign_flip_pvalue(d - shift), low, high)  # type: ignore[misc, operator]
+        # Its ends are means of subsets of the differences (order statistics of them).
+        subset_means = {
+            round(float(np.mean(d[list(s)])), 9)
+            for r in range(1, n + 1)
+            for s in itertools.combinations(range(n), r)
+        }
+        assert round(low, 9) in subset_means and round(high, 9) in subset_means
+
+
+@pytest.mark.parametrize(("x", "y"), [(A, B), (B, A), (A, C), (D, B)])
+def test_permutation_interval_is_the_set_of_shifts_not_rejected(
+    x: list[float], y: list[float]
+) -> None:
+    ci = stats.permutation_ci(x, y)
+    assert ci is not None
+    low, high = ci
+    assert low <= np.mean(y) - np.mean(x) <= high
+
+    def scipy_p(shift: float) -> float:
+        return sps.permutation_test(
+            (np.subtract(y, shift), x),
+            _diff_of_means,
+            permutation_type="independent",
+            n_resamples=np.inf,
+        ).pvalue
+
+    _check_ends(scipy_p, low, high)
+    # 3 + 4 seeds: 2/35 > 0.05, so no shift is rejected: there is no interval.
+    assert stats.permutation_ci(C, D) is None
+
+
+def test_monte_carlo_interval_agrees_with_its_pvalue() -> None:
+    rng = np.random.default_rng(11)
+    d = rng.normal(0.8, 1.0, 18)  # 2^18 sign patterns: Monte Carlo
+    ci = stats.sign_flip_ci(d)
+    assert ci is not None
+    _check_ends(lambda shift: stats.sign_flip_pvalue(d - shift), *ci)
+    a, b = rng.normal(0.0, 1.0, 10), rng.normal(1.0, 1.0, 10)  # C(20, 10) splits: Monte Carlo
+    ci = stats.permutation_ci(a, b)
+    assert ci is not None
+    _check_ends(lambda shift: stats.permutation_pvalue(a, b - shift), *ci)
+
+
+# --------------------------------------------------------------------------- Holm and the rule
+
+
+def test_holm_by_hand_and_as_a_step_down() -> None:
+    p = [0.01, 0.04, 0.03, 0.005]
+    # Sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1: 0.02, 0.03, 0.06, 0.04 -> running max.
+    assert stats.holm(p) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats.holm([0.5]) == pytest.approx([0.5])
+    assert stats.holm([0.3, 0.6]) == pytest.approx([0.6, 0.6])
+    assert stats.holm([0.9, 0.8]).max() <= 1.0
+    rng = np.random.default_rng(0)
+    batch = rng.uniform(0, 0.1, size=(500, 5))
+    adjusted = stats.holm(batch)
+    for row, adj in zip(batch, adjusted, strict=True):
+        # Holm's procedure itself: reject the smallest p while it is below alpha / (k - i).
+        rejected = np.zeros(5, dtype=bool)
+        for i, j in enumerate(np.argsort(row)):
+            if row[j] >= 0.05 / (5 - i):
+                break
+            rejected[j] = True
+        assert np.array_equal(adj < 0.05, rejected)
+        assert np.all(adj >= row)
+
+
+@pytest.mark.parametrize(
+    ("n_base", "n_arm", "paired", "k", "test"),
+    [
+        (5, 5, True, 1, stats.PAIRED_T),  # 2/32 = 0.0625
+        (6, 6, True, 1, stats.SIGN_FLIP),  # 2/64 = 0.031
+        (6, 6, True, 2, stats.PAIRED_T),  # ... but not below 0.025
+        (7, 7, True, 2, stats.SIGN_FLIP),  # 2/128 = 0.016
+        (7, 7, True, 6, stats.PAIRED_T),  # 0.016 > 0.0083
+        (8, 8, True, 6, stats.SIGN_FLIP),  # 0.0078 < 0.0083
+        (8, 8, True, 7, stats.PAIRED_T),  # 0.0078 > 0.0071
+        (5, 3, False, 1, stats.PERMUTATION),  # 2/56 = 0.036
+        (3, 3, False, 1, stats.WELCH),  # 2/20
+        (5, 5, False, 6, stats.PERMUTATION),  # 2/252 = 0.0079 < 0.0083
+        (4, 4, False, 2, stats.WELCH),  # 2/70 = 0.029 > 0.025
+    ],
+)
+def test_which_test_decides(n_base: int, n_arm: int, paired: bool, k: int, test: str) -> None:
+    choice = stats.choose_test(n_base, n_arm, paired=paired, n_comparisons=k)
+    assert choice is not None and choice.test == test
+    assert choice.level == pytest.approx(0.05 / k)
+    assert (choice.assumption is None) == choice.resampling
+    assert stats.choose_test(1, 5, paired=False) is None
+
+
+def test_the_issue_four_seeds_six_arms() -> None:
+    """A paired t p of about 0.03 with 4 seeds was "worse" next to a bootstrap interval; among
+    six arms it is not detected, its interval is the t-interval and includes 0, and the report
+    says why the t-test decides and what it assumes."""
+    base = [0.34, 0.36, 0.33, 0.38]
+    worse = [b + d for b, d in zip(base, [-0.01, -0.02, -0.015, -0.03], strict=True)]
+    shifts = [
+        [0.01, 0, 0, 0],
+        [0, 0.01, 0, 0],
+        [0, 0, 0.01, 0],
+        [0, 0, 0, 0.01],
+        [0.01, -0.01, 0.005, 0],
+    ]
+    others = [[b + e for b, e in zip(base, s, strict=True)] for s in shifts]
+    assert stats.bootstrap_mean_ci(np.subtract(worse, base))[1] < 0  # type: ignore[index]
+    alone = stats.compare(base, worse, paired=True)
+    assert alone.verdict == "worse" and alone.test == stats.PAIRED_T
+    assert alone.p_value == pytest.approx(sps.ttest_rel(worse, base).pvalue)
+    ref = sps.ttest_rel(worse, base).confidence_interval(0.95)
+    assert alone.ci == pytest.approx((ref.low, ref.high))
+    assert "cannot go below p = 0.125" in alone.sentence and "roughly normal" in alone.sentence
+
+    family = [stats.ArmValues("dpo", base, worse, True)] + [
+        stats.ArmValues(f"arm{i}", base, o, True) for i, o in enumerate(others)
+    ]
+    c = stats.compare_arms(family, baseline="grpo")[0]
+    assert c.n_comparisons == 6 and c.ci_alpha == pytest.approx(0.05 / 6)
+    assert c.p_value == pytest.approx(alone.p_value)
+    assert c.p_adjusted == pytest.approx(min(1.0, 6 * alone.p_value))  # the smallest of the six
+    assert c.verdict == "no detectable difference"
+    ref = sps.ttest_rel(worse, base).confidence_interval(1 - 0.05 / 6)
+    assert c.ci == pytest.approx((ref.low, ref.high))
+    assert c.ci[0] < 0 < c.ci[1]
+    assert "Holm-adjusted p" in c.sentence and "over 6 comparisons" in c.sentence
+    assert "0.05/6" in c.sentence and "per-seed differences are roughly normal" in c.sentence
+    # Seeds to detect: for the t-test at the Holm/Bonferroni level.
+    diffs = np.subtract(worse, base)
+    assert c.seeds_needed == stats.paired_seeds_needed(diffs, alpha=0.05 / 6)
+    assert c.seeds_needed > stats.paired_seeds_needed(diffs)  # type: ignore[operator]
+    assert f"About {c.seeds_needed} seeds per arm" in c.sentence
+
+
+def test_a_later_holm_step_explains_an_interval_that_includes_0() -> None:
+    # Six 6-seed arms clearly worse (p = 1/32 each, sign-flip cannot decide at 0.05/7: t-test)
+    # and one with raw p a little under 0.05: Holm's last step detects it at 0.05, while its
+    # simultaneous interval (at 0.05/7) includes 0.
+    base = [0.30, 0.34, 0.31, 0.36, 0.33, 0.35]
+    rng = np.random.default_rng(1)
+    family = [
+        stats.ArmValues(
+            f"bad{i}", base, list(np.subtract(base, 0.2 + rng.normal(0, 0.01, 6))), True
+        )
+        for i in range(6)
+    ]
+    diffs = [0.012, 0.006, 0.008, 0.02, 0.002, 0.011]
+    family.append(stats.ArmValues("edge", base, list(np.add(base, diffs)), True))
+    edge = stats.compare_arms(family)[-1]
+    assert 0.05 / 7 < edge.p_value < 0.05  # type: ignore[operator]
+    assert edge.p_adjusted == pytest.approx(edge.p_value)
+    assert edge.verdict == "better"
+    assert edge.ci is not None and edge.ci[0] < 0 < edge.ci[1]
+    assert stats.HOLM_NOTE in edge.sentence and "0.05/1 = 0.05" in edge.sentence
