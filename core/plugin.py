@@ -77,6 +77,9 @@ class Algorithm(Component):
 
     kind = "algorithm"
     requirements: ClassVar[AlgorithmRequirements] = AlgorithmRequirements()
+    watched_metrics: ClassVar[tuple[str, ...]] = ()
+    """The algorithm's own metrics its users watch; the console line shows them after the
+    canonical ones (e.g. ``("actor/clipfrac", "critic/vf_loss")`` for PPO)."""
 
     @hookimpl(trylast=True)
     def algorithm_requirements(self) -> AlgorithmRequirements:

@@ -235,6 +235,7 @@ def run_one(
             spec.logging.wandb,
             spec.name,
             config,
+            watched=getattr(run.components.get("algorithm"), "watched_metrics", ()),
         )
         _Loop(run, state, sinks).loop()
         status, error = "finished", None

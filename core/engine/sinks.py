@@ -43,6 +43,32 @@ def _fmt(metrics: dict[str, Any], key: str, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def console_line(m: dict[str, Any], watched: tuple[str, ...] = ()) -> str:
+    """One step on one line: the canonical metrics, then the algorithm's ``watched`` ones.
+
+    The canonical part (:mod:`alignzoo.metrics`) means the same in every arm; a metric a run
+    does not have (the reward of an offline arm, ``kl/ref`` without a reference) is left out.
+    """
+    parts = [
+        f"{_fmt(m, canonical.BATCH_PROMPTS, '.0f')} prompts → "
+        f"{_fmt(m, canonical.BATCH_RESPONSES, '.0f')} responses "
+        f"(mean len {_fmt(m, canonical.RESPONSE_LENGTH, '.1f')})"
+    ]
+    if m.get(canonical.REWARD_MEAN) is not None:
+        parts.append(f"reward {_fmt(m, canonical.REWARD_MEAN)} ± {_fmt(m, canonical.REWARD_STD)}")
+    parts.append(f"loss {_fmt(m, canonical.LOSS, '.4f')}")
+    for key, label, spec in (
+        (canonical.KL_REF, "kl/ref", ".4f"),
+        (canonical.ENTROPY, "entropy", ".3f"),
+    ):
+        if m.get(key) is not None:
+            parts.append(f"{label} {_fmt(m, key, spec)}")
+    parts += [f"{key} {_fmt(m, key, '.3g')}" for key in watched if m.get(key) is not None]
+    parts.append(f"grad {_fmt(m, 'actor/grad_norm', '.3g')} lr {_fmt(m, canonical.LR, '.2e')}")
+    parts.append(f"{_fmt(m, canonical.STEP_SECONDS, '.2f')}s")
+    return " │ ".join(parts)
+
+
 class Sinks:
     """Fan-out of step metrics, evaluations and samples to every configured sink."""
 
@@ -55,8 +81,10 @@ class Sinks:
         wandb_cfg: Any = None,
         experiment: str = "",
         config: dict[str, Any] | None = None,
+        watched: tuple[str, ...] = (),
     ) -> None:
         self.out_dir = out_dir
+        self.watched = watched  # the algorithm's own metrics its users watch (console only)
         self.console = console if "console" in sinks else None
         self.run_name = run_name
         self.tb: Any = None
@@ -98,15 +126,8 @@ class Sinks:
         }
         self._track(numeric, step)
         if self.console is not None:
-            m = metrics
             self.console.print(
-                f"[bold]{self.run_name}[/bold] step {step}: "
-                f"{_fmt(m, canonical.BATCH_PROMPTS, '.0f')} prompts → "
-                f"{_fmt(m, canonical.BATCH_RESPONSES, '.0f')} responses "
-                f"(mean len {_fmt(m, canonical.RESPONSE_LENGTH, '.1f')}) │ "
-                f"reward {_fmt(m, canonical.REWARD_MEAN)} ± {_fmt(m, canonical.REWARD_STD)} │ "
-                f"loss {_fmt(m, canonical.LOSS, '.4f')} │ kl/ref {_fmt(m, canonical.KL_REF, '.4f')} │ "
-                f"entropy {_fmt(m, canonical.ENTROPY)} │ {_fmt(m, canonical.STEP_SECONDS, '.2f')}s",
+                f"[bold]{self.run_name}[/bold] step {step}: {console_line(metrics, self.watched)}",
                 highlight=False,
             )
 

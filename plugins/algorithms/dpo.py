@@ -155,6 +155,7 @@ class DPO(Algorithm):
 
     Params = DPOParams
     params: DPOParams
+    watched_metrics = ("dpo/rewards/accuracy", "dpo/rewards/margin")
 
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:

@@ -175,6 +175,7 @@ class GRPO(Algorithm):
 
     Params = GRPOParams
     params: GRPOParams
+    watched_metrics = ("actor/clipfrac",)
 
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:

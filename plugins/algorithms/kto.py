@@ -123,6 +123,7 @@ class KTO(Algorithm):
 
     Params = KTOParams
     params: KTOParams
+    watched_metrics = ("kto/rewards/margin", "kto/z0")
     requirements = AlgorithmRequirements(reference=True, data="unpaired", entropy=False)
 
     def __init__(self, params: KTOParams | dict | None = None) -> None:

@@ -224,6 +224,7 @@ class PPO(Algorithm):
 
     Params = PPOParams
     params: PPOParams
+    watched_metrics = ("actor/clipfrac", "critic/vf_loss")
 
     def __init__(self, params: PPOParams | dict[str, Any] | None = None) -> None:
         super().__init__(params)

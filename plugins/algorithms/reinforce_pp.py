@@ -80,6 +80,7 @@ class ReinforcePlusPlus(Algorithm):
 
     Params = ReinforcePlusPlusParams
     params: ReinforcePlusPlusParams
+    watched_metrics = ("actor/clipfrac",)
 
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:

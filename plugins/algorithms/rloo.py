@@ -88,6 +88,7 @@ class RLOO(Algorithm):
 
     Params = RLOOParams
     params: RLOOParams
+    watched_metrics = ("actor/clipfrac",)
 
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:

@@ -96,6 +96,7 @@ class SimPO(Algorithm):
 
     Params = SimPOParams
     params: SimPOParams
+    watched_metrics = ("simpo/rewards/accuracy", "simpo/rewards/margin")
     requirements = AlgorithmRequirements(reference=False, data="preference", entropy=False)
 
     @hookimpl

@@ -11,8 +11,10 @@ import pytest
 from rich.console import Console
 
 from alignzoo.config.schema import WandbConfig
-from alignzoo.engine.sinks import Sinks
+from alignzoo.engine.sinks import Sinks, console_line
 from alignzoo.errors import UserError
+from alignzoo.plugins.algorithms.dpo import DPO
+from alignzoo.plugins.algorithms.ppo import PPO
 
 
 def test_jsonl_and_console_line(tmp_path: Path) -> None:
@@ -39,6 +41,32 @@ def test_jsonl_and_console_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard missing")
+def test_console_line_shows_what_each_algorithms_users_watch() -> None:
+    offline_dpo = {
+        "batch/prompts": 4.0,
+        "batch/responses": 8.0,
+        "response_length/mean": 5.0,
+        "loss": 0.69,
+        "kl/ref": 0.0012,
+        "entropy": 0.5,
+        "dpo/rewards/accuracy": 0.75,
+        "dpo/rewards/margin": 0.03,
+        "actor/grad_norm": 0.42,
+        "lr": 1e-4,
+        "timing/step": 0.1,
+    }
+    line = console_line(offline_dpo, DPO.watched_metrics)
+    assert "reward" not in line.split("│")[1]  # no "reward -" for an arm that is not scored
+    assert "dpo/rewards/accuracy 0.75" in line and "dpo/rewards/margin 0.03" in line
+    assert "kl/ref 0.0012" in line and "grad 0.42 lr 1.00e-04" in line
+    ppo = {**offline_dpo, "reward/mean": 0.3, "reward/std": 0.1, "actor/clipfrac": 0.05}
+    ppo["critic/vf_loss"] = 0.2
+    line = console_line(ppo, PPO.watched_metrics)
+    assert "reward 0.300 ± 0.100" in line
+    assert "actor/clipfrac 0.05" in line and "critic/vf_loss 0.2" in line
+    assert "kl/ref" not in console_line({k: v for k, v in ppo.items() if k != "kl/ref"})
+
+
 def test_tensorboard_sink_writes_events(tmp_path: Path) -> None:
     sinks = Sinks(tmp_path, ["jsonl", "tensorboard"], None, "r")
     sinks.step({"step": 1, "reward/mean": 0.5}, 1)
