@@ -69,6 +69,7 @@ class ArmRow:
     total: int
     final: list[float]  # one value per finished run that has the metric
     final_by_seed: dict[int, float]
+    start_by_seed: dict[int, float]  # the first evaluation (step 0) of each finished run
     summary: stats.Summary | None
     start_value: float | None
     best_step: int | None
@@ -121,6 +122,13 @@ def arm_row(
         total=max(planned or 0, len(runs)),
         final=values,
         final_by_seed={r.seed: v for r, v in finals if v is not None},
+        start_by_seed={
+            r.seed: v
+            for r in done
+            if r.evals
+            and int(r.evals[0].get("step", -1)) == 0
+            and (v := number(r.evals[0].get(key))) is not None
+        },
         summary=stats.mean_ci(values) if values else None,
         start_value=start_value,
         best_step=best_step,
@@ -264,6 +272,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks += _overview(exp)
     blocks += _arms_table(exp, rows)
     blocks += _comparisons(exp, rows)
+    blocks += _against_start(exp, rows)
     blocks += _health(exp.runs)
     blocks += _runs_table(exp)
     blocks.append(Block("h2", "Plots"))
@@ -486,6 +495,64 @@ def _comparisons(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
     return blocks
 
 
+def _against_start(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
+    """Did each arm learn? Its final value against its own start, seed by seed, all arms one
+    Holm family (the same tests and intervals as against the baseline)."""
+    key = exp.key
+    entries = []
+    for arm in exp.arms:
+        row = rows.get(arm)
+        if row is None:
+            continue
+        seeds = sorted(set(row.start_by_seed) & set(row.final_by_seed))
+        if len(seeds) >= 2:
+            start = [row.start_by_seed[s] for s in seeds]
+            entries.append(stats.ArmValues(arm, start, [row.final_by_seed[s] for s in seeds], True))
+    if not entries:
+        return []
+    found = stats.compare_arms(entries, baseline="start", metric=key, higher_is_better=exp.higher)
+    k = max(c.n_comparisons for c in found)
+    words = {
+        "better": "improved",
+        "worse": "got worse",
+        "no detectable difference": "no detectable change",
+    }
+    table = Block(
+        "table",
+        headers=[
+            "arm",
+            "seeds",
+            "start",
+            "final",
+            "change",
+            "95% CI" if k <= 1 else f"simultaneous 95% CI ({k} arms)",
+            "test",
+            "p (Holm)",
+            "verdict",
+        ],
+        rows=[
+            [
+                c.arm,
+                str(c.n_arm),
+                fmt(c.mean_baseline),
+                fmt(c.mean_arm),
+                fmt_signed(c.difference),
+                "n/a" if c.ci is None else f"{fmt_signed(c.ci[0])} to {fmt_signed(c.ci[1])}",
+                c.test or "n/a",
+                fmt_p(c.p_adjusted),
+                words.get(c.verdict, c.verdict),
+            ]
+            for c in found
+        ],
+    )
+    note = (
+        f"Each arm's final {key} against its own start (the evaluation at step 0), seed by "
+        f"seed: did training change it? The {k} arm(s) form one family, adjusted with Holm's "
+        "method, with the same choice of test and interval as the comparison with the baseline."
+    )
+    return [Block("h2", "Against its own start"), Block("p", note), table]
+
+
 def _health(runs: list[RunData]) -> list[Block]:
     """Every health warning of every run (each signal once per run)."""
     warnings = [(r, w) for r in runs for w in r.health]
@@ -564,6 +631,13 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
         return found
 
     band = f"line: mean over seeds; band: {plots.BAND}"
+
+    def absent(found: list[plots.Curve]) -> str:
+        """' No data: arm, arm.' for the arms a plot has no curve of."""
+        have = {c.arm for c in found}
+        missing = [a for a in arms if a not in have]
+        return f" No data: {', '.join(missing)}." if missing else ""
+
     eval_step = curves("eval", key, "step")
     if eval_step:
         plots.line_plot(
@@ -576,7 +650,11 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
             markers=True,
         )
         blocks.append(
-            Block("img", f"{key} against training step ({band}).", path="plots/eval_vs_step.png")
+            Block(
+                "img",
+                f"{key} against training step ({band}).{absent(eval_step)}",
+                path="plots/eval_vs_step.png",
+            )
         )
         eval_time = curves("eval", key, "time_s")
         if eval_time:
@@ -593,7 +671,7 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
                 Block(
                     "img",
                     f"{key} against training wall-clock ({band}; x: the mean time over seeds "
-                    "at which each evaluation step was reached).",
+                    f"at which each evaluation step was reached).{absent(eval_time)}",
                     path="plots/eval_vs_time.png",
                 )
             )
@@ -610,7 +688,8 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
         blocks.append(
             Block(
                 "img",
-                f"Training: {label} against step ({smoothed}{band}). {note}".rstrip(),
+                f"Training: {label} against step ({smoothed}{band}). {note}".rstrip()
+                + absent(found),
                 path=f"plots/{filename}",
             )
         )

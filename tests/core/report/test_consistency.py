@@ -132,6 +132,7 @@ def row(arm: str, by_seed: dict[int, float]) -> sections.ArmRow:
         total=len(by_seed),
         final=list(by_seed.values()),
         final_by_seed=by_seed,
+        start_by_seed={},
         summary=None,
         start_value=None,
         best_step=None,

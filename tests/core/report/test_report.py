@@ -118,9 +118,12 @@ def test_plots_exist_are_png_and_html_is_self_contained(experiment_dir: Builder)
         "train_response_length.png",
         "train_entropy.png",
     }
-    assert {p.name for p in (root / "plots").iterdir()} == expected
+    svgs = {name.replace(".png", ".svg") for name in expected}  # vector copies beside them
+    assert {p.name for p in (root / "plots").iterdir()} == expected | svgs
     for name in expected:
         assert valid_png(root / "plots" / name), name
+    for name in svgs:
+        assert (root / "plots" / name).read_text().lstrip().startswith("<?xml"), name
     md = (root / "report.md").read_text()
     for name in expected:
         assert f"(plots/{name})" in md
@@ -323,3 +326,41 @@ def test_seven_arms_are_one_family_adjusted_with_holm(experiment_dir: Builder) -
     assert lr0[6] == "worse" and lr0[5] == "< 0.0001"
     low, high = (float(x) for x in lr0[2].split(" to "))
     assert low < high < 0
+
+
+def test_each_arm_is_tested_against_its_own_start(experiment_dir: Builder) -> None:
+    # Every run starts at 0.1. Arm "up" ends 0.5-0.6 on all eight seeds (8 pairs: the exact
+    # sign-flip test can reach Holm's level for 2 arms), "flat" ends where it started.
+    root = experiment_dir(
+        finals={"up": [0.5, 0.55, 0.6, 0.52, 0.58, 0.51, 0.57, 0.53], "flat": [0.1] * 8}
+    )
+    write_report(root)
+    md = (root / "report.md").read_text()
+    part = md[md.index("## Against its own start") : md.index("## Health warnings")]
+    rows = {}
+    for line in part.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 9 and cells[0] not in ("arm", "---"):
+            rows[cells[0]] = cells
+    assert rows["up"][2] == "0.1" and rows["up"][8] == "improved"
+    assert rows["up"][6] == "sign-flip test, paired by seed"
+    assert rows["flat"][4] == "+0" and rows["flat"][8] == "no detectable change"
+    assert "2 arm(s) form one family" in part
+
+
+def test_a_plot_names_the_arms_it_has_no_data_for(experiment_dir: Builder) -> None:
+    root = experiment_dir(finals={"base": BASE[:2], "other": WORSE[:2]})
+    for seed in (0, 1):  # "other" has no reference model: its runs report no kl/ref
+        metrics = root / "other" / f"seed-{seed}" / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        metrics.write_text(
+            "".join(json.dumps({k: v for k, v in r.items() if k != "kl/ref"}) + "\n" for r in rows)
+        )
+    write_report(root)
+    md = (root / "report.md").read_text()
+    kl_caption = next(line for line in md.splitlines() if line.startswith("*Training: KL"))
+    assert "No data: other." in kl_caption
+    reward_caption = next(
+        line for line in md.splitlines() if line.startswith("*Training: training reward")
+    )
+    assert "No data" not in reward_caption
