@@ -3,7 +3,9 @@
 Each line shows the arm, seed, status (queued, running, finished, skipped, failed), progress
 against the budget with an ETA, and the latest training reward. Runs in worker processes write
 only to their folders, so the view reads ``status.json`` and the tail of ``metrics.jsonl`` once
-a second rather than receiving messages.
+a quarter of a second rather than receiving messages. When runs live in worker processes
+(``--jobs > 1``) the view also prints a line per finished evaluation, and the runner ends with
+:func:`print_summary`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,24 @@ from alignzoo.experiment.runfiles import read_status
 
 if TYPE_CHECKING:
     from alignzoo.experiment.runner import RunResult
+
+POLL_SECONDS = 0.25
+"""How often the view reads the run folders (often enough for short runs to move the bar)."""
+
+
+def print_summary(console: Any, run_dir: Path) -> None:
+    """The experiment's outcome as one table: per arm, seeds, start, final, change, verdict."""
+    from rich.table import Table
+
+    from alignzoo.report.sections import summary_rows
+
+    metric, rows = summary_rows(run_dir)
+    table = Table(title=f"{metric} (final: mean ± 95% CI over seeds; verdict: the report's)")
+    for header in ("arm", "seeds", "start", "final", "change", "verdict vs baseline"):
+        table.add_column(header)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
 
 
 def last_row(path: Path) -> dict[str, Any] | None:
@@ -49,6 +69,9 @@ class ProgressView:
         self.dirs = {(a, s): d for a, s, d in runs}
         self.running: set[tuple[str, int]] = set()
         self.started: set[tuple[str, int]] = set()
+        self.announce_evals = False  # set by the runner when runs live in worker processes
+        self.metric = spec.evaluation.metric
+        self.evals_seen: dict[tuple[str, int], int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         budget = spec.budget
@@ -130,6 +153,8 @@ class ProgressView:
             self.started.add(key)
             self.progress.start_task(task)
             self.progress.update(task, status="running")
+        if self.announce_evals:
+            self._announce_eval(key)
         row = last_row(self.dirs[key] / "metrics.jsonl")
         if row is None:
             return
@@ -142,10 +167,25 @@ class ProgressView:
             update["reward"] = f"reward {reward:.3f}"
         self.progress.update(self.tasks[key], **update)
 
+    def _announce_eval(self, key: tuple[str, int]) -> None:
+        """Print one line when a worker's run writes a new evaluation (its own console is off)."""
+        row = last_row(self.dirs[key] / "eval.jsonl")
+        if row is None or not isinstance(row.get("step"), int):
+            return
+        step = int(row["step"])
+        if self.evals_seen.get(key, -1) >= step:
+            return
+        self.evals_seen[key] = step
+        value = row.get(self.metric)
+        shown = f"{value:.4g}" if isinstance(value, (int, float)) else "n/a"
+        self.progress.console.print(
+            f"{key[0]} seed {key[1]} eval @ step {step}: {self.metric} {shown}", highlight=False
+        )
+
     def _refresh(self) -> None:
         for key in list(self.running):
             self._update(key)
 
     def _poll(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(POLL_SECONDS):
             self._refresh()

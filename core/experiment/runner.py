@@ -35,7 +35,7 @@ from alignzoo import provenance
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
-from alignzoo.experiment.progress import ProgressView
+from alignzoo.experiment.progress import ProgressView, print_summary
 from alignzoo.experiment.runfiles import EXPERIMENT_FILE, read_status, write_atomic
 
 RunFn = Callable[..., Any]
@@ -290,6 +290,7 @@ def run_experiment(
         highlight=False,
     )
     view = ProgressView(console, spec, planned)
+    view.announce_evals = jobs > 1 and len(todo) > 1  # the workers' own consoles are off
     try:
         with view:
             for result in results.values():
@@ -327,6 +328,8 @@ def run_experiment(
             highlight=False,
         )
     if report_paths:
+        if console is not None:
+            print_summary(console, out)
         say(f"report: {' and '.join(str(p) for p in report_paths)}", highlight=False)
     return ExperimentResult(out_dir=out, runs=ordered, failed=failed, report_paths=report_paths)
 

@@ -281,6 +281,57 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     return blocks, f"alignzoo report: {exp.name}"
 
 
+def summary_rows(run_dir: Path) -> tuple[str, list[list[str]]]:
+    """The compared metric and, per arm, the console summary's cells: arm, seeds finished,
+    start, final (mean ± 95% CI), change from the start and the verdict against the baseline."""
+    exp = _open(Path(run_dir))
+    planned = len(exp.spec.seeds) if exp.spec is not None else None
+    rows = {
+        arm: arm_row(arm, [r for r in exp.runs if r.arm == arm], exp.key, exp.higher, planned)
+        for arm in exp.arms
+    }
+    verdicts: dict[str, str] = {}
+    base = rows.get(exp.baseline)
+    entries = []
+    for arm in exp.arms:
+        if arm == exp.baseline or base is None or not rows[arm].final or not base.final:
+            continue
+        same = set(base.final_by_seed) == set(rows[arm].final_by_seed)
+        order = sorted(base.final_by_seed)
+        entries.append(
+            stats.ArmValues(
+                arm,
+                [base.final_by_seed[s] for s in order] if same else base.final,
+                [rows[arm].final_by_seed[s] for s in order] if same else rows[arm].final,
+                same and len(order) >= 2,
+            )
+        )
+    for c in stats.compare_arms(
+        entries, baseline=exp.baseline, metric=exp.key, higher_is_better=exp.higher
+    ):
+        verdicts[c.arm] = c.verdict
+    out = []
+    for arm in exp.arms:
+        row = rows[arm]
+        change = (
+            None
+            if row.summary is None or row.start_value is None
+            else row.summary.mean - row.start_value
+        )
+        verdict = "baseline" if arm == exp.baseline else verdicts.get(arm, "n/a")
+        out.append(
+            [
+                arm,
+                f"{row.finished}/{row.total}",
+                fmt(row.start_value),
+                fmt_summary(row.summary),
+                fmt_signed(change),
+                verdict,
+            ]
+        )
+    return exp.key, out
+
+
 def _overview(exp: _Experiment) -> list[Block]:
     """The experiment's setup (arms, seeds, budget, baseline, metric) and how far it got."""
     spec, runs = exp.spec, exp.runs

@@ -229,3 +229,23 @@ def test_a_killed_worker_fails_only_its_own_run(
     )
     assert not again.failed
     assert [r.skipped for r in again.runs] == [True, True, False, True]
+
+
+def test_parallel_workers_announce_evaluations_and_end_with_a_summary(
+    tmp_path: Path, log: Path
+) -> None:
+    console = Console(file=io.StringIO(), width=160, record=True)
+    loaded = loaded_of(arms={"grpo": 1e-4, "lr0": 0.0}, seeds=(0, 1))
+    result = run_experiment(
+        loaded, out_dir=tmp_path / "out", jobs=2, run_fn=fake_run_one, console=console
+    )
+    assert not result.failed
+    text = console.export_text()
+    metric = loaded.spec.evaluation.metric
+    for arm in ("grpo", "lr0"):
+        for seed in (0, 1):  # the last evaluation of every run is announced
+            steps = loaded.spec.budget.steps
+            assert f"{arm} seed {seed} eval @ step {steps}: {metric}" in text, text
+    summary = text[text.index("verdict vs baseline") :]
+    assert "grpo" in summary and "baseline" in summary
+    assert "worse" in summary  # lr0's verdict, as in the report
