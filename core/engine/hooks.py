@@ -198,12 +198,7 @@ class Hooks:
     # ------------------------------------------------------------------ lifecycle
     def on_run_start(self, run: RunContext) -> None:
         """Components set themselves up (models are loaded)."""
-        try:
-            self.pm.hook.on_run_start(run=run)
-        except (UserError, RunError):
-            raise
-        except Exception as exc:
-            raise RunError(f"on_run_start failed: {type(exc).__name__}: {exc}") from exc
+        self._call("on_run_start", run=run)
 
     def transform_batch(self, batch: RolloutBatch, run: RunContext) -> RolloutBatch:
         """Every ``transform_batch`` implementation in turn, each on the previous output.

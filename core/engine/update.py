@@ -33,17 +33,6 @@ def split_units(units: list[list[int]], size: int) -> list[list[int]]:
     return [[i for u in units[k : k + per] for i in u] for k in range(0, len(units), per)]
 
 
-def minibatch_context(batch: RolloutBatch, index: list[int], micro_batches: int) -> LossContext:
-    """The loss context of the optimizer step over ``batch``'s samples ``index``."""
-    idx = torch.as_tensor(index, dtype=torch.long)
-    return LossContext(
-        tokens=float(batch.response_mask[idx].sum()),
-        sequences=len(index),
-        groups=int(torch.unique(batch.group_ids[idx]).numel()),
-        micro_batches=micro_batches,
-    )
-
-
 def micro_step(
     learner: Learner,
     hooks: Hooks,
@@ -96,7 +85,7 @@ def update(
         for mb_index in split_units(order, minibatch):
             learner.optimizer.zero_grad(set_to_none=True)
             micros = split_units(mode.units(len(mb_index)), cfg.micro_batch_size)
-            context = minibatch_context(batch, mb_index, len(micros))
+            context = batch.select(mb_index).loss_context(micro_batches=len(micros))
             step_loss = 0.0
             weighted: dict[str, float] = defaultdict(float)
             for micro in micros:

@@ -263,11 +263,7 @@ def _open(run_dir: Path) -> _Experiment:
 def build_report(run_dir: Path) -> tuple[list[Block], str]:
     """Read the experiment folder, write the plots, and return the report's blocks and title."""
     exp = _open(Path(run_dir))
-    planned = len(exp.spec.seeds) if exp.spec is not None else None
-    rows = {
-        arm: arm_row(arm, [r for r in exp.runs if r.arm == arm], exp.key, exp.higher, planned)
-        for arm in exp.arms
-    }
+    rows = _arm_rows(exp)
     blocks = [Block("h1", f"Experiment {exp.name}")]
     blocks += _overview(exp)
     blocks += _arms_table(exp, rows)
@@ -281,35 +277,60 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     return blocks, f"alignzoo report: {exp.name}"
 
 
+def _arm_rows(exp: _Experiment) -> dict[str, ArmRow]:
+    """Every arm's :class:`ArmRow`, in the experiment's order."""
+    planned = len(exp.spec.seeds) if exp.spec is not None else None
+    return {
+        arm: arm_row(arm, [r for r in exp.runs if r.arm == arm], exp.key, exp.higher, planned)
+        for arm in exp.arms
+    }
+
+
+def _against_baseline(exp: _Experiment, rows: dict[str, ArmRow]) -> list[stats.Comparison | str]:
+    """Per non-baseline arm, in order: its comparison with the baseline (all arms one family;
+    seed by seed when both finished the same seeds), or why there is none yet."""
+    baseline, key = exp.baseline, exp.key
+    base_values = rows[baseline].final if baseline in rows else []
+    entries: list[stats.ArmValues | str] = []
+    for arm in exp.arms:
+        if arm == baseline:
+            continue
+        values = rows[arm].final
+        if not values or not base_values:
+            missing = arm if not values else baseline
+            why = "no finished run" if not rows[missing].finished else f"no finished run with {key}"
+            entries.append(f"{arm}: no comparison yet ({missing} has {why}).")
+            continue
+        base_seeds, arm_seeds = rows[baseline].final_by_seed, rows[arm].final_by_seed
+        if len(base_seeds) >= 2 and set(base_seeds) == set(arm_seeds):
+            # The same seeds in both arms: compare seed by seed.
+            order = sorted(base_seeds)
+            entries.append(
+                stats.ArmValues(
+                    arm, [base_seeds[s] for s in order], [arm_seeds[s] for s in order], True
+                )
+            )
+        else:
+            entries.append(stats.ArmValues(arm, base_values, values, False))
+    found = iter(
+        stats.compare_arms(
+            [e for e in entries if isinstance(e, stats.ArmValues)],
+            baseline=baseline,
+            metric=key,
+            higher_is_better=exp.higher,
+        )
+    )
+    return [e if isinstance(e, str) else next(found) for e in entries]
+
+
 def summary_rows(run_dir: Path) -> tuple[str, list[list[str]]]:
     """The compared metric and, per arm, the console summary's cells: arm, seeds finished,
     start, final (mean ± 95% CI), change from the start and the verdict against the baseline."""
     exp = _open(Path(run_dir))
-    planned = len(exp.spec.seeds) if exp.spec is not None else None
-    rows = {
-        arm: arm_row(arm, [r for r in exp.runs if r.arm == arm], exp.key, exp.higher, planned)
-        for arm in exp.arms
+    rows = _arm_rows(exp)
+    verdicts = {
+        c.arm: c.verdict for c in _against_baseline(exp, rows) if isinstance(c, stats.Comparison)
     }
-    verdicts: dict[str, str] = {}
-    base = rows.get(exp.baseline)
-    entries = []
-    for arm in exp.arms:
-        if arm == exp.baseline or base is None or not rows[arm].final or not base.final:
-            continue
-        same = set(base.final_by_seed) == set(rows[arm].final_by_seed)
-        order = sorted(base.final_by_seed)
-        entries.append(
-            stats.ArmValues(
-                arm,
-                [base.final_by_seed[s] for s in order] if same else base.final,
-                [rows[arm].final_by_seed[s] for s in order] if same else rows[arm].final,
-                same and len(order) >= 2,
-            )
-        )
-    for c in stats.compare_arms(
-        entries, baseline=exp.baseline, metric=exp.key, higher_is_better=exp.higher
-    ):
-        verdicts[c.arm] = c.verdict
     out = []
     for arm in exp.arms:
         row = rows[arm]
@@ -414,40 +435,9 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
 def _comparisons(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
     """Each arm against the baseline, all arms one family: difference, the deciding test's
     simultaneous CI, raw and Holm-adjusted p, verdict, seeds to detect."""
-    baseline, key = exp.baseline, exp.key
+    baseline = exp.baseline
     blocks = [Block("h2", f"Against the baseline ({baseline})")]
-    base_values = rows[baseline].final if baseline in rows else []
-    # One entry per arm, in the experiment's order: what to compare, or why there is nothing.
-    entries: list[stats.ArmValues | str] = []
-    for arm in exp.arms:
-        if arm == baseline:
-            continue
-        values = rows[arm].final
-        if not values or not base_values:
-            missing = arm if not values else baseline
-            why = "no finished run" if not rows[missing].finished else f"no finished run with {key}"
-            entries.append(f"{arm}: no comparison yet ({missing} has {why}).")
-            continue
-        base_seeds, arm_seeds = rows[baseline].final_by_seed, rows[arm].final_by_seed
-        if len(base_seeds) >= 2 and set(base_seeds) == set(arm_seeds):
-            # The same seeds in both arms: compare seed by seed.
-            order = sorted(base_seeds)
-            entries.append(
-                stats.ArmValues(
-                    arm, [base_seeds[s] for s in order], [arm_seeds[s] for s in order], True
-                )
-            )
-        else:
-            entries.append(stats.ArmValues(arm, base_values, values, False))
-    found = iter(
-        stats.compare_arms(
-            [e for e in entries if isinstance(e, stats.ArmValues)],
-            baseline=baseline,
-            metric=key,
-            higher_is_better=exp.higher,
-        )
-    )
-    comparisons = [e if isinstance(e, str) else next(found) for e in entries]
+    comparisons = _against_baseline(exp, rows)
     done = [c for c in comparisons if isinstance(c, stats.Comparison)]
     k = max((c.n_comparisons for c in done), default=0)
     alpha = stats.ALPHA

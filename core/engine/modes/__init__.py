@@ -159,33 +159,33 @@ class DataMode:
         return sampled, sampled
 
 
-def select_mode(requirements: AlgorithmRequirements, online: bool) -> DataMode:
-    """The data mode for an algorithm's data kind, sampled online or read offline."""
+def _mode_classes() -> dict[tuple[str, bool], type[DataMode]]:
+    """(data kind, online) -> the mode: the one table of data modes."""
     from alignzoo.engine.modes import preference, samples, unpaired
 
-    modes: dict[tuple[str, bool], type[DataMode]] = {
+    return {
         ("online", True): samples.OnlineSamples,
-        ("online", False): samples.OnlineSamples,
         ("preference", True): preference.OnlinePairs,
         ("preference", False): preference.OfflinePreference,
         ("unpaired", True): unpaired.OnlineUnpaired,
         ("unpaired", False): unpaired.OfflineUnpaired,
     }
+
+
+def select_mode(requirements: AlgorithmRequirements, online: bool) -> DataMode:
+    """The data mode for an algorithm's data kind, sampled online or read offline (online data
+    is always sampled)."""
     key = (requirements.data, online or requirements.data == "online")
+    modes = _mode_classes()
     if key not in modes:
         raise RunError(f"no data mode for data kind {requirements.data!r}")
     return modes[key]()
 
 
 def required_columns(kind: str) -> tuple[str, ...]:
-    """The columns a data file of ``kind`` (online, preference, unpaired) must have."""
-    from alignzoo.engine.modes import preference, samples, unpaired
-
-    by_kind: dict[str, type[DataMode]] = {
-        "online": samples.OnlineSamples,
-        "preference": preference.OfflinePreference,
-        "unpaired": unpaired.OfflineUnpaired,
-    }
-    if kind not in by_kind:
-        raise ValueError(f"mode must be one of {', '.join(by_kind)}, got {kind!r}")
-    return by_kind[kind].columns
+    """The columns a data file of ``kind`` (online, preference, unpaired) must have: those of
+    the mode that reads such a file (the online one for prompts, the offline one otherwise)."""
+    mode = _mode_classes().get((kind, kind == "online"))
+    if mode is None:
+        raise ValueError(f"mode must be one of online, preference, unpaired, got {kind!r}")
+    return mode.columns

@@ -44,7 +44,6 @@ from alignzoo.report import stats
 from alignzoo.world.task import make_examples
 
 SEEDS = [0, 1, 2, 3, 4, 5, 6]
-COMPARISONS = 2  # grpo_again and lr0 against the baseline grpo: one Holm family
 STEPS = 60
 # The warm start's own task. Its eval split (20 prompts the warm start never trains on) is what
 # GRPO trains and is evaluated on.
@@ -84,6 +83,9 @@ SPEC = {
         "lr0": {"algorithm": "grpo", "training": {"lr": 0.0}},
     },
 }
+
+
+COMPARISONS = len(SPEC["arms"]) - 1  # every arm but the baseline: one Holm family
 
 
 def held_out_prompts() -> list[dict[str, str]]:
