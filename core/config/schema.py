@@ -62,6 +62,15 @@ class EmbeddedModelConfig(_Strict):
     sft_steps: int = Field(800, ge=0)
     sft_lr: float = Field(3e-3, gt=0)
     sft_batch_size: PositiveInt = 64
+    sft_slip: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Probability that a warm-start demonstration of a prompt whose units column "
+        "carries (+) or borrows (-) drops the carry or borrow, as a sloppy teacher would: "
+        "the warm-started policy then answers such prompts wrongly when greedy but still "
+        "samples the right answer, which is what RL from a verifier can fix.",
+    )
     seed: int = 0
 
 

@@ -147,6 +147,51 @@ def is_correct(response: str, answer: str) -> bool:
     return got is not None and got == want
 
 
+def _operands(prompt: str) -> tuple[int, str, int] | None:
+    match = re.fullmatch(r"(\d+)([+*-])(\d+)=", prompt)
+    return (int(match[1]), match[2], int(match[3])) if match else None
+
+
+def slipped_answer(prompt: str) -> str | None:
+    """The answer a sloppy teacher writes when it drops the units column's carry or borrow.
+
+    ``"37+45="`` -> ``"72"`` (the carry of 7+5 forgotten), ``"52-37="`` -> ``"25"`` (the borrow
+    of 2-7 forgotten); ``None`` when the units column has no carry or borrow (the slip cannot
+    happen) or the prompt is not an addition or subtraction.
+    """
+    parsed = _operands(prompt)
+    if parsed is None:
+        return None
+    a, op, b = parsed
+    if op == "+" and a % 10 + b % 10 >= 10:
+        return str(a + b - 10)
+    if op == "-" and a % 10 < b % 10:
+        return str(a - b + 10)
+    return None
+
+
+def teacher_demonstrations(
+    examples: list[dict[str, str]], slip: float, seed: int
+) -> tuple[list[dict[str, str]], int]:
+    """The warm start's demonstrations: ``examples`` as a teacher who slips with probability
+    ``slip`` on every prompt where :func:`slipped_answer` can happen would write them.
+
+    Returns the demonstrations and how many of them are slips. Deterministic from ``seed``;
+    ``slip == 0`` returns the examples unchanged.
+    """
+    rng = random.Random(f"teacher/{seed}")
+    out: list[dict[str, str]] = []
+    slips = 0
+    for ex in examples:
+        wrong = slipped_answer(ex["prompt"])
+        if wrong is not None and rng.random() < slip:
+            out.append({"prompt": ex["prompt"], "answer": wrong})
+            slips += 1
+        else:
+            out.append(ex)
+    return out, slips
+
+
 def wrong_answer(prompt: str, answer: str) -> str:
     """A plausible wrong answer to ``prompt``: off by a small amount, the same on every call.
 

@@ -9,6 +9,10 @@ processes asking for the same key at once build it once.
 
 The warm start is teacher forcing on ``prompt + answer + EOS`` with the loss on the answer and
 EOS tokens only (AdamW, short linear warm-up then cosine decay), seeded by the config's seed.
+Its demonstrations come from :func:`~alignzoo.world.task.teacher_demonstrations`: with
+``sft_slip > 0`` a share of the carrying/borrowing prompts show the answer with the units carry
+(or borrow) dropped, so the policy starts with a wrong greedy answer that it still samples the
+right answer to now and then, which RL from the verifier can train it out of.
 The greedy exact match on the eval split is measured and stored in the folder's
 ``alignzoo_world.json``.
 """
@@ -32,7 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from alignzoo.config.schema import EmbeddedModelConfig, ModelConfig, TaskConfig
 from alignzoo.errors import UserError
 from alignzoo.world.model import METADATA_FILE, build_model, save_policy
-from alignzoo.world.task import is_correct, make_examples
+from alignzoo.world.task import is_correct, make_examples, teacher_demonstrations
 from alignzoo.world.tokenizer import build_tokenizer
 
 FORMAT_VERSION = 1
@@ -128,7 +132,10 @@ def _build(cfg: EmbeddedModelConfig, task: TaskConfig, folder: Path, log: Callab
     start = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(cfg, tokenizer)
-    final_loss = supervised_warm_start(model, tokenizer, make_examples(task, "train"), cfg, log)
+    demonstrations, slips = teacher_demonstrations(
+        make_examples(task, "train"), cfg.sft_slip, cfg.seed
+    )
+    final_loss = supervised_warm_start(model, tokenizer, demonstrations, cfg, log)
     eval_examples = make_examples(task, "eval")
     exact = greedy_exact_match(model, tokenizer, eval_examples, _max_answer_tokens(eval_examples))
     seconds = time.perf_counter() - start
@@ -138,6 +145,8 @@ def _build(cfg: EmbeddedModelConfig, task: TaskConfig, folder: Path, log: Callab
         "task": task.model_dump(mode="json"),
         "parameters": sum(p.numel() for p in model.parameters()),
         "sft_final_loss": final_loss,
+        "sft_slipped_demonstrations": slips,
+        "sft_demonstrations": len(demonstrations),
         "eval_exact_match": exact,
         "eval_size": len(eval_examples),
         "build_seconds": round(seconds, 1),

@@ -15,6 +15,8 @@ from alignzoo.world.task import (
     extract_answer,
     is_correct,
     make_examples,
+    slipped_answer,
+    teacher_demonstrations,
     wrong_answer,
 )
 
@@ -123,3 +125,46 @@ def test_wrong_answer_is_near_wrong_and_stable(a, b, op):
     assert wrong != answer and not is_correct(wrong, answer)
     assert 1 <= abs(int(wrong) - int(answer)) <= 10
     assert int(wrong) >= 0
+
+
+@given(st.integers(0, 99), st.integers(0, 99))
+def test_slipped_answer_drops_the_units_carry_or_borrow(a, b):
+    plus = slipped_answer(f"{a}+{b}=")
+    if a % 10 + b % 10 >= 10:
+        assert plus == str(a + b - 10)  # the tens digit written without the carry
+        assert plus[-1] == str(a + b)[-1] and plus != str(a + b)
+    else:
+        assert plus is None
+    hi, lo = max(a, b), min(a, b)
+    minus = slipped_answer(f"{hi}-{lo}=")
+    if hi % 10 < lo % 10:
+        assert minus == str(hi - lo + 10) and minus[-1] == str(hi - lo)[-1]
+    else:
+        assert minus is None
+    assert slipped_answer(f"{a}*{b}=") is None
+    assert slipped_answer("not a prompt") is None
+
+
+def test_teacher_demonstrations_slip_only_where_a_carry_is_dropped():
+    examples = make_examples(TaskConfig(digits=2, train_size=2000, eval_size=20), "train")
+    carrying = [ex for ex in examples if slipped_answer(ex["prompt"]) is not None]
+    assert 0.3 < len(carrying) / len(examples) < 0.6  # about 45% of 2-digit sums carry
+
+    same, slips = teacher_demonstrations(examples, 0.0, seed=0)
+    assert same == examples and slips == 0
+
+    every, slips = teacher_demonstrations(examples, 1.0, seed=0)
+    assert slips == len(carrying)
+    for ex, demo in zip(examples, every, strict=True):
+        assert demo["prompt"] == ex["prompt"]
+        wrong = slipped_answer(ex["prompt"])
+        assert demo["answer"] == (wrong if wrong is not None else ex["answer"])
+
+    some, slips = teacher_demonstrations(examples, 0.7, seed=3)
+    assert abs(slips / len(carrying) - 0.7) < 0.06
+    assert teacher_demonstrations(examples, 0.7, seed=3) == (some, slips)  # deterministic
+    assert teacher_demonstrations(examples, 0.7, seed=4)[0] != some
+    wrong = [d for d, ex in zip(some, examples, strict=True) if d != ex]
+    assert len(wrong) == slips and all(
+        not is_correct(d["answer"], compute_answer(*_parse(d["prompt"]))) for d in wrong
+    )
