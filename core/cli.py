@@ -115,6 +115,14 @@ def run(
             raise UserError(
                 f"--seeds repeats {', '.join(map(str, repeated))}; seeds must be distinct"
             )
+        from alignzoo.config.schema import MAX_SEED
+
+        outside = [s for s in seed_list if not 0 <= s <= MAX_SEED]
+        if outside:
+            raise UserError(
+                f"--seeds {', '.join(map(str, outside))}: outside 0 .. {MAX_SEED} (what numpy "
+                "and torch both accept)"
+            )
         loaded.spec = loaded.spec.model_copy(update={"seeds": seed_list})
     result = run_experiment(loaded, out_dir=out, resume=resume, jobs=jobs, console=console)
     if result.failed:
@@ -287,6 +295,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _print_error(exc)
         return exc.exit_code
+    except Exception as exc:  # a bug: one line without --debug, the traceback with it
+        if _state["debug"]:
+            raise
+        err_console.print("[red]internal error:[/red] ", end="")
+        err_console.print(
+            f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback, and please "
+            "report it)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 1
     return 0
 
 

@@ -96,6 +96,12 @@ class Labeler(Component):
     """
 
     kind = "labeler"
+    marks_correct: ClassVar[bool | None] = None
+    """Whether every Score it returns says ``info["correct"]`` (what ``eval/exact_match`` and
+    ``pass@k`` count): True for a verifier such as the arithmetic rule, False for a labeler
+    that only scores (a reward model), None when it depends on its params or is not declared.
+    ``alignzoo validate`` refuses ``evaluation.metric: exact_match`` for an arm whose labeler
+    says False."""
 
     def score(self, request: LabelRequest) -> Score:
         """Score one response to one prompt (called by the default ``score_batch``)."""

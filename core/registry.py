@@ -23,6 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 import pluggy
+from pydantic import BaseModel
 
 from alignzoo import hookspecs
 from alignzoo.errors import (
@@ -144,14 +145,23 @@ class Registry:
         assert entry.component is not None
         return entry.component
 
+    def describe(self, kind: str, name: str) -> str:
+        """``kind 'name' (module:Class, from distribution version)``, for messages."""
+        entry = self._entries.get((kind, name))
+        return entry.describe() if entry is not None else f"{kind} {name!r}"
+
     def load(self, entry: ComponentEntry) -> None:
         """Import an entry's component, recording (not raising) any failure in ``entry.error``."""
         if entry.component is not None or entry.error is not None or entry.entry_point is None:
             return
         try:
             obj: Any = entry.entry_point.load()
-        except Exception as exc:  # a broken plugin must not take the others down
-            entry.error = f"{type(exc).__name__}: {exc}"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit too: a broken plugin must not take
+            # the others (or the command) down
+            what = "called sys.exit" if isinstance(exc, SystemExit) else type(exc).__name__
+            entry.error = f"importing it raised {what}: {exc}"
             return
         try:
             self._check_component(entry, obj)
@@ -176,6 +186,11 @@ class Registry:
             raise PluginLoadError(
                 f"{entry.target} is a {component.kind or 'component without kind'}, "
                 f"but is registered as {entry.kind} {entry.name!r}"
+            )
+        params = getattr(component, "Params", None)
+        if not (isinstance(params, type) and issubclass(params, BaseModel)):
+            raise PluginLoadError(
+                f"{entry.target}.Params must be a pydantic BaseModel subclass, got {params!r}"
             )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -68,8 +69,84 @@ def _index_node(node: yaml.Node, path: Path_, index: _LineIndex, issues: list[st
             _index_node(item, (*path, i), index, issues)
 
 
+MAX_FILE_BYTES = 1 << 20
+"""An experiment file is a few kilobytes; anything above 1 MiB is refused unread."""
+MAX_NODES = 100_000
+"""The most YAML nodes a file may expand to, aliases counted at every use (an alias bomb)."""
+MAX_DEPTH = 64
+"""The deepest nesting of mappings and sequences a file may have."""
+
+
+def _check_size(node: yaml.Node, file: str) -> None:
+    """Refuse documents that expand to more than MAX_NODES nodes or nest beyond MAX_DEPTH.
+
+    Aliases share their node in the composed graph, so the expanded size is counted once per
+    distinct node (memoised) while the count itself is what every later walk would visit.
+    """
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, int, bool]] = [(node, 1, False)]
+    while stack:
+        current, depth, children_done = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        file,
+                        current.start_mark.line + 1,
+                        "",
+                        f"nested more than {MAX_DEPTH} levels deep; an experiment file needs "
+                        "a handful",
+                    )
+                ]
+            )
+        if isinstance(current, yaml.MappingNode):
+            children = [n for pair in current.value for n in pair]
+        elif isinstance(current, yaml.SequenceNode):
+            children = list(current.value)
+        else:
+            sizes[id(current)] = 1
+            continue
+        if id(current) in sizes:
+            continue
+        if not children_done:
+            stack.append((current, depth, True))
+            stack += [(c, depth + 1, False) for c in children if id(c) not in sizes]
+            continue
+        total = 1 + sum(sizes.get(id(c), 1) for c in children)
+        if total > MAX_NODES:
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        file,
+                        current.start_mark.line + 1,
+                        "",
+                        f"expands to more than {MAX_NODES} values (aliases are counted at every "
+                        "use); an experiment file needs a few hundred",
+                    )
+                ]
+            )
+        sizes[id(current)] = total
+
+
+def _non_finite(data: Any, path: Path_ = ()) -> list[Path_]:
+    """Dotted paths of every float in ``data`` that is inf or nan."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return [path]
+    if isinstance(data, dict):
+        return [p for k, v in data.items() for p in _non_finite(v, (*path, k))]
+    if isinstance(data, list):
+        return [p for i, v in enumerate(data) for p in _non_finite(v, (*path, i))]
+    return []
+
+
 def read_yaml(path: str | Path) -> tuple[dict[str, Any], _LineIndex]:
-    """Parse a YAML mapping and index its lines; raise UserError/ConfigError on any problem."""
+    """Parse a YAML mapping and index its lines; raise UserError/ConfigError on any problem.
+
+    Bounded: a file above :data:`MAX_FILE_BYTES`, a document expanding to more than
+    :data:`MAX_NODES` values (an alias bomb) or nesting deeper than :data:`MAX_DEPTH` is
+    refused with a message, before anything walks it. Non-finite numbers (``.inf``, ``.nan``)
+    are refused wherever they are written.
+    """
     file = str(path)
     p = Path(path)
     if not p.exists():
@@ -77,6 +154,12 @@ def read_yaml(path: str | Path) -> tuple[dict[str, Any], _LineIndex]:
     if p.is_dir():
         raise UserError(f"expected an experiment YAML file, got a directory: {file}")
     try:
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise UserError(
+                f"{file}: {size} bytes; an experiment file may have at most {MAX_FILE_BYTES} "
+                "(is this the right file?)"
+            )
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(
@@ -86,12 +169,18 @@ def read_yaml(path: str | Path) -> tuple[dict[str, Any], _LineIndex]:
         raise UserError(f"cannot read experiment file {file}: {exc.strerror or exc}") from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            _check_size(node, file)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError([ConfigIssue(file, line, "", f"YAML syntax error: {problem}")]) from None
+    except RecursionError:
+        raise ConfigError(
+            [ConfigIssue(file, None, "", f"nested more than {MAX_DEPTH} levels deep")]
+        ) from None
     if not isinstance(data, dict):
         found = "an empty file" if data is None else f"a {type(data).__name__}"
         raise ConfigError(
@@ -114,6 +203,20 @@ def read_yaml(path: str | Path) -> tuple[dict[str, Any], _LineIndex]:
                 )
             )
         raise ConfigError(issues)
+    bad = _non_finite(data)
+    if bad:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    file,
+                    index.line_of(where),
+                    ".".join(map(str, where)),
+                    "not a finite number (.inf and .nan make a run meaningless); give a "
+                    "finite value",
+                )
+                for where in bad
+            ]
+        )
     return data, index
 
 
@@ -291,9 +394,94 @@ def load_experiment(
             arm_name, arm, registry, file, index, fallbacks
         )
         issues += arm_issues
+    issues += _check_eval_metric(spec, components, file, index)
+    issues += _check_model_paths(spec, file, index, fallbacks)
     if issues:
         raise ConfigError(issues)
     return LoadedExperiment(spec=spec, source=file, components=components)
+
+
+def _looks_local(value: str) -> bool:
+    """A path rather than a hub id ('org/name'): absolute, relative with ./ or ../, ~, or
+    more than one '/'."""
+    return value.startswith(("/", "./", "../", "~", ".\\")) or value.count("/") > 1
+
+
+def _check_model_paths(
+    spec: ExperimentSpec, file: str, index: _LineIndex, fallbacks: dict[Path_, Path_]
+) -> list[ConfigIssue]:
+    """Every local model folder an arm names exists (hub ids cannot be checked offline)."""
+    issues: dict[str, ConfigIssue] = {}
+    for arm_name, arm in spec.arms.items():
+        for field_name in ("policy", "reward_model"):
+            value = getattr(arm.model, field_name)
+            if not value or value == "embedded" or not _looks_local(value):
+                continue
+            folder = Path(value).expanduser()
+            if folder.is_dir():
+                continue
+            at: Path_ = ("arms", arm_name, "model", field_name)
+            line = index.lines.get(at) or index.lines.get(("model", field_name))
+            state = "is a file, not a model folder" if folder.exists() else "does not exist"
+            issues.setdefault(
+                f"{field_name}:{value}",
+                ConfigIssue(
+                    file,
+                    line or index.line_of(at),
+                    f"model.{field_name}",
+                    f"{value!r} {state} (a folder written by save_pretrained is expected)",
+                ),
+            )
+    return list(issues.values())
+
+
+def _check_eval_metric(
+    spec: ExperimentSpec,
+    components: dict[str, dict[str, Component]],
+    file: str,
+    index: _LineIndex,
+) -> list[ConfigIssue]:
+    """``evaluation.metric`` is one that evaluation produces for every arm's labeler."""
+    from alignzoo import metrics as canonical
+
+    ev = spec.evaluation
+    metric = ev.metric if "/" in ev.metric else f"eval/{ev.metric}"
+    where: Path_ = ("evaluation", "metric")
+    line = index.line_of(where)
+    counted = [canonical.EVAL_EXACT_MATCH] + ([f"eval/pass@{ev.pass_at_k}"] if ev.pass_at_k else [])
+    known = [canonical.EVAL_SCORE, canonical.EVAL_RESPONSE_LENGTH, *counted]
+    if metric not in known:
+        hint = difflib.get_close_matches(metric, known, n=1, cutoff=0.6)
+        return [
+            ConfigIssue(
+                file,
+                line,
+                "evaluation.metric",
+                f"evaluation produces no metric {ev.metric!r}"
+                + (f"; did you mean {hint[0]!r}?" if hint else "")
+                + f" (it produces {', '.join(known)}"
+                + ("" if ev.pass_at_k else "; eval/pass@k with evaluation.pass_at_k set")
+                + ")",
+            )
+        ]
+    if metric != canonical.EVAL_EXACT_MATCH:
+        return []
+    scorers = [
+        arm
+        for arm, built in components.items()
+        if getattr(built.get("labeler"), "marks_correct", None) is False
+    ]
+    if not scorers:
+        return []
+    return [
+        ConfigIssue(
+            file,
+            line,
+            "evaluation.metric",
+            f"exact_match counts the responses a labeler marks correct, and the labeler of "
+            f"arm(s) {', '.join(scorers)} only scores; compare on 'score' instead",
+        )
+    ]
 
 
 def _build_components(
@@ -330,7 +518,33 @@ def _build_components(
                 exc, cls.Params, file, index, (*base, "params"), fallbacks
             )
             continue
-        built[field_path] = cls(params)
+        bad = _non_finite(params.model_dump(mode="python"))
+        if bad:
+            for inner in bad:
+                at = (*base, "params", *inner)
+                issues.append(
+                    ConfigIssue(
+                        file,
+                        index.line_of(at),
+                        ".".join(map(str, at)),
+                        "not a finite number (.inf and .nan make a run meaningless)",
+                    )
+                )
+            continue
+        try:
+            built[field_path] = cls(params)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a plugin's constructor, even sys.exit
+            issues.append(
+                ConfigIssue(
+                    file,
+                    index.line_of(base),
+                    ".".join(map(str, base)),
+                    f"constructing {registry.describe(kind, ref.name)} raised "
+                    f"{type(exc).__name__}: {exc}",
+                )
+            )
     algorithm = built.get("algorithm")
     if arm.online is False and algorithm is not None:
         from alignzoo.engine.hooks import Hooks

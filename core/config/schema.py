@@ -8,6 +8,7 @@ fields shared by every arm. Loading and error reporting live in :mod:`alignzoo.c
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -25,7 +26,8 @@ from alignzoo.types import SamplingParams
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No inf/nan anywhere, also not from a string such as "1e999" that parses to inf.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ComponentRef(_Strict):
@@ -235,6 +237,22 @@ class ArmSpec(_Strict):
         return refs
 
 
+MAX_NAME = 100
+MAX_SEED = 2**32 - 1
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def safe_name(name: str, what: str) -> str:
+    """``name`` if it is a safe file name (one path component, never ``.`` or ``..``), else
+    ValueError saying what is allowed."""
+    if len(name) > MAX_NAME or not _SAFE_NAME.fullmatch(name):
+        raise ValueError(
+            f"{what} {name!r} must be a plain folder name: letters, digits, '_', '.', '-', "
+            f"starting with a letter, digit or '_', at most {MAX_NAME} characters"
+        )
+    return name
+
+
 class ExperimentSpec(_Strict):
     """An A/B experiment: arms trained under the same seeds, budget, data and evaluation.
 
@@ -242,7 +260,10 @@ class ExperimentSpec(_Strict):
     merged into every arm before validation; arms override single fields.
     """
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Used as the run folder name.")
+    name: str = Field(
+        description="Used as the run folder name: letters, digits, '_', '.', '-' (at most "
+        f"{MAX_NAME} characters), starting with a letter, digit or '_'."
+    )
     description: str = ""
     seeds: list[StrictInt] = Field(min_length=1, description="Every arm runs once per seed.")
     baseline: str | None = Field(
@@ -260,14 +281,16 @@ class ExperimentSpec(_Strict):
     output_dir: str = "runs"
     arms: dict[str, ArmSpec] = Field(min_length=1)
 
+    @field_validator("name")
+    @classmethod
+    def _experiment_name(cls, name: str) -> str:
+        return safe_name(name, "experiment name")
+
     @field_validator("arms")
     @classmethod
     def _arm_names(cls, arms: dict[str, ArmSpec]) -> dict[str, ArmSpec]:
         for name in arms:
-            if not name or any(c in name for c in "/\\ ,") or name.startswith("."):
-                raise ValueError(
-                    f"arm name {name!r} must be a plain folder name (no '/', ',', spaces)"
-                )
+            safe_name(str(name), "arm name")
         return arms
 
     @field_validator("seeds")
@@ -275,6 +298,11 @@ class ExperimentSpec(_Strict):
     def _unique_seeds(cls, seeds: list[int]) -> list[int]:
         if len(set(seeds)) != len(seeds):
             raise ValueError("seeds must be distinct")
+        for seed in seeds:
+            if not 0 <= seed <= MAX_SEED:
+                raise ValueError(
+                    f"seed {seed} is outside 0 .. {MAX_SEED} (what numpy and torch both accept)"
+                )
         return seeds
 
     @model_validator(mode="after")

@@ -143,6 +143,105 @@ def _prune(ckpt_dir: Path, keep: str) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+_STATE_KEYS = ("step", "samples", "time_s", "sampler", "run_state", "rng")
+
+
+class CheckpointError(Exception):
+    """A checkpoint folder that cannot be resumed from; the message names the file and why."""
+
+
+def _read_state(folder: Path) -> dict[str, Any]:
+    path = folder / "state.json"
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not readable JSON ({exc})") from None
+    if not isinstance(meta, dict) or any(k not in meta for k in _STATE_KEYS):
+        missing = [k for k in _STATE_KEYS if not isinstance(meta, dict) or k not in meta]
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}")
+    if not isinstance(meta["step"], int) or meta["step"] < 0:
+        raise CheckpointError(f"{path}: step must be a non-negative integer, got {meta['step']!r}")
+    return meta
+
+
+def _check_weights(path: Path) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                handle.get_tensor(key)  # reads every byte: a truncated file fails here
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+
+
+def _read_trainer(folder: Path) -> dict[str, Any]:
+    path = folder / "trainer.pt"
+    try:
+        trainer = torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as exc:  # torch raises many kinds for a damaged or foreign file
+        raise CheckpointError(f"{path} is not a readable trainer state ({exc})") from None
+    need = ("optimizer", "scheduler", "torch_rng", "components")
+    if not isinstance(trainer, dict) or any(k not in trainer for k in need):
+        raise CheckpointError(f"{path} lacks the optimizer, scheduler, RNG or component state")
+    return trainer
+
+
+def check_checkpoint(folder: Path, critic: bool) -> None:
+    """Raise :class:`CheckpointError` unless every file of ``folder`` reads back whole.
+
+    Reads state.json, every tensor of actor.safetensors (and critic.safetensors when the run
+    has a critic) and trainer.pt, without touching any model: a checkpoint that passes can be
+    loaded, one that fails is never half-applied.
+    """
+    _read_state(folder)
+    _check_weights(folder / "actor.safetensors")
+    if critic:
+        _check_weights(folder / "critic.safetensors")
+    _read_trainer(folder)
+
+
+@dataclass
+class ResumePoint:
+    """Where a run resumes: the newest usable checkpoint, and the newer ones that were not."""
+
+    folder: Path | None
+    unusable: list[tuple[Path, str]] = field(default_factory=list)
+
+    @property
+    def written(self) -> bool:
+        """True when the run ever completed a checkpoint (usable or not)."""
+        return self.folder is not None or bool(self.unusable)
+
+
+def find_resume_point(ckpt_dir: Path, critic: bool) -> ResumePoint:
+    """The newest checkpoint of ``ckpt_dir`` that :func:`check_checkpoint` accepts.
+
+    Complete checkpoints are the ``step-*`` folders (only complete ones are renamed into
+    place), tried newest first; each one that fails is listed in ``unusable`` with its
+    reason. ``folder`` is None when none is usable (or none was ever written).
+    """
+    point = ResumePoint(None)
+    if not ckpt_dir.is_dir():
+        return point
+    complete = sorted((p for p in ckpt_dir.glob("step-*") if p.is_dir()), reverse=True)
+    for folder in complete:
+        try:
+            check_checkpoint(folder, critic)
+        except CheckpointError as exc:
+            point.unusable.append((folder, str(exc)))
+            continue
+        point.folder = folder
+        break
+    return point
+
+
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     """The folder ``latest`` names (else the newest complete one), or None when there is none.
 
@@ -150,8 +249,12 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     """
     pointer = ckpt_dir / LATEST
     if pointer.is_file():
-        folder = ckpt_dir / pointer.read_text(encoding="utf-8").strip()
-        if (folder / "state.json").is_file():
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        folder = ckpt_dir / name
+        if name.startswith("step-") and (folder / "state.json").is_file():
             return folder
     complete = sorted(p for p in ckpt_dir.glob("step-*") if (p / "state.json").is_file())
     return complete[-1] if complete else None
@@ -165,17 +268,22 @@ def load_checkpoint(
     scheduler: Any,
     components: dict[str, Any],
 ) -> TrainingState:
-    """Restore models, optimizer, scheduler, RNGs and components; return the loop's state."""
+    """Restore models, optimizer, scheduler, RNGs and components; return the loop's state.
+
+    The files are checked first (:func:`check_checkpoint`): a damaged checkpoint raises
+    :class:`CheckpointError` before anything is changed.
+    """
+    check_checkpoint(folder, critic is not None)
+    meta = _read_state(folder)
+    trainer = _read_trainer(folder)
     load_model(actor, str(folder / "actor.safetensors"), device=str(_device(actor)))
     if critic is not None:
         load_model(critic, str(folder / "critic.safetensors"), device=str(_device(critic)))
-    trainer = torch.load(folder / "trainer.pt", weights_only=True, map_location="cpu")
     optimizer.load_state_dict(trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     for slot, c in components.items():
         if slot in trainer["components"] and isinstance(c, Stateful):
             c.load_state_dict(trainer["components"][slot])
-    meta = json.loads((folder / "state.json").read_text(encoding="utf-8"))
     torch.set_rng_state(trainer["torch_rng"])
     if "cuda_rng" in trainer and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(trainer["cuda_rng"])
@@ -195,15 +303,21 @@ def _device(model: Any) -> torch.device:
 
 
 def truncate_jsonl(path: Path, step: int) -> None:
-    """Keep the complete lines of ``path`` whose ``step`` is at most ``step`` (atomically)."""
+    """Keep the complete lines of ``path`` whose ``step`` is at most ``step`` (atomically).
+
+    A line that is not a JSON object with a numeric ``step`` (a line cut by a kill, bytes that
+    are not UTF-8) is dropped.
+    """
     if not path.exists():
         return
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for raw in path.read_bytes().splitlines():
         try:
+            line = raw.decode("utf-8")
             row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill
-        if isinstance(row, dict) and int(row.get("step", 0)) <= step:
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        at = row.get("step") if isinstance(row, dict) else None
+        if isinstance(at, (int, float)) and not isinstance(at, bool) and at <= step:
             kept.append(line)
     _write_text_atomic(path, "".join(x + "\n" for x in kept))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,3 +76,27 @@ class RunContext:
     def devices(self) -> dict[str, str]:
         """Role -> device, as placed by the device mapper (shortcut for ``models.devices``)."""
         return dict(self.models.devices) if self.models is not None else {}
+
+    def record(self, stream: str, row: dict[str, Any]) -> Path:
+        """Append ``row`` as one JSON line to ``<out_dir>/<stream>.jsonl``; return that path.
+
+        How a plugin keeps its own output in the run folder: the row is stamped with the step
+        being run (``"step"``), so on ``--resume`` the file is cut back to the checkpoint like
+        the engine's own streams and nothing is written twice. ``stream`` is a plain name
+        (letters, digits, ``_``), not one of the engine's (metrics, eval, samples).
+        """
+        from alignzoo.engine.sinks import append_jsonl
+
+        if not _STREAM.fullmatch(stream) or stream in _ENGINE_STREAMS:
+            raise ValueError(
+                f"record: stream must be a plain name (letters, digits, _; at most 64) other "
+                f"than {', '.join(sorted(_ENGINE_STREAMS))}, got {stream!r}"
+            )
+        path = self.out_dir / f"{stream}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        append_jsonl(path, {**row, "step": self.step})
+        return path
+
+
+_STREAM = re.compile(r"[A-Za-z0-9_]{1,64}")
+_ENGINE_STREAMS = frozenset({"metrics", "eval", "samples"})

@@ -11,9 +11,10 @@ checkpoint on disk is left as it was. Only ``KeyboardInterrupt`` propagates (sta
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,15 +27,17 @@ from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import Budget
 from alignzoo.engine.assemble import Run, assemble
 from alignzoo.engine.checkpoint import (
+    ResumePoint,
     TrainingState,
-    latest_checkpoint,
+    find_resume_point,
     load_checkpoint,
     save_checkpoint,
     truncate_jsonl,
 )
 from alignzoo.engine.evaluate import evaluate
-from alignzoo.engine.sinks import EVAL_FILE, METRICS_FILE, SAMPLES_FILE, Sinks
+from alignzoo.engine.sinks import EVAL_FILE, Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
+from alignzoo.errors import UserError
 
 STATUS_FILE = "status.json"
 CONFIG_FILE = "config.yaml"
@@ -105,15 +108,74 @@ def _last_step(path: Path) -> int | None:
     return int(json.loads(lines[-1])["step"]) if lines else None
 
 
-def start_or_resume(run: Run, resume: bool) -> TrainingState:
-    """Load the latest checkpoint (and cut the jsonl files back to it), or start clean."""
+ATTEMPTS = "attempts"
+ERROR_LOG = "error.log"
+
+
+def history_files(out: Path) -> list[Path]:
+    """What a run has written that an earlier attempt may have left: every jsonl stream
+    (the engine's and plugins'), error.log and the checkpoints folder."""
+    files = [*sorted(out.glob("*.jsonl")), out / ERROR_LOG, out / CHECKPOINTS]
+    return [p for p in files if p.exists()]
+
+
+def archive_attempt(out: Path) -> Path | None:
+    """Move an earlier attempt's history (see :func:`history_files`) into
+    ``attempts/<n>/`` of the run folder, so a run that starts over deletes nothing. Returns
+    the folder it went to, or None when there was nothing to keep."""
+    files = history_files(out)
+    if not files:
+        return None
+    root = out / ATTEMPTS
+    n = 1 + max((int(p.name) for p in root.glob("*") if p.name.isdigit()), default=0)
+    dest = root / str(n)
+    dest.mkdir(parents=True)
+    for path in files:
+        os.replace(path, dest / path.name)
+    return dest
+
+
+def needs_critic(loaded: LoadedExperiment, arm: str) -> bool:
+    """Whether the arm's algorithm trains a critic (so its checkpoints hold one)."""
+    algorithm = loaded.components.get(arm, {}).get("algorithm")
+    requirements = getattr(algorithm, "requirements", None)
+    return bool(getattr(requirements, "critic", False))
+
+
+def resume_point(out: Path, critic: bool) -> ResumePoint:
+    """Where a run in ``out`` would resume; raises :class:`UserError` when it has written
+    checkpoints and none of them is usable (the run folder is not touched)."""
+    point = find_resume_point(out / CHECKPOINTS, critic)
+    if point.folder is None and point.unusable:
+        reasons = "; ".join(f"{folder.name}: {why}" for folder, why in point.unusable)
+        raise UserError(
+            f"cannot resume {out}: no usable checkpoint ({reasons}). Nothing was changed; "
+            "restore the checkpoint, or move the run folder away to start that run over."
+        )
+    return point
+
+
+def start_or_resume(
+    run: Run, resume: bool, log: Callable[[str], None] = lambda _: None
+) -> TrainingState:
+    """Load the newest usable checkpoint (and cut every jsonl stream back to it), or start.
+
+    Nothing already written is deleted: a run that starts from step 0 in a folder where an
+    earlier attempt left history (a run killed before its first checkpoint, or one that
+    failed) moves that history into ``attempts/<n>/`` first. With ``resume`` and checkpoints
+    that are all unusable it raises :class:`UserError` and changes nothing; a newest
+    checkpoint that is unusable is passed over for the previous one, saying so.
+    """
     out = run.context.out_dir
-    folder = latest_checkpoint(out / CHECKPOINTS) if resume else None
-    if folder is None:
-        shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
-        for name in (METRICS_FILE, EVAL_FILE, SAMPLES_FILE, "error.log"):
-            (out / name).unlink(missing_ok=True)
+    point = resume_point(out, run.models.critic is not None) if resume else ResumePoint(None)
+    for folder, why in point.unusable:
+        log(f"checkpoint {folder} is unusable ({why}); resuming from an earlier one")
+    if point.folder is None:
+        kept = archive_attempt(out)
+        if kept is not None:
+            log(f"{out}: no checkpoint to resume from; the earlier attempt is kept in {kept}")
         return TrainingState(sampler=run.sampler.state_dict())
+    folder = point.folder
     learner = run.learner
     state = load_checkpoint(
         folder,
@@ -126,8 +188,8 @@ def start_or_resume(run: Run, resume: bool) -> TrainingState:
     run.sampler.load_state_dict(state.sampler)
     run.context.state = dict(state.run_state)
     run.context.step = state.step
-    for name in (METRICS_FILE, EVAL_FILE, SAMPLES_FILE):
-        truncate_jsonl(out / name, state.step)
+    for path in sorted(out.glob("*.jsonl")):  # the engine's streams and every plugin's
+        truncate_jsonl(path, state.step)
     return state
 
 
@@ -206,8 +268,14 @@ def run_one(
     resume: bool = False,
     console: Console | None = None,
 ) -> RunSummary:
-    """Train ``arm`` with ``seed`` into ``out_dir`` (resuming from its checkpoint if asked)."""
+    """Train ``arm`` with ``seed`` into ``out_dir`` (resuming from its checkpoint if asked).
+
+    Raises :class:`UserError`, before writing anything, when ``resume`` is asked for and the
+    run's checkpoints are all unusable.
+    """
     out_dir = Path(out_dir)
+    if resume:
+        resume_point(out_dir, needs_critic(loaded, arm))
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = loaded.spec
     config = resolved_config(loaded, arm, seed)
@@ -225,7 +293,7 @@ def run_one(
         session.update(provenance.policy_fields(run.models.policy_path))
         provenance.record(out_dir, session, resume)
         recorded = True
-        state = start_or_resume(run, resume)
+        state = start_or_resume(run, resume, log)
         write_status(out_dir, "running", state, None, device)
         sinks = Sinks(
             out_dir,
@@ -247,7 +315,9 @@ def run_one(
         status, error = "failed", f"{type(exc).__name__}: {exc}"
         if not recorded:  # even a run that could not start says what it ran on
             provenance.record(out_dir, session, resume)
-        (out_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+        with open(out_dir / ERROR_LOG, "a", encoding="utf-8") as handle:  # every attempt's
+            handle.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {error}\n")
+            handle.write(traceback.format_exc())
         if console is not None:
             console.print(f"[red]{out_dir}: run failed: {error}[/red]")
     finally:

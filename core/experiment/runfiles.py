@@ -26,13 +26,23 @@ EXPERIMENT_FILE = "experiment.yaml"
 STATUS_FILE = "status.json"
 
 
-def read_status(run_dir: Path) -> dict[str, Any]:
-    """A run's status.json ({} if absent or unreadable)."""
+def read_status(run_dir: Path, problems: list[str] | None = None) -> dict[str, Any]:
+    """A run's status.json ({} if absent or unreadable; an unreadable one is described in
+    ``problems`` when given)."""
+    path = Path(run_dir) / STATUS_FILE
     try:
-        data = json.loads((Path(run_dir) / STATUS_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
         return {}
-    return data if isinstance(data, dict) else {}
+    except (OSError, ValueError) as exc:  # ValueError: bad UTF-8 or bad JSON
+        if problems is not None:
+            problems.append(f"{path}: not a JSON status file ({type(exc).__name__}); ignored")
+        return {}
+    if not isinstance(data, dict):
+        if problems is not None:
+            problems.append(f"{path}: expected a JSON object, got {type(data).__name__}; ignored")
+        return {}
+    return data
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -55,27 +65,51 @@ class RunData:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     health: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    """Files of the folder that could not be read whole (each names the file and why)."""
 
     @property
     def name(self) -> str:
         return f"{self.arm}/seed-{self.seed}"
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """JSON lines of a file; a torn last line (a killed writer) is skipped, not an error."""
-    if not path.exists():
+def read_jsonl(path: Path, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a jsonl file, one per line.
+
+    A torn last line (a killed writer) is skipped silently; any other line that is not a JSON
+    object (bytes that are not UTF-8, text that is not JSON) is skipped and described in
+    ``problems`` when given, naming the file and the line.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
+    except OSError as exc:
+        if problems is not None:
+            problems.append(f"{path}: cannot be read ({exc}); ignored")
+        return []
+    lines = data.splitlines()
+    rows: list[dict[str, Any]] = []
+    bad: list[int] = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
+            row = json.loads(raw.decode("utf-8"))
+        except ValueError:
+            if number < len(lines) or data.endswith(b"\n"):
+                bad.append(number)
             continue
         if isinstance(row, dict):
             rows.append(row)
+        else:
+            bad.append(number)
+    if bad and problems is not None:
+        shown = ", ".join(str(n) for n in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        problems.append(
+            f"{path}: {len(bad)} line(s) are not JSON objects (line {shown}); expected one "
+            "JSON object per line, those lines were skipped"
+        )
     return rows
 
 
@@ -90,17 +124,17 @@ def by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def read_run(arm: str, seed: int, path: Path) -> RunData:
     """Read one run folder."""
-    info = read_status(path)
-    metrics = by_step(read_jsonl(path / "metrics.jsonl"))
-    evals = by_step(read_jsonl(path / "eval.jsonl"))
+    problems: list[str] = []
+    info = read_status(path, problems)
+    metrics = by_step(read_jsonl(path / "metrics.jsonl", problems))
+    evals = by_step(read_jsonl(path / "eval.jsonl", problems))
     status = str(info.get("status") or ("running" if metrics or evals else "pending"))
     health: dict[tuple[str, int], dict[str, Any]] = {}
-    for row in read_jsonl(path / "health.jsonl"):
-        step = number(row.get("step"))
+    for row in read_jsonl(path / "health.jsonl", problems):
+        step = number(row.get("began_step", row.get("step")))
         if step is None:  # not a warning this version wrote: skip it rather than fail
             continue
-        key = (str(row.get("signal")), int(step))
-        health.setdefault(key, row)  # a resumed run may write the same warning twice
+        health.setdefault((str(row.get("signal")), int(step)), row)
     return RunData(
         arm=arm,
         seed=seed,
@@ -111,6 +145,7 @@ def read_run(arm: str, seed: int, path: Path) -> RunData:
         metrics=metrics,
         evals=evals,
         health=[health[k] for k in sorted(health, key=lambda k: (k[1], k[0]))],
+        problems=problems,
     )
 
 
@@ -120,8 +155,14 @@ def load_spec(run_dir: Path) -> ExperimentSpec | None:
     if not path.exists():
         return None
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
         return ExperimentSpec.model_validate(data)
+    except UnicodeDecodeError:
+        raise UserError(
+            f"{path}: not a UTF-8 text file; expected the resolved experiment"
+        ) from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except (yaml.YAMLError, ValidationError) as exc:
         raise UserError(f"{path}: not a valid resolved experiment ({exc})") from None
 

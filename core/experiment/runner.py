@@ -126,6 +126,19 @@ def _merge_with_existing(spec: ExperimentSpec, out: Path) -> ExperimentSpec:
     return old.model_copy(update={"arms": arms, "seeds": seeds})
 
 
+def _check_inside(spec: ExperimentSpec, out: Path) -> None:
+    """Every run folder resolves (symlinks and '..' followed) to a place inside ``out``."""
+    root = out.resolve()
+    for arm in spec.arms:
+        for seed in spec.seeds:
+            run_dir = (out / arm / f"seed-{seed}").resolve()
+            if not run_dir.is_relative_to(root):
+                raise UserError(
+                    f"{out / arm / f'seed-{seed}'} resolves to {run_dir}, outside the output "
+                    f"folder {root} (a symbolic link?); nothing is written outside it"
+                )
+
+
 def prepare_folder(spec: ExperimentSpec, out: Path, resume: bool) -> None:
     """Check the experiment folder may be used and write ``experiment.yaml``."""
     if out.exists() and not out.is_dir():
@@ -135,13 +148,39 @@ def prepare_folder(spec: ExperimentSpec, out: Path, resume: bool) -> None:
             f"{out} already holds an experiment; pass --resume to continue it "
             "(finished runs are kept) or choose another folder with --out"
         )
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, no permission, ...
+        raise UserError(f"cannot create the output folder {out}: {exc.strerror or exc}") from None
+    _check_inside(spec, out)
     recorded = _merge_with_existing(spec, out) if resume else spec
     text = yaml.safe_dump(recorded.model_dump(mode="json"), sort_keys=False)
     write_atomic(out / EXPERIMENT_FILE, text)
 
 
 # --------------------------------------------------------------------------- one run
+
+
+def _check_resumable(loaded: LoadedExperiment, out: Path, say: Callable[..., Any] | None) -> None:
+    """Before anything is written: every unfinished run that has checkpoints has a usable
+    one (else :class:`UserError`, naming each checkpoint and why, with the folder untouched)."""
+    from alignzoo.engine.loop import CHECKPOINTS, needs_critic, resume_point
+
+    for arm in loaded.spec.arms:
+        for seed in loaded.spec.seeds:
+            run_dir = out / arm / f"seed-{seed}"
+            if not (run_dir / CHECKPOINTS).is_dir() or (
+                read_status(run_dir).get("status") == "finished"
+            ):
+                continue
+            point = resume_point(run_dir, needs_critic(loaded, arm))
+            if point.unusable and say is not None:
+                for folder, why in point.unusable:
+                    say(
+                        f"[yellow]{arm}/seed-{seed}[/yellow]: checkpoint {folder.name} is "
+                        f"unusable ({why}); resuming from {point.folder.name if point.folder else '-'}",
+                        highlight=False,
+                    )
 
 
 def _error_text(exc: BaseException) -> str:
@@ -260,6 +299,8 @@ def run_experiment(
         raise UserError(f"--jobs must be at least 1, got {jobs}")
     spec = loaded.spec
     out = experiment_dir(spec, out_dir)
+    if resume:
+        _check_resumable(loaded, out, say=console.print if console is not None else None)
     prepare_folder(spec, out, resume)
     provenance.record(out, provenance.collect(loaded.source), resume)
     fn: RunFn = run_fn if run_fn is not None else _run_one

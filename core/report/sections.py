@@ -270,6 +270,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks += _comparisons(exp, rows)
     blocks += _against_start(exp, rows)
     blocks += _health(exp.runs)
+    blocks += _unreadable(exp.runs)
     blocks += _runs_table(exp)
     blocks.append(Block("h2", "Plots"))
     blocks += _plots(exp.run_dir, exp.arms, exp.runs, exp.key)
@@ -606,7 +607,7 @@ def _health(runs: list[RunData]) -> list[Block]:
             [
                 r.name,
                 str(w.get("signal")),
-                str(w.get("step")),
+                str(w.get("began_step", w.get("step"))),
                 str(w.get("detected_step", w.get("step"))),
                 str(w.get("message", "")),
             ]
@@ -614,6 +615,21 @@ def _health(runs: list[RunData]) -> list[Block]:
         ],
     )
     return [Block("h2", "Health warnings"), table]
+
+
+def _unreadable(runs: list[RunData]) -> list[Block]:
+    """Files of run folders that could not be read whole (nothing when all could)."""
+    problems = [p for r in runs for p in r.problems]
+    if not problems:
+        return []
+    return [
+        Block("h2", "Files that could not be read"),
+        Block(
+            "p",
+            "These files were skipped (or the lines named); the tables above leave them out.",
+        ),
+        Block("ul", items=problems),
+    ]
 
 
 def _runs_table(exp: _Experiment) -> list[Block]:

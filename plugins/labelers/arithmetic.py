@@ -21,6 +21,8 @@ from alignzoo.world.task import extract_answer
 class ArithmeticLabeler(Labeler):
     """Exact-match reward for arithmetic answers (1 right, partial credit wrong, 0 malformed)."""
 
+    marks_correct = True
+
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
 

@@ -28,6 +28,8 @@ else:
 class RewardModelLabeler(Labeler):
     """A local sequence-classification reward model (num_labels=1), batched, eval mode, no grad."""
 
+    marks_correct = False
+
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
 

@@ -36,17 +36,16 @@ metric an arm does not report (``kl/ref`` without a reference model) is not chec
 Values are smoothed by an exponential moving average (``smoothing``) before checking. When a
 signal fires, ``metrics["health/<signal>"] = 1.0`` is added to that step's metrics, a warning
 naming the run, the signal and the step where it began is printed on ``run.console``, and a
-line ``{"step", "detected_step", "signal", "message"}`` is appended to
-``<run.out_dir>/health.jsonl`` (the report lists them). The rolling state lives in
+line ``{"began_step", "detected_step", "signal", "message"}`` is recorded in the run's
+``health.jsonl`` through ``run.record`` (stamped with the step, so a resumed run cuts it back
+to its checkpoint like every other stream; the report lists them). The rolling state lives in
 ``run.state["health"]`` (JSON-serialisable), so it survives a resume.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
-from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -178,13 +177,9 @@ class HealthChecks(Modifier):
                 f"{message}",
                 highlight=False,
             )
-        out_dir = getattr(run, "out_dir", None)
-        if out_dir is not None:
-            path = Path(out_dir) / "health.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            line = {"step": began, "detected_step": step, "signal": signal, "message": message}
-            with path.open("a", encoding="utf-8") as fh:
-                fh.write(json.dumps(line, sort_keys=True) + "\n")
+        line = {"began_step": began, "detected_step": step, "signal": signal, "message": message}
+        if callable(getattr(run, "record", None)):
+            run.record("health", line)  # stamped with the step: cut back on --resume
 
     # ------------------------------------------------------------------ checks
 

@@ -94,7 +94,11 @@ def test_sample_budget_stops_at_the_first_step_reaching_it(write_experiment, tmp
 
 
 def test_a_bad_policy_path_fails_the_run_with_its_error(write_experiment, tmp_path) -> None:
-    loaded = load_experiment(write_experiment(model={"policy": str(tmp_path / "nowhere")}))
+    # Validation refuses a missing folder; one removed after validation fails the run.
+    policy = tmp_path / "nowhere"
+    policy.mkdir()
+    loaded = load_experiment(write_experiment(model={"policy": str(policy)}))
+    policy.rmdir()
     summary = run_one(loaded, "grpo", 0, tmp_path / "run")
     assert summary.status == "failed" and "nowhere" in summary.error
     status = json.loads((tmp_path / "run" / "status.json").read_text())

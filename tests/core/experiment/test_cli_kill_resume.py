@@ -111,8 +111,10 @@ def test_a_failing_arm_exits_1_and_the_others_finish(tmp_path: Path) -> None:
     spec = {**TINY, "seeds": [0], "budget": {"steps": 2}}
     spec["arms"] = {
         "grpo": {"algorithm": "grpo"},
+        # A folder that passes validation but holds no model: the run fails, not validate.
         "broken": {"algorithm": "grpo", "model": {"policy": str(tmp_path / "no-such-model")}},
     }
+    (tmp_path / "no-such-model").mkdir()
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump(spec, sort_keys=False))
     proc = alignzoo("run", str(exp), "--out", str(tmp_path / "out"), env=env)

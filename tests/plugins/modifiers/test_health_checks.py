@@ -12,12 +12,18 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from alignzoo.engine.context import RunContext
 from alignzoo.plugins.modifiers.health_checks import SIGNALS, HealthChecks
 
 
 def make_run(tmp_path: Path) -> SimpleNamespace:
+    """What the modifier uses of a RunContext, with the real ``record`` writer."""
     console = Console(file=io.StringIO(), width=300, color_system=None)
-    return SimpleNamespace(name="exp/arm/seed-0", out_dir=tmp_path, console=console, state={})
+    run = SimpleNamespace(
+        name="exp/arm/seed-0", out_dir=tmp_path, console=console, state={}, step=0
+    )
+    run.record = lambda stream, row: RunContext.record(run, stream, row)  # type: ignore[arg-type]
+    return run
 
 
 def healthy(step: int) -> dict[str, float]:
@@ -39,6 +45,7 @@ def drive(
     out = []
     for i, metrics in enumerate(seq, start=start):
         metrics = dict(metrics)
+        run.step = i
         hc.on_step_end(run=run, step=i, metrics=metrics)
         out.append(metrics)
     return out
@@ -76,7 +83,7 @@ def test_reward_collapse(tmp_path: Path) -> None:
     out = drive(HealthChecks(), run, seq)
     got = fired(run)
     assert set(got) == {"reward_collapse"}
-    assert 38 <= got["reward_collapse"]["step"] <= 45  # began at the peak
+    assert 38 <= got["reward_collapse"]["began_step"] <= 45  # began at the peak
     detected = got["reward_collapse"]["detected_step"]
     assert out[detected - 1]["health/reward_collapse"] == 1.0
     assert sum("health/reward_collapse" in m for m in out) == 1  # once only
@@ -105,7 +112,7 @@ def test_entropy_collapse(tmp_path: Path) -> None:
     drive(HealthChecks(), run, seq)
     got = fired(run)
     assert set(got) == {"entropy_collapse"}
-    assert got["entropy_collapse"]["step"] >= 25
+    assert got["entropy_collapse"]["began_step"] >= 25
 
 
 def test_entropy_explosion_by_rise_and_by_ceiling(tmp_path: Path) -> None:
@@ -117,7 +124,7 @@ def test_entropy_explosion_by_rise_and_by_ceiling(tmp_path: Path) -> None:
     seq = [with_(s, entropy=0.5 if s < 30 else 4.0) for s in range(1, 40)]
     drive(HealthChecks({"entropy_ceiling": 2.0, "entropy_rise": None}), run2, seq)
     got = fired(run2)
-    assert "entropy_explosion" in got and got["entropy_explosion"]["step"] >= 30
+    assert "entropy_explosion" in got and got["entropy_explosion"]["began_step"] >= 30
 
 
 def test_kl_runaway_above_max(tmp_path: Path) -> None:
@@ -125,7 +132,7 @@ def test_kl_runaway_above_max(tmp_path: Path) -> None:
     seq = [with_(s, **{"kl/ref": 0.02 if s < 30 else 3.0}) for s in range(1, 40)]
     drive(HealthChecks({"kl_growth": None}), run, seq)
     got = fired(run)
-    assert set(got) == {"kl_runaway"} and got["kl_runaway"]["step"] >= 30
+    assert set(got) == {"kl_runaway"} and got["kl_runaway"]["began_step"] >= 30
 
 
 def test_kl_runaway_growing_monotonically(tmp_path: Path) -> None:
@@ -151,7 +158,7 @@ def test_kl_runaway_from_near_zero_is_caught_once_it_matters(tmp_path: Path) -> 
     drive(HealthChecks(), run, seq)
     got = fired(run)
     assert set(got) == {"kl_runaway"}
-    began = got["kl_runaway"]["step"]
+    began = got["kl_runaway"]["began_step"]
     assert 0.001 * 1.08**began >= 0.008  # the window starts where KL reached about kl_min
 
 
