@@ -30,6 +30,15 @@ implementation (no call when no component implements it), ``compute_advantages``
 ``on_step_end``, and evaluations on their schedule; after the last step, an evaluation unless
 that step had one; finally ``on_run_end``. A step left with nothing to train on (no untied
 online pair, or every sample filtered out) calls no further hook before ``on_step_end``.
+
+State across steps: a component is built once per run from its params. One that keeps state
+between steps (a running baseline, an adaptive KL coefficient) must implement
+``state_dict()`` / ``load_state_dict(state)`` (:class:`alignzoo.Stateful`): the state is saved
+in every checkpoint and restored on ``--resume``; without them the component is rebuilt from
+its params and the state is lost (the contract suite's ``state_roundtrip`` check catches an
+algorithm that does this). Small JSON-serialisable state may instead live in ``run.state``.
+A plugin's own output files go through ``run.record(stream, row)``, which cuts them back to the
+checkpoint on ``--resume`` like the engine's.
 """
 
 from __future__ import annotations

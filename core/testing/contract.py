@@ -29,6 +29,12 @@ The properties (check names):
   ``compute_loss`` given the whole batch's :class:`~alignzoo.types.LossContext`, gives shares
   that add up to the whole batch's loss and gradients that add up to its gradient (gradient
   accumulation changes nothing, for every loss aggregation).
+- ``state_roundtrip``: an instance that has seen one batch, saved with ``state_dict`` (through
+  ``torch.save`` / ``torch.load(weights_only=True)``, as a checkpoint does) and restored into a
+  fresh instance with ``load_state_dict``, gives the same losses and metrics on the next batches
+  as the instance that never stopped. An algorithm that keeps state across steps (a running
+  baseline, an adaptive coefficient) without :class:`~alignzoo.plugin.Stateful` fails it: its
+  state would be lost on ``--resume``.
 
 Use it from pytest in a plugin's own test suite::
 
@@ -100,6 +106,7 @@ CHECKS = (
     "sample_permutation",
     "group_permutation",
     "micro_batch_invariance",
+    "state_roundtrip",
 )
 """The names of the checks, in the order :func:`check_algorithm` reports them."""
 
@@ -363,6 +370,47 @@ def _prop_micro_batches(
     _assert_grads_close(_grad(whole), accumulated.detach(), f"{what}: accumulated gradient", mask)
 
 
+def _checkpointed(component: Any, factory: Callable[[], Any]) -> Any:
+    """A fresh instance restored from ``component``'s state the way a checkpoint restores it."""
+    import io
+
+    from alignzoo.plugin import Stateful
+
+    fresh = factory()
+    if isinstance(component, Stateful):
+        buffer = io.BytesIO()
+        torch.save(component.state_dict(), buffer)
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        if not isinstance(fresh, Stateful):  # pragma: no cover - same class
+            raise ContractViolation("a fresh instance has no load_state_dict")
+        fresh.load_state_dict(state)
+    return fresh
+
+
+def _prop_state_roundtrip(factory: Callable[[], Any], cases: list[BatchCase]) -> None:
+    steady = factory()
+    first = [evaluate(steady, case, backward=False) for case in cases]
+    stopped = factory()
+    evaluate(stopped, cases[0], backward=False)
+    resumed = _checkpointed(stopped, factory)
+    for i, case in enumerate(cases[1:], start=1):
+        again = evaluate(resumed, case, backward=False)
+        what = f"batch {i} after a save and restore at batch 0"
+        hint = (
+            ". The algorithm keeps state across steps that a checkpoint does not carry: "
+            "implement state_dict() and load_state_dict(state) (alignzoo.Stateful)"
+        )
+        if not _close(first[i].loss, again.loss):
+            raise ContractViolation(
+                f"{what}: loss {again.loss!r}, without the restart {first[i].loss!r}{hint}"
+            )
+        try:
+            _assert_metrics_close(first[i].result.metrics, again.result.metrics, what)
+        except ContractViolation as exc:
+            raise ContractViolation(f"{exc}{hint}") from None
+
+
 # --------------------------------------------------------------------------- strategies per check
 
 
@@ -575,6 +623,12 @@ def check_algorithm(
             _micro_split(cases, by_group=requirements.data == "preference"),
             lambda ex: _prop_micro_batches(factory, *ex),
             "example = (batch, the rows of each micro-batch)",
+        ),
+        (
+            "state_roundtrip",
+            st.lists(cases, min_size=3, max_size=3),
+            lambda ex: _prop_state_roundtrip(factory, ex),
+            "example = three batches, one per step; saved and restored after the first",
         ),
     ]
     results = [CheckResult("instantiate", True, f"{label}: {requirements}")]

@@ -92,20 +92,45 @@ def ensure_policy(
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     key = cache_key(model_cfg.embedded, task_cfg)
     folder = root / "embedded" / key
-    if _complete(folder):
+    if _cache_problem(folder) is None:
         log(f"embedded policy: using cached {folder}")
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(folder.parent / f"{key}.lock"):
-        if _complete(folder):  # another process built it while we waited
+        problem = _cache_problem(folder)
+        if problem is None:  # another process built it while we waited
             log(f"embedded policy: using cached {folder}")
             return folder
+        if folder.exists():
+            log(f"embedded policy: the cached {folder} is damaged ({problem}); rebuilding it")
         _build(model_cfg.embedded, task_cfg, folder, log)
     return folder
 
 
-def _complete(folder: Path) -> bool:
-    return (folder / METADATA_FILE).is_file()
+def _cache_problem(folder: Path) -> str | None:
+    """Why the cached folder cannot be used (absent, or a file missing or unreadable), or None.
+
+    A folder is only ever renamed into place complete, so damage means someone or something
+    changed it afterwards (a full disk, a copy cut short); every tensor is read to be sure.
+    """
+    if not folder.is_dir():
+        return "not built yet"
+    for name in (METADATA_FILE, "config.json", "tokenizer.json", "model.safetensors"):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        try:
+            if name.endswith(".json"):
+                json.loads(path.read_bytes().decode("utf-8"))
+            else:
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt") as handle:
+                    for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                        handle.get_tensor(key)
+        except Exception as exc:  # bad UTF-8 or JSON, a truncated safetensors file
+            return f"{name} is unreadable: {type(exc).__name__}: {exc}"
+    return None
 
 
 @contextlib.contextmanager

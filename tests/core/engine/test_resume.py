@@ -85,3 +85,66 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(write_experiment, tmp_
     # two checkpoints kept, the latest is the end
     kept = sorted(p.name for p in (killed / "checkpoints").glob("step-*"))
     assert kept == ["step-000008", "step-000010"]
+
+
+PHASES = ("label", "eval", "metrics", "ckpt-actor", "ckpt-trainer", "ckpt-latest")
+
+
+def _kill_worker(exp: Path, out: Path, resume: bool, kill_at: str | None) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("ALIGNZOO_KILL_AT", None)
+    if kill_at is not None:
+        env["ALIGNZOO_KILL_AT"] = kill_at
+    argv = [sys.executable, "-m", "tests.core.engine._kill_worker", str(exp), "grpo", "0"]
+    return subprocess.Popen(
+        [*argv, str(out), "1" if resume else "0"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_at_20_random_points_then_resume_matches(write_experiment, tmp_path) -> None:
+    """Twenty SIGKILLs, each at a random step and point (inside labeling, inside an
+    evaluation, after a metrics line, and at three moments of writing a checkpoint), each
+    followed by --resume: the run ends with exactly the uninterrupted run's history."""
+    import random
+
+    steps = 24
+    spec = tiny_experiment(
+        budget={"steps": steps},
+        training={"checkpoint_every": 3},
+        evaluation={"every": 4, "num_prompts": 8},
+    )
+    exp = write_experiment(spec)
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    proc = _kill_worker(exp, full, resume=False, kill_at=None)
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+
+    rng = random.Random(20)
+    # Increasing kill steps over the run, so every resume makes progress; checkpoint and
+    # evaluation phases only where that step writes one.
+    kill_steps = sorted(rng.sample(range(1, steps), 20))
+    points = []
+    for step in kill_steps:
+        phases = ["label", "metrics"]
+        phases += ["eval"] if step % 4 == 0 else []
+        phases += ["ckpt-actor", "ckpt-trainer", "ckpt-latest"] if step % 3 == 0 else []
+        points.append(f"{step}:{rng.choice(phases)}")
+    assert {p.split(":")[1] for p in points} >= {"label", "metrics"}
+    assert any(p.split(":")[1].startswith("ckpt") for p in points)
+
+    for i, point in enumerate(points):
+        proc = _kill_worker(exp, killed, resume=i > 0, kill_at=point)
+        code = proc.wait(timeout=300)
+        assert code == -signal.SIGKILL, f"kill at {point}: exit {code}\n{proc.stdout.read()}"
+    proc = _kill_worker(exp, killed, resume=True, kill_at=None)
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+
+    for name in ("metrics.jsonl", "eval.jsonl", "samples.jsonl"):
+        expected, got = read_jsonl(full / name), read_jsonl(killed / name)
+        assert _stable(got) == _stable(expected), f"{name} after kills at {points}"
+    assert [r["step"] for r in read_jsonl(killed / "metrics.jsonl")] == list(range(1, steps + 1))

@@ -155,6 +155,35 @@ class PerSampleLoss(_OnlineBase):
         return LossOutput(loss, {})
 
 
+class MovingBaseline(_OnlineBase):
+    """Broken: a running-mean baseline kept across steps, but not saved in checkpoints."""
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.baseline = 0.0
+
+    @hookimpl
+    def compute_advantages(self, batch):
+        self.baseline = 0.9 * self.baseline + 0.1 * float(batch.scores.mean())
+        batch.advantages = (batch.scores - self.baseline)[:, None] * batch.response_mask
+        return batch
+
+    @hookimpl
+    def compute_loss(self, batch, outputs, context):
+        loss = self.token_mean(batch, -outputs.logprobs * batch.advantages, context)
+        return LossOutput(loss, {"toy/baseline": self.baseline})
+
+
+class SavedMovingBaseline(MovingBaseline):
+    """The same running baseline, saved and restored with the Stateful protocol."""
+
+    def state_dict(self):
+        return {"baseline": self.baseline}
+
+    def load_state_dict(self, state):
+        self.baseline = float(state["baseline"])
+
+
 class RequiredParams(_OnlineBase):
     """Broken: a parameter without a default, so it cannot be built with default params."""
 
@@ -177,6 +206,7 @@ class RequiredParams(_OnlineBase):
         (PerSampleLoss, {"output_types"}),
         (LocalTokenMean, {"micro_batch_invariance"}),
         (EngineMetricName, {"metrics_finite_floats"}),
+        (MovingBaseline, {"state_roundtrip"}),
     ],
     ids=lambda v: v.__name__ if isinstance(v, type) else "",
 )
@@ -188,6 +218,15 @@ def test_broken_algorithms_are_caught_with_their_example(cls, failing):
     for name in failing:
         detail = results[name].detail
         assert "BatchCase(" in detail, detail  # the falsifying example is shown
+
+
+def test_state_kept_through_the_stateful_protocol_passes_the_roundtrip():
+    results = {
+        r.name: r for r in check_algorithm(SavedMovingBaseline, max_examples=15, shrink_seconds=2)
+    }
+    assert results["state_roundtrip"].passed, results["state_roundtrip"].detail
+    broken = check_algorithm(MovingBaseline, max_examples=15, checks=["state_roundtrip"])
+    assert "alignzoo.Stateful" in broken[-1].detail
 
 
 def test_padding_bug_is_the_only_failure_of_an_otherwise_correct_algorithm():

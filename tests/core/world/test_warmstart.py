@@ -82,6 +82,32 @@ def test_second_call_uses_the_cache(built):
     assert weights.stat().st_mtime_ns == mtime
 
 
+@pytest.mark.parametrize(
+    ("name", "damage"),
+    [
+        ("model.safetensors", lambda b: b[: len(b) // 2]),  # a copy cut short
+        ("model.safetensors", lambda b: b""),
+        (METADATA_FILE, lambda b: b"\x00\xff"),
+        ("config.json", None),  # removed
+    ],
+)
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path, name, damage):
+    cfg = _tiny_model_cfg(sft_steps=5)
+    folder = ensure_policy(cfg, TASK, cache_dir=tmp_path, log=Log())
+    target = folder / name
+    if damage is None:
+        target.unlink()
+    else:
+        target.write_bytes(damage(target.read_bytes()))
+    log = Log()
+    again = ensure_policy(cfg, TASK, cache_dir=tmp_path, log=log)
+    assert again == folder
+    assert log.has("damaged") and log.has(name if damage is not None else "config.json")
+    assert log.has("building")
+    AutoModelForCausalLM.from_pretrained(folder)  # whole again
+    assert read_metadata(folder)["embedded"]["sft_steps"] == 5
+
+
 def test_cache_key_depends_on_both_configs():
     base = cache_key(TINY, TASK)
     assert base == cache_key(TINY.model_copy(), TaskConfig(train_size=200, eval_size=20))
