@@ -410,7 +410,8 @@ def _looks_local(value: str) -> bool:
 def _check_model_paths(
     spec: ExperimentSpec, file: str, index: _LineIndex, fallbacks: dict[Path_, Path_]
 ) -> list[ConfigIssue]:
-    """Every local model folder an arm names exists (hub ids cannot be checked offline)."""
+    """Every local model folder an arm names exists (hub ids cannot be checked offline), and
+    so does every data file or folder."""
     issues: dict[str, ConfigIssue] = {}
     for arm_name, arm in spec.arms.items():
         for field_name in ("policy", "reward_model"):
@@ -432,6 +433,17 @@ def _check_model_paths(
                     f"{value!r} {state} (a folder written by save_pretrained is expected)",
                 ),
             )
+    for field_name in ("train", "eval"):
+        value = getattr(spec.data, field_name)
+        if value == "embedded" or Path(value).expanduser().exists():
+            continue
+        issues[f"data:{field_name}"] = ConfigIssue(
+            file,
+            index.line_of(("data", field_name)),
+            f"data.{field_name}",
+            f"{value!r} does not exist (give 'embedded', a jsonl / parquet file or a dataset "
+            "folder written by save_to_disk)",
+        )
     return list(issues.values())
 
 

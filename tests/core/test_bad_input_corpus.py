@@ -211,6 +211,16 @@ CONFIG_CASES = [
     config_case("defaults-lr-inf", "defaults.training", {"lr": NAN}, "lr", "finite"),
     config_case("description-list", "description", [1, 2], "description"),
     config_case("output-dir-list", "output_dir", ["runs"], "output_dir"),
+    config_case(
+        "data-train-missing", "data.train", "/no/such/train.jsonl", "data.train", "does not exist"
+    ),
+    config_case(
+        "data-eval-missing", "data.eval", "./missing-eval.jsonl", "data.eval", "does not exist"
+    ),
+    config_case(
+        "data-train-relative", "data.train", "data/train.jsonl", "data.train", "does not exist"
+    ),
+    config_case("data-train-int", "data.train", 5, "data.train"),
 ]
 
 ALIAS_BOMB = "\n".join(
@@ -422,7 +432,53 @@ def _weights_prefix(n: int) -> bytes:
     return save({"w": torch.zeros(64)})[:n]
 
 
+TINY_WORLD = {
+    "embedded": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
+                 "sft_steps": 20, "sft_batch_size": 16},
+}  # fmt: skip
+
+
+def _symlinked_arm(tmp: Path) -> None:
+    (tmp / "elsewhere").mkdir()
+    (tmp / "out").mkdir()
+    (tmp / "out" / "a").symlink_to(tmp / "elsewhere", target_is_directory=True)
+
+
+def _run_with(**changes: Any) -> dict[str, Any]:
+    data = copy.deepcopy(BASE)
+    data["model"] = TINY_WORLD
+    data["data"] = {"task": {"digits": 1, "train_size": 40, "eval_size": 8}}
+    data["seeds"] = [0]
+    data["arms"] = {"a": {"algorithm": "vanilla_pg"}}
+    for path, value in changes.items():
+        node = data
+        *parents, last = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return data
+
+
 RUN_FOLDER_CASES = [
+    Case(
+        "run-symlink-escape",
+        ["run", "{tmp}/exp.yaml", "--out", "{out}", "--resume"],
+        {"exp.yaml": _run_with()},
+        2,
+        ("outside the output folder",),
+        setup=_symlinked_arm,
+    ),
+    Case(
+        "run-cuda-on-cpu",
+        ["run", "{tmp}/exp.yaml", "--out", "{out}"],
+        {
+            "exp.yaml": _run_with(
+                **{"defaults.devices": {"name": "single", "params": {"device": "cuda"}}}
+            )
+        },
+        1,
+        ("a/seed-0", "does not exist on this machine"),
+    ),
     resume_case(
         "state-binary", "state.json", "not readable JSON", **{"state.json": b"\x00\xff" * 50}
     ),
@@ -583,6 +639,22 @@ PLUGIN_CASES = [
         "compute_loss",
     ),
     plugin_case("bad-target", PLUGIN_HEADER, "no_such_module", target="no_such_module:Algo"),
+    Case(
+        "run-loss-is-a-float",
+        ["run", "{tmp}/exp.yaml", "--out", "{out}"],
+        {"exp.yaml": _run_with(**{"arms.a.algorithm": "bad"})},
+        1,
+        ("a/seed-0", "compute_loss", "LossOutput"),
+        plugins={
+            "algorithm.bad=floatloss:Algo": PLUGIN_HEADER
+            + "class Algo(Algorithm):\n"
+            + "    requirements = AlgorithmRequirements(reference=False, data='online')\n"
+            + "    @hookimpl\n    def compute_advantages(self, batch):\n"
+            + "        batch.advantages = batch.response_mask.float()\n        return batch\n"
+            + "    @hookimpl\n    def compute_loss(self, batch, outputs, context):\n"
+            + "        return 1.0\n"
+        },
+    ),
 ]
 
 ALL_CASES = CONFIG_CASES + RAW_CASES + CLI_CASES + RUN_FOLDER_CASES + PLUGIN_CASES
@@ -635,8 +707,15 @@ def _registry(tmp: Path, plugins: dict[str, str], monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr("alignzoo.config.loader.get_registry", lambda: registry)
 
 
+@pytest.fixture(scope="module")
+def world_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the few cases that run build their tiny embedded world (outside each case's tmp)."""
+    return tmp_path_factory.mktemp("corpus-cache")
+
+
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
-def test_bad_input(case: Case, tmp_path: Path, capsys, monkeypatch) -> None:
+def test_bad_input(case: Case, tmp_path: Path, capsys, monkeypatch, world_cache) -> None:
+    monkeypatch.setenv("ALIGNZOO_CACHE", str(world_cache))
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.chdir(tmp_path)  # a run without --out would write under ./runs: inside tmp
     out = tmp_path / "out"
@@ -669,10 +748,10 @@ def test_bad_input(case: Case, tmp_path: Path, capsys, monkeypatch) -> None:
         assert rel in after, f"{rel} was deleted"
         if rel.startswith(inside):
             assert after[rel][0] >= size, f"{rel} lost data ({size} -> {after[rel][0]} bytes)"
-            if code != 0:  # a refused command leaves the output folder as it was
-                assert after[rel] == (size, digest), f"{rel} changed though the command failed"
+            if code == 2:  # a refused command leaves the output folder as it was
+                assert after[rel] == (size, digest), f"{rel} changed though it was refused"
         else:
             assert after[rel] == (size, digest), f"{rel} outside the output folder changed"
     for rel in set(after) - set(before):
         assert rel.startswith(inside), f"{rel} was written outside the output folder"
-        assert code == 0, f"{rel} was written although the command failed"
+        assert code != 2, f"{rel} was written although the command was refused"
