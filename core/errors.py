@@ -55,3 +55,14 @@ class ConfigError(UserError):
     def __init__(self, issues: list[ConfigIssue]):
         self.issues = issues
         super().__init__("\n".join(str(issue) for issue in issues))
+
+
+class LabelerUnavailable(Exception):
+    """Raised by a labeler when its infrastructure fails (connection refused, HTTP 5xx, 429):
+    the samples of that call get the ``error`` outcome and the arm's policy for it (by default
+    retried with backoff, then the next labeler of the chain). ``retry_after`` (seconds), when
+    the service said so (HTTP 429 / 503 Retry-After), is waited before the next try."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -123,11 +123,21 @@ def score_batch(requests: list[LabelRequest]) -> list[Score]:
 
     A :class:`LabelRequest` holds ``prompt`` and ``response`` (texts) and ``extra`` (the
     dataset's other columns for that prompt, such as a reference ``answer``). A :class:`Score`
-    is ``Score(value, valid=True, info={})``: ``value`` a finite number, ``valid`` False when the
-    labeler could not judge (say why in ``info``; never raise for bad model output). ``info``
-    keys the engine reads: ``"correct"`` (bool, the response is right: ``eval/exact_match``,
-    online KTO's desirability) and ``"raw"`` (the unscaled value of a normalising labeler:
-    ``eval/score``).
+    is ``Score(value, valid=True, info={})`` with ``value`` a finite number. Bad *model output*
+    is a value (say 0 with ``info["malformed"] = True``, ``valid=False``), never an exception.
+    When the labeler itself cannot give a value it says which way: ``Score.abstain(reason)``
+    (it declines: no answer key, out of scope), ``Score.parse_failure(reason)`` (its own answer
+    is unreadable, e.g. a judge's reply), or it raises
+    :class:`alignzoo.errors.LabelerUnavailable` (infrastructure: connection, 5xx, 429 with
+    ``retry_after``). Any other exception counts as an ``error`` outcome, and a NaN / inf value,
+    an item that is not a Score or the wrong number of Scores as ``rejected``. The arm's
+    ``labeling`` section decides per outcome (:class:`alignzoo.types.Outcome`): retry with
+    backoff, the next labeler of ``labeling.fallbacks``, drop the sample or its group, or fail
+    the run; samples without a value never reach a loss, and the step's ``label/*`` metrics
+    account for every one (generated = valued + fallback_valued + dropped).
+    ``info`` keys the engine reads: ``"correct"`` (bool, the response is right:
+    ``eval/exact_match``, online KTO's desirability) and ``"raw"`` (the unscaled value of a
+    normalising labeler: ``eval/score``).
 
     Called by the labeling stage once per training step with every sampled response (online
     arms), and at every evaluation. :class:`alignzoo.plugin.Labeler` implements it by calling

@@ -208,6 +208,67 @@ class LoggingConfig(_Strict):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
 
+Policy = Literal["retry", "fallback", "drop_sample", "drop_group", "fail"]
+
+
+class OutcomePolicies(_Strict):
+    """What to do with a sample whose label is not a value, per outcome.
+
+    ``retry``: ask the same labeler again (``labeling.retries`` times, with backoff), then
+    ``fallback``; ``fallback``: ask the next labeler of the chain, and when there is none apply
+    ``exhausted``; ``drop_sample``: leave the sample out of the step (losses and group
+    statistics exclude it); ``drop_group``: leave its whole group out; ``fail``: stop the run.
+    """
+
+    abstain: Policy = Field("fallback", description="The labeler declined the sample.")
+    timeout: Policy = Field("retry", description="The call ran past labeling.timeout_s.")
+    error: Policy = Field("retry", description="Infrastructure failure or an exception.")
+    parse_failure: Policy = Field("retry", description="The labeler's own answer unreadable.")
+    rejected: Policy = Field("fallback", description="NaN, inf, wrong count or type.")
+    exhausted: Literal["drop_sample", "drop_group", "fail"] = Field(
+        "drop_sample", description="No labeler of the chain gave a value."
+    )
+
+
+class BreakerConfig(_Strict):
+    """A circuit breaker per labeler: when the share of failed calls over the last ``window``
+    calls reaches ``error_rate`` (with at least ``min_calls``), the labeler is skipped (its
+    samples fall back) for ``cooldown_s``; then one probe call decides whether it closes."""
+
+    window: PositiveInt = 20
+    min_calls: PositiveInt = 4
+    error_rate: float = Field(0.5, gt=0, le=1)
+    cooldown_s: float = Field(30.0, ge=0)
+
+
+class LabelingConfig(_Strict):
+    """How an arm labels: a chain of labelers, timeouts, retries, a breaker, outcome policies."""
+
+    fallbacks: list[ComponentRef] = Field(
+        default_factory=list,
+        description="Labelers tried in order for the samples the arm's labeler gives no value.",
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Per call; enforced by running each labeler in a worker process that is "
+        "killed and replaced when a call runs past it (isolation 'process' is implied).",
+    )
+    isolation: Literal["inline", "process"] = Field(
+        "inline", description="'process' runs each labeler in its own worker process."
+    )
+    retries: int = Field(2, ge=0, description="Tries after the first, for the 'retry' policy.")
+    backoff_s: float = Field(
+        0.2, ge=0, description="First retry wait; doubled each try, with 50-150% jitter."
+    )
+    backoff_max_s: float = Field(5.0, ge=0)
+    deadline_s: float | None = Field(
+        None, gt=0, description="Labeling time budget per step: no retry starts after it."
+    )
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    on: OutcomePolicies = Field(default_factory=OutcomePolicies)
+
+
 class ArmSpec(_Strict):
     """One arm: a set of components plus overrides of the shared sections."""
 
@@ -221,6 +282,7 @@ class ArmSpec(_Strict):
         description="Preference / unpaired algorithms: override data.online for this arm "
         "(offline reads data.train; online samples and labels pairs in the loop).",
     )
+    labeling: LabelingConfig = Field(default_factory=LabelingConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     description: str = ""
@@ -234,6 +296,10 @@ class ArmSpec(_Strict):
             ("device_mapper", "devices", self.devices),
         ]
         refs += [("modifier", f"modifiers.{i}", m) for i, m in enumerate(self.modifiers)]
+        refs += [
+            ("labeler", f"labeling.fallbacks.{i}", ref)
+            for i, ref in enumerate(self.labeling.fallbacks)
+        ]
         return refs
 
 

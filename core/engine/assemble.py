@@ -20,6 +20,7 @@ from alignzoo.engine import models as model_loading
 from alignzoo.engine.context import RunContext
 from alignzoo.engine.evaluate import eval_rows
 from alignzoo.engine.hooks import Hooks
+from alignzoo.engine.labeling import LabelingStage
 from alignzoo.engine.learner import Learner, build_learner
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
@@ -106,6 +107,19 @@ def total_optimizer_steps(spec: ExperimentSpec, arm: ArmSpec, mode: DataMode) ->
     return steps * cfg.epochs * max(1, math.ceil(units / per_minibatch))
 
 
+def labeling_stage(
+    arm_spec: ArmSpec, components: dict[str, Any], hooks: Hooks, seed: int
+) -> LabelingStage:
+    """The arm's labeler chain: its labeler (through the run's hooks, so modifiers wrapping
+    ``score_batch`` apply), then each of ``labeling.fallbacks`` on its own."""
+    chain: list[tuple[str, Any, Hooks]] = [(arm_spec.labeler.name, components["labeler"], hooks)]
+    for i, ref in enumerate(arm_spec.labeling.fallbacks):
+        component = components[f"labeling.fallbacks.{i}"]
+        name = ref.name if ref.name not in {n for n, _, _ in chain} else f"{ref.name}.{i + 1}"
+        chain.append((name, component, Hooks(build_plugin_manager([component]), ref.name)))
+    return LabelingStage.build(arm_spec.labeling, chain, seed=seed)
+
+
 def assemble(
     loaded: LoadedExperiment,
     arm: str,
@@ -121,7 +135,9 @@ def assemble(
     spec = loaded.spec
     components = fresh_components(loaded, arm)
     arm_spec = spec.arms[arm]
-    hooks = Hooks(build_plugin_manager(components.values()), arm_spec.algorithm.name)
+    run_components = [c for slot, c in components.items() if not slot.startswith("labeling.")]
+    hooks = Hooks(build_plugin_manager(run_components), arm_spec.algorithm.name)
+    hooks.labeling = labeling_stage(arm_spec, components, hooks, seed)
     req = hooks.algorithm_requirements()
     mode = select_mode(req, arm_is_online(spec, arm_spec))
     if mode.kind == "preference" and mode.online and arm_spec.training.samples_per_prompt < 2:

@@ -6,6 +6,8 @@ Metrics (:mod:`alignzoo.metrics`): ``eval/score`` (the labeler's mean score, uns
 response: ``Score.info["correct"]``), ``eval/response_length`` and, when
 ``evaluation.pass_at_k`` is set, ``eval/pass@k`` (a prompt passes when one of k sampled
 responses is correct, or scores above 0 for a labeler that does not say what is correct).
+A response that no labeler of the arm's chain could give a value is left out of these, and
+``eval/labeled_frac`` says which share of the greedy responses was labeled.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ def _sample(
     parts = []
     for start in range(0, len(rows), EVAL_CHUNK):
         prompts, extras = split_rows(rows[start : start + EVAL_CHUNK])
-        parts.append(label(hooks, hooks.generate(prompts, extras, n, sampling)))
+        batch = hooks.generate(prompts, extras, n, sampling)
+        report = label(hooks, batch)
+        # A response no labeler of the chain could value is left out of the evaluation.
+        parts.append(batch if len(report.keep) == batch.size else batch.select(report.keep))
     return RolloutBatch.concat(parts)
 
 
@@ -63,6 +68,7 @@ def evaluate(
     if correct is not None:
         out[canonical.EVAL_EXACT_MATCH] = sum(correct) / len(correct)
     out[canonical.EVAL_RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
+    out["eval/labeled_frac"] = batch.size / len(rows) if rows else 0.0
     if pass_at_k:
         params = (sampling or SamplingParams()).model_copy(
             update={"max_new_tokens": max_new_tokens}
@@ -74,6 +80,9 @@ def evaluate(
         if hits is None:  # the labeler does not say what is correct: a score above 0 passes
             assert sampled.scores is not None
             hits = [bool(s > 0) for s in sampled.scores.tolist()]
-        per_prompt = [any(hits[i : i + pass_at_k]) for i in range(0, len(hits), pass_at_k)]
+        passed: dict[str, bool] = {}
+        for prompt, hit in zip(sampled.prompts, hits, strict=True):
+            passed[prompt] = passed.get(prompt, False) or hit
+        per_prompt = list(passed.values())
         out[f"eval/pass@{pass_at_k}"] = sum(per_prompt) / len(per_prompt)
     return out

@@ -45,6 +45,8 @@ class Hooks:
     def __init__(self, pm: pluggy.PluginManager, algorithm: str = "the algorithm") -> None:
         self.pm = pm
         self.algorithm = algorithm
+        self.labeling: Any = None
+        """The arm's :class:`~alignzoo.engine.labeling.LabelingStage` (set by assembly)."""
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, hook: str, **kwargs: Any) -> Any:

@@ -1,19 +1,51 @@
-"""The label stage: score every response of a step through the labeler's ``score_batch`` hook.
+"""The label stage: every response of a step gets a typed outcome from a chain of labelers.
 
-Kept on its own so that it can grow timeouts, retries and fallbacks without touching the loop.
+An arm's labeler is the head of a chain (``labeling.fallbacks`` are tried in order after it).
+For each call the stage:
+
+1. skips a labeler whose circuit breaker is open (its samples move on down the chain);
+2. calls it on the samples still without a value: inline, or in a worker process of its own
+   (``labeling.isolation: process``, implied by ``timeout_s``) that is killed and replaced when
+   a call runs past ``timeout_s``: a timed-out call is ended, never abandoned;
+3. turns what came back into one :class:`~alignzoo.types.Outcome` per sample: a value, the
+   labeler's own abstain / parse failure, ``rejected`` (NaN, inf, wrong count or type),
+   ``error`` (an exception, :class:`~alignzoo.errors.LabelerUnavailable`, a dead worker) or
+   ``timeout``;
+4. applies the arm's policy per outcome (``labeling.on``): retry with exponential backoff and
+   jitter (waiting a labeler's ``retry_after`` when it gave one; no retry starts after the
+   step's ``deadline_s``), fall back to the next labeler, drop the sample, drop its group, or
+   fail the run.
+
+The result is a :class:`LabelReport`: per sample the outcome and which labeler valued it, the
+samples to keep, and a ledger that must balance (generated = valued + fallback-valued +
+dropped, by outcome); :meth:`LabelReport.metrics` puts it into the step's metrics under
+``label/*``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+import math
+import multiprocessing
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from alignzoo.batch import RolloutBatch
-from alignzoo.types import LabelRequest
+from alignzoo.errors import LabelerUnavailable, RunError, UserError
+from alignzoo.types import LabelRequest, Outcome, Score
 
 if TYPE_CHECKING:
+    from alignzoo.config.schema import BreakerConfig, LabelingConfig
     from alignzoo.engine.hooks import Hooks
+
+FAILURES = (Outcome.TIMEOUT, Outcome.ERROR)
+"""Outcomes that count against a labeler's circuit breaker (the call itself failed)."""
 
 
 def label_requests(batch: RolloutBatch) -> list[LabelRequest]:
@@ -25,10 +57,464 @@ def label_requests(batch: RolloutBatch) -> list[LabelRequest]:
     ]
 
 
-def label(hooks: Hooks, batch: RolloutBatch) -> RolloutBatch:
-    """Fill ``batch.scores``, ``batch.score_valid`` and ``batch.label_info`` (in place)."""
-    scores = hooks.score_batch(label_requests(batch))
-    batch.scores = torch.tensor([float(s.value) for s in scores], dtype=torch.float32)
-    batch.score_valid = torch.tensor([bool(s.valid) for s in scores], dtype=torch.bool)
-    batch.label_info = [dict(s.info) for s in scores]
-    return batch
+# --------------------------------------------------------------------------- one labeler call
+
+
+@dataclass
+class CallResult:
+    """What one call of one labeler gave: a Score or an outcome per request."""
+
+    scores: list[Score]
+    retry_after: float | None = None
+    seconds: float = 0.0
+
+
+def _failed(n: int, outcome: Outcome, reason: str, retry_after: float | None = None) -> CallResult:
+    score = Score(math.nan, False, {"reason": reason}, outcome)
+    return CallResult(
+        [Score(score.value, False, dict(score.info), outcome) for _ in range(n)], retry_after
+    )
+
+
+def check_scores(scores: Any, n: int) -> list[Score] | str:
+    """One Score per request: what the labeler returned where usable, a ``rejected`` Score
+    (with the reason) for an item that is not a Score or whose value is not a finite number;
+    or the reason the whole answer is rejected (not a list, the wrong count)."""
+    if not isinstance(scores, (list, tuple)):
+        return f"returned {type(scores).__name__}, not a list of Score"
+    if len(scores) != n:
+        return f"returned {len(scores)} scores for {n} responses"
+    out = []
+    for i, s in enumerate(scores):
+        problem = None
+        if not isinstance(s, Score):
+            problem = f"returned {type(s).__name__} for response {i}, not a Score"
+        elif s.outcome == Outcome.VALUE:
+            try:
+                value = float(s.value)
+            except (TypeError, ValueError):
+                problem = f"returned Score(value={s.value!r}) for response {i}; expected a number"
+            else:
+                if not math.isfinite(value):
+                    problem = f"returned a non-finite score ({value}) for response {i}"
+        if problem is None:
+            out.append(s)
+        else:
+            out.append(
+                Score(math.nan, False, {"reason": f"the labeler {problem}"}, Outcome.REJECTED)
+            )
+    return out
+
+
+def _interpret(scores: Any, n: int) -> CallResult:
+    checked = check_scores(scores, n)
+    if isinstance(checked, str):
+        return _failed(n, Outcome.REJECTED, f"the labeler {checked}")
+    return CallResult(checked)
+
+
+class InlineCaller:
+    """Calls a labeler in this process (no timeout can end a synchronous call here)."""
+
+    def __init__(self, hooks: Hooks) -> None:
+        self.hooks = hooks
+
+    def __call__(self, requests: list[LabelRequest], timeout: float | None) -> CallResult:
+        try:
+            scores = self.hooks.pm.hook.score_batch(requests=requests)
+        except LabelerUnavailable as exc:
+            return _failed(len(requests), Outcome.ERROR, str(exc), exc.retry_after)
+        except (KeyboardInterrupt, SystemExit, UserError):
+            raise  # a problem the user must fix is not retried away
+        except Exception as exc:
+            return _failed(
+                len(requests), Outcome.ERROR, f"the labeler failed: {type(exc).__name__}: {exc}"
+            )
+        return _interpret(scores, len(requests))
+
+    def close(self) -> None:
+        pass
+
+
+def _worker_main(conn: Any, cls: Any, params: dict[str, Any]) -> None:
+    """A labeler worker process: build the labeler, then answer calls until told to stop."""
+    from alignzoo.registry import build_plugin_manager
+
+    pm = build_plugin_manager([cls(cls.Params.model_validate(params))])
+    while True:
+        try:
+            requests = conn.recv()
+        except EOFError:
+            return
+        if requests is None:
+            return
+        try:
+            conn.send(("ok", pm.hook.score_batch(requests=requests)))
+        except LabelerUnavailable as exc:
+            conn.send(("unavailable", str(exc), exc.retry_after))
+        except Exception as exc:
+            conn.send(("error", f"the labeler failed: {type(exc).__name__}: {exc}", None))
+
+
+class ProcessCaller:
+    """Calls a labeler in a worker process of its own, started on first use.
+
+    A call that runs past its timeout is ended: the worker is killed (and reaped), and the
+    next call starts a new one. A worker that dies gives ``error`` for its call.
+    """
+
+    def __init__(self, component: Any) -> None:
+        self.cls = type(component)
+        self.params = component.params.model_dump(mode="json")
+        self.process: Any = None
+        self.conn: Any = None
+        self.started = 0  # how many workers were started (the first, then replacements)
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_worker_main, args=(child, self.cls, self.params), daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.conn = parent
+        self.started += 1
+
+    def _kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.join(timeout=5)
+        if self.conn is not None:
+            self.conn.close()
+        self.process = self.conn = None
+
+    def __call__(self, requests: list[LabelRequest], timeout: float | None) -> CallResult:
+        if self.process is None or not self.process.is_alive():
+            self._kill()
+            self._start()
+        assert self.conn is not None
+        try:
+            self.conn.send(requests)
+            ready = self.conn.poll(timeout)
+            reply = self.conn.recv() if ready else None
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            self._kill()
+            return _failed(len(requests), Outcome.ERROR, f"the labeler's worker died ({exc})")
+        if reply is None:
+            self._kill()  # the call is ended, not abandoned
+            return _failed(len(requests), Outcome.TIMEOUT, f"no answer within {timeout} s")
+        kind, *rest = reply
+        if kind == "ok":
+            return _interpret(rest[0], len(requests))
+        outcome = Outcome.ERROR
+        return _failed(len(requests), outcome, str(rest[0]), rest[1])
+
+    def close(self) -> None:
+        if self.conn is not None and self.process is not None and self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+            self.process.join(timeout=2)
+        self._kill()
+
+
+# --------------------------------------------------------------------------- circuit breaker
+
+
+class Breaker:
+    """closed -> open (skip the labeler) -> half-open (one probe) -> closed or open again."""
+
+    def __init__(self, cfg: BreakerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg, self.clock = cfg, clock
+        self.calls: deque[bool] = deque(maxlen=cfg.window)  # True = the call failed
+        self.state = "closed"
+        self.opened_at = 0.0
+        self.trips = 0
+
+    def allow(self) -> bool:
+        """Whether a call may go to the labeler now (an open breaker past its cooldown lets
+        one probe through)."""
+        if self.state == "open" and self.clock() - self.opened_at >= self.cfg.cooldown_s:
+            self.state = "half-open"
+        return self.state != "open"
+
+    def record(self, failed: bool) -> None:
+        if self.state == "half-open":
+            if failed:
+                self._open()
+            else:
+                self.state = "closed"
+                self.calls.clear()
+            return
+        self.calls.append(failed)
+        if (
+            len(self.calls) >= self.cfg.min_calls
+            and sum(self.calls) / len(self.calls) >= self.cfg.error_rate
+        ):
+            self._open()
+
+    def _open(self) -> None:
+        self.state = "open"
+        self.opened_at = self.clock()
+        self.trips += 1
+        self.calls.clear()
+
+
+# --------------------------------------------------------------------------- the chain
+
+
+@dataclass
+class Slot:
+    """One labeler of an arm's chain."""
+
+    name: str
+    call: Any  # InlineCaller | ProcessCaller
+    breaker: Breaker
+    latencies: list[float] = field(default_factory=list)
+    calls: int = 0
+    retries: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class LabelReport:
+    """One labeling pass: per sample its outcome and who valued it; what to keep; the ledger."""
+
+    scores: list[Score]
+    outcomes: list[Outcome]
+    valued_by: list[str | None]
+    keep: list[int]
+    dropped: Counter[str] = field(default_factory=Counter)  # by outcome
+    slots: list[Slot] = field(default_factory=list)
+
+    def ledger(self) -> dict[str, int]:
+        """generated, valued (by the head), fallback-valued, dropped: they must balance."""
+        head = self.slots[0].name if self.slots else None
+        valued = sum(1 for v in self.valued_by if v is not None and v == head)
+        fallback = sum(1 for v in self.valued_by if v is not None and v != head)
+        return {
+            "generated": len(self.outcomes),
+            "valued": valued,
+            "fallback_valued": fallback,
+            "dropped": sum(self.dropped.values()),
+        }
+
+    def metrics(self) -> dict[str, float]:
+        """``label/*``: the ledger, drops by outcome, and per labeler its calls, retries, counts
+        by outcome and breaker state (0 closed, 1 half-open, 2 open); the latency of its calls
+        (p50/p95/max) under ``timing/labeler/<name>/``."""
+        ledger = self.ledger()
+        out = {f"label/{k}": float(v) for k, v in ledger.items()}
+        for outcome, n in sorted(self.dropped.items()):
+            out[f"label/dropped/{outcome}"] = float(n)
+        for slot in self.slots:
+            prefix = f"label/{slot.name}"
+            out[f"{prefix}/calls"] = float(slot.calls)
+            out[f"{prefix}/retries"] = float(slot.retries)
+            for outcome, n in sorted(slot.outcomes.items()):
+                out[f"{prefix}/{outcome}"] = float(n)
+            if slot.latencies:
+                ordered = sorted(slot.latencies)
+                timing = f"timing/labeler/{slot.name}"  # wall-clock: volatile, like timing/*
+                out[f"{timing}/p50"] = ordered[len(ordered) // 2]
+                out[f"{timing}/p95"] = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+                out[f"{timing}/max"] = ordered[-1]
+            states = {"closed": 0.0, "half-open": 1.0, "open": 2.0}
+            out[f"{prefix}/breaker"] = states[slot.breaker.state]
+        return out
+
+
+class LabelingStage:
+    """An arm's labeler chain with its policies (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: LabelingConfig,
+        slots: Sequence[Slot],
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.slots = list(slots)
+        self.sleep, self.clock = sleep, clock
+        self.rng = random.Random(seed)
+
+    @classmethod
+    def build(
+        cls, cfg: LabelingConfig, labelers: Sequence[tuple[str, Any, Hooks]], seed: int = 0
+    ) -> LabelingStage:
+        """A stage over (name, component, hooks of that component alone) labelers."""
+        process = cfg.isolation == "process" or cfg.timeout_s is not None
+        slots = [
+            Slot(
+                name,
+                ProcessCaller(component) if process else InlineCaller(hooks),
+                Breaker(cfg.breaker),
+            )
+            for name, component, hooks in labelers
+        ]
+        return cls(cfg, slots, seed=seed)
+
+    def close(self) -> None:
+        for slot in self.slots:
+            slot.call.close()
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        wait = min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2**attempt)
+        wait *= 0.5 + self.rng.random()  # jitter: 50% to 150%
+        if retry_after is not None:
+            wait = max(wait, min(retry_after, self.cfg.backoff_max_s * 4))
+        return wait
+
+    def _policy(self, outcome: Outcome) -> str:
+        return str(getattr(self.cfg.on, outcome.value))
+
+    def label(
+        self, requests: list[LabelRequest], groups: Sequence[int] | None = None
+    ) -> LabelReport:
+        """Label every request through the chain; see :class:`LabelReport`."""
+        n = len(requests)
+        scores: list[Score] = [Score(math.nan, False, {}, Outcome.ERROR) for _ in range(n)]
+        outcomes: list[Outcome] = [Outcome.ERROR] * n
+        valued_by: list[str | None] = [None] * n
+        final: dict[int, str] = {}  # sample -> drop_sample | drop_group | fail
+        for slot in self.slots:
+            slot.latencies = []
+            slot.calls = slot.retries = 0
+            slot.outcomes = Counter()
+        started = self.clock()
+        pending = list(range(n))
+        for slot in self.slots:
+            if not pending:
+                break
+            pending = self._through(
+                slot, requests, pending, scores, outcomes, valued_by, final, started
+            )
+        for i in pending:  # no labeler of the chain gave a value
+            final[i] = self.cfg.on.exhausted
+        report = LabelReport(scores, outcomes, valued_by, [], slots=self.slots)
+        fail = [i for i, what in final.items() if what == "fail"]
+        if fail:
+            i = fail[0]
+            raise RunError(
+                f"labeling: response {i} has outcome {outcomes[i].value} "
+                f"({scores[i].info.get('reason', '')}) and the arm's policy is 'fail'"
+            )
+        drop_groups = {
+            groups[i] for i, what in final.items() if what == "drop_group" and groups is not None
+        }
+        for i in range(n):
+            if i in final:
+                report.dropped[outcomes[i].value] += 1
+            elif groups is not None and groups[i] in drop_groups:
+                report.dropped["group"] += 1  # valued, but its group is left out
+                valued_by[i] = None
+            else:
+                report.keep.append(i)
+        broken = (Outcome.ERROR, Outcome.TIMEOUT, Outcome.REJECTED)
+        if n and not report.keep and all(o in broken for o in outcomes):
+            raise RunError(
+                f"labeling: no labeler of the chain ({', '.join(s.name for s in self.slots)}) "
+                f"gave a value for any of the {n} responses; first: {outcomes[0].value}: "
+                f"{scores[0].info.get('reason', '')}"
+            )
+        ledger = report.ledger()
+        if ledger["generated"] != ledger["valued"] + ledger["fallback_valued"] + ledger["dropped"]:
+            raise RunError(f"labeling: the ledger does not balance: {ledger}")  # a bug here
+        return report
+
+    def _through(
+        self,
+        slot: Slot,
+        requests: list[LabelRequest],
+        pending: list[int],
+        scores: list[Score],
+        outcomes: list[Outcome],
+        valued_by: list[str | None],
+        final: dict[int, str],
+        started: float,
+    ) -> list[int]:
+        """Label ``pending`` with one labeler; return the samples that move on down the chain."""
+        moving_on: list[int] = []
+        todo = list(pending)
+        attempt = 0
+        while todo:
+            if not slot.breaker.allow():
+                for i in todo:
+                    scores[i] = Score(
+                        math.nan, False, {"reason": f"{slot.name}: breaker open"}, Outcome.ERROR
+                    )
+                    outcomes[i] = Outcome.ERROR
+                slot.outcomes["skipped_open"] += len(todo)
+                moving_on += todo
+                break
+            begin = time.perf_counter()
+            result = slot.call([requests[i] for i in todo], self.cfg.timeout_s)
+            slot.latencies.append(time.perf_counter() - begin)
+            slot.calls += 1
+            call_failed = all(s.outcome in FAILURES for s in result.scores)
+            slot.breaker.record(call_failed)
+            again: list[int] = []
+            for i, score in zip(todo, result.scores, strict=True):
+                scores[i], outcomes[i] = score, score.outcome
+                slot.outcomes[score.outcome.value] += 1
+                if score.outcome == Outcome.VALUE:
+                    valued_by[i] = slot.name
+                    continue
+                policy = self._policy(score.outcome)
+                if policy == "retry":
+                    again.append(i)
+                elif policy == "fallback":
+                    moving_on.append(i)
+                else:
+                    final[i] = policy
+            out_of_time = self.cfg.deadline_s is not None and (
+                self.clock() - started >= self.cfg.deadline_s
+            )
+            if again and attempt < self.cfg.retries and not out_of_time:
+                wait = self._backoff(attempt, result.retry_after)
+                if self.cfg.deadline_s is not None:
+                    wait = min(wait, max(0.0, self.cfg.deadline_s - (self.clock() - started)))
+                self.sleep(wait)
+                attempt += 1
+                slot.retries += 1
+                todo = again
+                continue
+            moving_on += again  # retries spent: on down the chain
+            break
+        return sorted(moving_on)
+
+
+# --------------------------------------------------------------------------- the engine's entry
+
+
+def label(hooks: Hooks, batch: RolloutBatch) -> LabelReport:
+    """Fill ``batch.scores``, ``batch.score_valid`` and ``batch.label_info`` (in place) through
+    the arm's labeling stage (``hooks.labeling``; a plain single-labeler stage when unset) and
+    return the report. Samples without a value get score 0 and ``info["outcome"]``; the report's
+    ``keep`` says which samples may be trained on."""
+    stage = getattr(hooks, "labeling", None)
+    if stage is None:
+        stage = default_stage(hooks)
+    groups = batch.group_ids.tolist() if batch.group_ids is not None else None
+    report = stage.label(label_requests(batch), groups)
+    values = [float(s.value) if s.outcome == Outcome.VALUE else 0.0 for s in report.scores]
+    batch.scores = torch.tensor(values, dtype=torch.float32)
+    batch.score_valid = torch.tensor(
+        [bool(s.valid) and s.outcome == Outcome.VALUE for s in report.scores], dtype=torch.bool
+    )
+    batch.label_info = [
+        {**s.info, "outcome": s.outcome.value} if s.outcome != Outcome.VALUE else dict(s.info)
+        for s in report.scores
+    ]
+    return report
+
+
+def default_stage(hooks: Hooks) -> LabelingStage:
+    """A one-labeler stage with the default policies over the run's own hooks."""
+    from alignzoo.config.schema import LabelingConfig
+
+    stage = LabelingStage.build(LabelingConfig(), [("labeler", None, hooks)])
+    hooks.labeling = stage  # type: ignore[attr-defined]
+    return stage

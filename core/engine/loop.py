@@ -323,6 +323,8 @@ def run_one(
     finally:
         if sinks is not None:
             sinks.close()
+        if run is not None and run.hooks.labeling is not None:
+            run.hooks.labeling.close()  # labeler worker processes end with the run
     if run is not None:
         try:
             run.hooks.on_run_end(run.context, status)

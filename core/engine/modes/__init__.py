@@ -95,16 +95,23 @@ def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collecte
     batch = source.hooks.generate(prompts, extras, cfg.samples_per_prompt, cfg.sampling)
     m["timing/generate"] = time.perf_counter() - start
     start = time.perf_counter()
-    label(source.hooks, batch)
+    report = label(source.hooks, batch)
     m["timing/label"] = time.perf_counter() - start
+    m.update(report.metrics())
+    generated = batch.size
+    if len(report.keep) < batch.size:  # samples without a value never reach the loss
+        batch = batch.select(report.keep)
     assert batch.scores is not None and batch.score_valid is not None
-    m[canonical.REWARD_MEAN] = float(batch.scores.mean())
-    m[canonical.REWARD_STD] = float(batch.scores.std(unbiased=False))
-    m[canonical.REWARD_VALID_FRAC] = float(batch.score_valid.float().mean())
+    if batch.size:
+        m[canonical.REWARD_MEAN] = float(batch.scores.mean())
+        m[canonical.REWARD_STD] = float(batch.scores.std(unbiased=False))
+        m[canonical.REWARD_VALID_FRAC] = float(batch.score_valid.float().mean())
     m[canonical.BATCH_PROMPTS] = float(len(prompts))
     m[canonical.BATCH_RESPONSES] = float(batch.size)
-    m[canonical.RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
-    return Collected(batch, samples=batch.size, tokens=int(batch.response_mask.sum()), metrics=m)
+    if batch.size:
+        m[canonical.RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
+    # The budget counts what was generated, labeled or not.
+    return Collected(batch, samples=generated, tokens=int(batch.response_mask.sum()), metrics=m)
 
 
 def read_rows(batch: RolloutBatch, rows: int) -> Collected:

@@ -224,7 +224,7 @@ def test_a_crashing_or_wrong_labeler_fails_with_a_named_error(world) -> None:
         label(hooks(lambda requests: {}["x"]), batch)
     with pytest.raises(RunError, match="Score\\(value='high'\\) for response 0"):
         label(hooks(lambda requests: [Score("high") for _ in requests]), batch)  # type: ignore[arg-type]
-    with pytest.raises(RunError, match="non-finite score for response 0"):
+    with pytest.raises(RunError, match=r"non-finite score \(nan\) for response 0"):
         label(hooks(lambda requests: [Score(float("nan")) for _ in requests]), batch)
     with pytest.raises(UserError, match="fix me"):  # a user error keeps its own message
         label(hooks(lambda requests: (_ for _ in ()).throw(UserError("fix me"))), batch)
