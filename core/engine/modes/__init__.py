@@ -86,6 +86,23 @@ def correct_flags(batch: RolloutBatch) -> list[bool] | None:
     return [bool(f) for f in flags]
 
 
+_RESERVED = {"mean", "std", "valid_frac"}
+
+
+def part_rewards(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """``reward/<part>``: the mean of each part of a combined reward (``info["rewards"]``, as
+    the combine labeler writes it) over the samples that carry it."""
+    sums: dict[str, list[float]] = {}
+    for info in infos:
+        for name, value in (info.get("rewards") or {}).items():
+            sums.setdefault(str(name), []).append(float(value))
+    return {
+        f"reward/{'part_' + n if n in _RESERVED else n}": sum(v) / len(v)
+        for n, v in sums.items()
+        if v
+    }
+
+
 def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collected:
     """The online start of a step: ``samples_per_prompt`` responses per row, scored."""
     cfg = source.training
@@ -110,6 +127,7 @@ def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collecte
     m[canonical.BATCH_RESPONSES] = float(batch.size)
     if batch.size:
         m[canonical.RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
+    m.update(part_rewards(batch.label_info))
     # The budget counts what was generated, labeled or not.
     return Collected(batch, samples=generated, tokens=int(batch.response_mask.sum()), metrics=m)
 

@@ -1,0 +1,85 @@
+"""Labeler "combine": a weighted sum of several labelers, each one's value logged apart.
+
+``labelers: [arithmetic, {name: format, params: {...}}]``, ``weights: [1.0, 0.2]`` (default:
+all 1). Each part labels the whole batch; the combined value is sum(w_i * v_i). The parts'
+values go to ``info["rewards"]`` (the engine logs their means as ``reward/<part>``), and
+``info["correct"]`` is the first part's that says it. When a part gives a sample no value
+(abstain, parse failure, rejected), the combined sample takes that outcome too: a sum with a
+missing term would be a different reward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from alignzoo import Labeler, LabelRequest, Score, hookimpl
+from alignzoo.config.schema import ComponentRef
+from alignzoo.errors import UserError
+from alignzoo.registry import build_plugin_manager, get_registry
+from alignzoo.types import Outcome
+
+
+class CombineLabeler(Labeler):
+    """A weighted sum of labelers (each part also logged as ``reward/<name>``)."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        labelers: list[ComponentRef] = Field(min_length=1, description="The parts, in order.")
+        weights: list[float] | None = Field(None, description="One per part (default: all 1).")
+
+        @model_validator(mode="after")
+        def _one_weight_per_part(self) -> CombineLabeler.Params:
+            if self.weights is not None and len(self.weights) != len(self.labelers):
+                raise ValueError(
+                    f"weights has {len(self.weights)} entries for {len(self.labelers)} labelers"
+                )
+            if self.weights is not None and not all(math.isfinite(w) for w in self.weights):
+                raise ValueError("weights must be finite numbers")
+            return self
+
+    params: Params
+
+    def __init__(self, params: Any = None) -> None:
+        super().__init__(params)
+        registry = get_registry()
+        self.parts: list[tuple[str, Any]] = []
+        names: list[str] = []
+        for i, ref in enumerate(self.params.labelers):
+            if ref.name == "combine":
+                raise UserError("combine: a part may not be another combine")
+            cls = registry.get("labeler", ref.name)
+            part = cls(cls.Params.model_validate(ref.params))
+            name = ref.name if ref.name not in names else f"{ref.name}_{i + 1}"
+            names.append(name)
+            self.parts.append((name, build_plugin_manager([part])))
+        self.weights = self.params.weights or [1.0] * len(self.parts)
+
+    @hookimpl
+    def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
+        per_part = []
+        for name, pm in self.parts:
+            scores = pm.hook.score_batch(requests=requests)
+            if not isinstance(scores, list) or len(scores) != len(requests):
+                raise ValueError(
+                    f"combine: part {name!r} returned {len(scores)} scores for {len(requests)}"
+                )
+            per_part.append(scores)
+        out = []
+        for i in range(len(requests)):
+            parts = [scores[i] for scores in per_part]
+            missing = next((s for s in parts if s.outcome != Outcome.VALUE), None)
+            if missing is not None:
+                out.append(missing)
+                continue
+            rewards = {name: float(s.value) for (name, _), s in zip(self.parts, parts, strict=True)}
+            value = sum(w * float(s.value) for w, s in zip(self.weights, parts, strict=True))
+            info: dict[str, Any] = {"rewards": rewards}
+            correct = next((s.info["correct"] for s in parts if "correct" in s.info), None)
+            if correct is not None:
+                info["correct"] = correct
+            out.append(Score(value, valid=all(s.valid for s in parts), info=info))
+        return out

@@ -1,0 +1,119 @@
+"""The python, rule (regex, format, length_penalty) and combine labelers."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pytest
+from pydantic import ValidationError
+
+from alignzoo import LabelRequest, Score
+from alignzoo.errors import UserError
+from alignzoo.plugins.labelers.combine import CombineLabeler
+from alignzoo.plugins.labelers.python_fn import PythonLabeler
+from alignzoo.plugins.labelers.rules import FormatLabeler, LengthPenaltyLabeler, RegexLabeler
+from alignzoo.registry import build_plugin_manager
+from alignzoo.types import Outcome
+
+
+def score(labeler, requests):
+    return build_plugin_manager([labeler]).hook.score_batch(requests=requests)
+
+
+REQS = [
+    LabelRequest(prompt="1+1=", response="2", extra={"answer": "2"}),
+    LabelRequest(prompt="2+2=", response=" 5\n", extra={"answer": "4"}),
+    LabelRequest(prompt="3+3=", response="six", extra={"answer": "6"}),
+]
+
+
+def test_python_labeler_from_a_file_with_columns_and_abstain(tmp_path, monkeypatch):
+    (tmp_path / "reward.py").write_text(
+        textwrap.dedent(
+            """
+            def exact(prompts, completions, answer, bonus=0.0):
+                assert len(prompts) == len(completions) == len(answer)
+                return [None if not c.strip().isdigit() else float(c.strip() == a) + bonus
+                        for c, a in zip(completions, answer)]
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    labeler = PythonLabeler(PythonLabeler.Params(function="reward.py:exact", kwargs={"bonus": 0.5}))
+    out = score(labeler, REQS)
+    assert [s.value for s in out[:2]] == [1.5, 0.5]
+    assert out[2].outcome == Outcome.ABSTAIN
+
+
+def test_python_labeler_async_and_module_functions(tmp_path, monkeypatch):
+    (tmp_path / "areward.py").write_text(
+        "import asyncio\n"
+        "async def length(prompts, completions, **columns):\n"
+        "    await asyncio.sleep(0)\n"
+        "    return [len(c) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    labeler = PythonLabeler(PythonLabeler.Params(function="areward:length"))
+    assert [s.value for s in score(labeler, REQS)] == [1.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nofunction", "must be"),
+        ("missing.py:fn", "does not exist"),
+        ("no_such_module_xyz:fn", "cannot import"),
+        ("json:no_such_fn", "has no function"),
+    ],
+)
+def test_python_labeler_names_what_is_wrong(spec, message):
+    with pytest.raises(UserError, match=message):
+        PythonLabeler(PythonLabeler.Params(function=spec))
+
+
+def test_regex_with_the_reference_marks_correct():
+    labeler = RegexLabeler(RegexLabeler.Params(pattern=r"^\s*{answer}\s*$", answer_field="answer"))
+    out = score(labeler, REQS)
+    assert [s.value for s in out] == [1.0, 0.0, 0.0]
+    assert [s.info["correct"] for s in out] == [True, False, False]
+    with pytest.raises(ValidationError, match="regular expression"):
+        RegexLabeler.Params(pattern="(unclosed")
+
+
+def test_format_and_length_penalty():
+    fmt = score(FormatLabeler(), REQS)
+    assert [s.value for s in fmt] == [1.0, 1.0, 0.0]
+    assert [s.info["format_ok"] for s in fmt] == [True, True, False]
+    penalty = LengthPenaltyLabeler(LengthPenaltyLabeler.Params(max_chars=1, coef=0.5))
+    assert [s.value for s in score(penalty, REQS)] == [0.0, 0.0, -1.0]
+
+
+def test_combine_is_a_weighted_sum_with_each_part_kept():
+    labeler = CombineLabeler(
+        CombineLabeler.Params(
+            labelers=["arithmetic", {"name": "format", "params": {"bad": -1.0}}],
+            weights=[1.0, 0.25],
+        )
+    )
+    out = score(labeler, REQS)
+    assert [s.value for s in out] == [1.25, 0.25, -0.25]
+    assert out[0].info["rewards"] == {"arithmetic": 1.0, "format": 1.0}
+    assert [s.info["correct"] for s in out] == [True, False, False]
+    with pytest.raises(ValidationError, match="weights has 1 entries for 2"):
+        CombineLabeler.Params(labelers=["arithmetic", "format"], weights=[1.0])
+
+
+def test_combine_passes_on_a_part_that_gives_no_value(tmp_path, monkeypatch):
+    (tmp_path / "picky.py").write_text(
+        "def f(prompts, completions, **c):\n    return [None if c == 'six' else 1.0 for c in completions]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    labeler = CombineLabeler(
+        CombineLabeler.Params(
+            labelers=["arithmetic", {"name": "python", "params": {"function": "picky.py:f"}}]
+        )
+    )
+    out = score(labeler, REQS)
+    assert out[2].outcome == Outcome.ABSTAIN and not math.isfinite(out[2].value)
+    assert out[0].value == 2.0 and isinstance(out[0], Score)
