@@ -1,4 +1,4 @@
-"""The ``alignzoo`` command line: run, validate, plugins, schema, report, doctor, check.
+"""The ``alignzoo`` command line: run, validate, plugins, schema, report, relabel, doctor, check.
 
 Exit codes: 0 success; 2 a user error (bad config, unknown plugin, missing file), printed as a
 short message without traceback unless ``--debug``; 1 a failure inside a run.
@@ -127,6 +127,26 @@ def run(
     result = run_experiment(loaded, out_dir=out, resume=resume, jobs=jobs, console=console)
     if result.failed:
         raise typer.Exit(1)
+
+
+@app.command()
+def relabel(
+    run_dir: Annotated[
+        Path, typer.Argument(help="A run folder (arm/seed-n) or an experiment folder.")
+    ],
+    labeler: Annotated[Path, typer.Argument(help="YAML: {name: <labeler>, params: {...}}.")],
+    tolerance: Annotated[
+        float, typer.Option(help="Values further apart than this disagree.")
+    ] = 1e-6,
+) -> None:
+    """Score a run's stored rollouts with another labeler and report the agreement."""
+    from alignzoo.experiment.relabel import describe
+    from alignzoo.experiment.relabel import relabel as run_relabel
+
+    result = run_relabel(run_dir, labeler, tolerance)
+    for line in describe(result):
+        console.print(line, markup=False, highlight=False)
+    console.print(f"wrote {run_dir / 'relabel.json'}")
 
 
 @app.command()

@@ -96,6 +96,9 @@ class Labeler(Component):
     """
 
     kind = "labeler"
+    version: ClassVar[str] = "1"
+    """Part of the label store's key: bump it when a change makes the labeler score the same
+    request differently, so stored labels of the old version are not reused."""
     marks_correct: ClassVar[bool | None] = None
     """Whether every Score it returns says ``info["correct"]`` (what ``eval/exact_match`` and
     ``pass@k`` count): True for a verifier such as the arithmetic rule, False for a labeler

@@ -267,6 +267,11 @@ class LabelingConfig(_Strict):
     )
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     on: OutcomePolicies = Field(default_factory=OutcomePolicies)
+    store: str | None = Field(
+        "run",
+        description="Where labels are persisted and reused (SQLite): 'run' (labels.sqlite in "
+        "the run folder), a path shared by runs, or null to keep none.",
+    )
 
 
 class ArmSpec(_Strict):

@@ -21,6 +21,7 @@ from alignzoo.engine.context import RunContext
 from alignzoo.engine.evaluate import eval_rows
 from alignzoo.engine.hooks import Hooks
 from alignzoo.engine.labeling import LabelingStage
+from alignzoo.engine.labelstore import STORE_FILE, LabelStore
 from alignzoo.engine.learner import Learner, build_learner
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
@@ -108,7 +109,11 @@ def total_optimizer_steps(spec: ExperimentSpec, arm: ArmSpec, mode: DataMode) ->
 
 
 def labeling_stage(
-    arm_spec: ArmSpec, components: dict[str, Any], hooks: Hooks, seed: int
+    arm_spec: ArmSpec,
+    components: dict[str, Any],
+    hooks: Hooks,
+    seed: int,
+    out_dir: Path | None = None,
 ) -> LabelingStage:
     """The arm's labeler chain: its labeler (through the run's hooks, so modifiers wrapping
     ``score_batch`` apply), then each of ``labeling.fallbacks`` on its own."""
@@ -117,7 +122,14 @@ def labeling_stage(
         component = components[f"labeling.fallbacks.{i}"]
         name = ref.name if ref.name not in {n for n, _, _ in chain} else f"{ref.name}.{i + 1}"
         chain.append((name, component, Hooks(build_plugin_manager([component]), ref.name)))
-    return LabelingStage.build(arm_spec.labeling, chain, seed=seed)
+    where = arm_spec.labeling.store
+    store = None
+    if where is not None:
+        if where == "run":
+            store = LabelStore(out_dir / STORE_FILE) if out_dir is not None else None
+        else:
+            store = LabelStore(Path(where).expanduser())
+    return LabelingStage.build(arm_spec.labeling, chain, seed=seed, store=store)
 
 
 def assemble(
@@ -137,7 +149,7 @@ def assemble(
     arm_spec = spec.arms[arm]
     run_components = [c for slot, c in components.items() if not slot.startswith("labeling.")]
     hooks = Hooks(build_plugin_manager(run_components), arm_spec.algorithm.name)
-    hooks.labeling = labeling_stage(arm_spec, components, hooks, seed)
+    hooks.labeling = labeling_stage(arm_spec, components, hooks, seed, out_dir)
     req = hooks.algorithm_requirements()
     mode = select_mode(req, arm_is_online(spec, arm_spec))
     if mode.kind == "preference" and mode.online and arm_spec.training.samples_per_prompt < 2:

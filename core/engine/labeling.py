@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from alignzoo.batch import RolloutBatch
+from alignzoo.engine.labelstore import LabelStore, labeler_identity, request_key
 from alignzoo.errors import LabelerUnavailable, RunError, UserError
 from alignzoo.types import LabelRequest, Outcome, Score
 
@@ -270,6 +271,7 @@ class Slot:
     name: str
     call: Any  # InlineCaller | ProcessCaller
     breaker: Breaker
+    identity: str | None = None  # the label store's key for this labeler (None: not stored)
     latencies: list[float] = field(default_factory=list)
     calls: int = 0
     retries: int = 0
@@ -300,15 +302,18 @@ class LabelReport:
         }
 
     def metrics(self) -> dict[str, float]:
-        """``label/*``: the ledger, drops by outcome, and per labeler its calls, retries, counts
-        by outcome and breaker state (0 closed, 1 half-open, 2 open); the latency of its calls
-        (p50/p95/max) under ``timing/labeler/<name>/``."""
+        """``label/*``: the ledger and drops by outcome (the same in a resumed run as in an
+        uninterrupted one). ``labeler/<name>/*``: how the labels were obtained, per labeler:
+        calls, retries, counts by outcome, ``stored`` (reused from the label store),
+        ``deduplicated`` (identical requests sent once), breaker state (0 closed, 1 half-open,
+        2 open); and the latency of its calls (p50/p95/max) under ``timing/labeler/<name>/``.
+        These depend on what the process saw before (a resumed run finds its labels stored)."""
         ledger = self.ledger()
         out = {f"label/{k}": float(v) for k, v in ledger.items()}
         for outcome, n in sorted(self.dropped.items()):
             out[f"label/dropped/{outcome}"] = float(n)
         for slot in self.slots:
-            prefix = f"label/{slot.name}"
+            prefix = f"labeler/{slot.name}"  # how labels were obtained: calls, the store, ...
             out[f"{prefix}/calls"] = float(slot.calls)
             out[f"{prefix}/retries"] = float(slot.retries)
             for outcome, n in sorted(slot.outcomes.items()):
@@ -334,31 +339,42 @@ class LabelingStage:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         seed: int = 0,
+        store: LabelStore | None = None,
     ) -> None:
         self.cfg = cfg
         self.slots = list(slots)
+        self.store = store
         self.sleep, self.clock = sleep, clock
         self.rng = random.Random(seed)
 
     @classmethod
     def build(
-        cls, cfg: LabelingConfig, labelers: Sequence[tuple[str, Any, Hooks]], seed: int = 0
+        cls,
+        cfg: LabelingConfig,
+        labelers: Sequence[tuple[str, Any, Hooks]],
+        seed: int = 0,
+        store: LabelStore | None = None,
     ) -> LabelingStage:
-        """A stage over (name, component, hooks of that component alone) labelers."""
+        """A stage over (name, component, hooks of that component alone) labelers; with a
+        ``store``, labels are looked up and persisted there."""
         process = cfg.isolation == "process" or cfg.timeout_s is not None
         slots = [
             Slot(
                 name,
                 ProcessCaller(component) if process else InlineCaller(hooks),
                 Breaker(cfg.breaker),
+                identity=labeler_identity(component) if component is not None else None,
             )
             for name, component, hooks in labelers
         ]
-        return cls(cfg, slots, seed=seed)
+        return cls(cfg, slots, seed=seed, store=store)
 
     def close(self) -> None:
         for slot in self.slots:
             slot.call.close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         wait = min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2**attempt)
@@ -435,9 +451,36 @@ class LabelingStage:
         final: dict[int, str],
         started: float,
     ) -> list[int]:
-        """Label ``pending`` with one labeler; return the samples that move on down the chain."""
+        """Label ``pending`` with one labeler; return the samples that move on down the chain.
+
+        Stored labels of this labeler are reused, and identical requests are sent once.
+        """
         moving_on: list[int] = []
+        keys = {i: request_key(requests[i]) for i in pending}
+
+        def settle(i: int, score: Score, again: list[int]) -> None:
+            scores[i], outcomes[i] = score, score.outcome
+            if score.outcome == Outcome.VALUE:
+                valued_by[i] = slot.name
+                return
+            policy = self._policy(score.outcome)
+            if policy == "retry":
+                again.append(i)
+            elif policy == "fallback":
+                moving_on.append(i)
+            else:
+                final[i] = policy
+
         todo = list(pending)
+        if self.store is not None and slot.identity:
+            stored = self.store.lookup(slot.identity, [keys[i] for i in todo])
+            unused: list[int] = []
+            for i in todo:
+                if keys[i] in stored:
+                    settle(i, stored[keys[i]], unused)  # an abstain is not retried
+                    slot.outcomes["stored"] += 1
+            moving_on += unused
+            todo = [i for i in todo if keys[i] not in stored]
         attempt = 0
         while todo:
             if not slot.breaker.allow():
@@ -449,26 +492,27 @@ class LabelingStage:
                 slot.outcomes["skipped_open"] += len(todo)
                 moving_on += todo
                 break
+            first: dict[str, int] = {}  # identical requests are sent once
+            for i in todo:
+                first.setdefault(keys[i], i)
+            sent = list(first.values())
+            slot.outcomes["deduplicated"] += len(todo) - len(sent)
             begin = time.perf_counter()
-            result = slot.call([requests[i] for i in todo], self.cfg.timeout_s)
-            slot.latencies.append(time.perf_counter() - begin)
+            result = slot.call([requests[i] for i in sent], self.cfg.timeout_s)
+            seconds = time.perf_counter() - begin
+            slot.latencies.append(seconds)
             slot.calls += 1
-            call_failed = all(s.outcome in FAILURES for s in result.scores)
-            slot.breaker.record(call_failed)
+            slot.breaker.record(all(s.outcome in FAILURES for s in result.scores))
+            by_key = {keys[i]: score for i, score in zip(sent, result.scores, strict=True)}
+            if self.store is not None and slot.identity:
+                self.store.put(
+                    slot.identity, [(keys[i], requests[i], by_key[keys[i]]) for i in sent], seconds
+                )
             again: list[int] = []
-            for i, score in zip(todo, result.scores, strict=True):
-                scores[i], outcomes[i] = score, score.outcome
+            for i in todo:
+                score = by_key[keys[i]]
                 slot.outcomes[score.outcome.value] += 1
-                if score.outcome == Outcome.VALUE:
-                    valued_by[i] = slot.name
-                    continue
-                policy = self._policy(score.outcome)
-                if policy == "retry":
-                    again.append(i)
-                elif policy == "fallback":
-                    moving_on.append(i)
-                else:
-                    final[i] = policy
+                settle(i, score, again)
             out_of_time = self.cfg.deadline_s is not None and (
                 self.clock() - started >= self.cfg.deadline_s
             )

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from alignzoo.config.loader import load_experiment
-from alignzoo.engine import checkpoint, hooks, loop, sinks
+from alignzoo.engine import checkpoint, labeling, loop, sinks
 
 _where: dict[str, Any] = {"step": 0, "saving": None}
 _target = os.environ.get("ALIGNZOO_KILL_AT")
@@ -55,7 +55,11 @@ def _install() -> None:
         _where["step"] = step
 
     _wrap(loop, "train_step", before=at_step)
-    _wrap(hooks.Hooks, "score_batch", before=lambda *a, **k: _maybe_die("label", _where["step"]))
+    _wrap(
+        labeling.InlineCaller,
+        "__call__",
+        before=lambda *a, **k: _maybe_die("label", _where["step"]),
+    )
     _wrap(loop, "evaluate", before=lambda *a, **k: _maybe_die("eval", _where["step"]))
     _wrap(sinks.Sinks, "step", after=lambda self, metrics, step: _maybe_die("metrics", step))
 

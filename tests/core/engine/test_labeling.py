@@ -81,7 +81,7 @@ def test_values_pass_through_and_the_ledger_balances() -> None:
     assert [s.value for s in report.scores] == [1, 2, 3, 4, 5, 6]
     assert report.keep == list(range(6)) and report.ledger()["valued"] == 6
     metrics = report.metrics()
-    assert metrics["label/generated"] == 6 and metrics["label/l0/value"] == 6
+    assert metrics["label/generated"] == 6 and metrics["labeler/l0/value"] == 6
     assert "timing/labeler/l0/p50" in metrics
 
 
@@ -92,7 +92,7 @@ def test_transient_errors_are_retried_with_growing_jittered_backoff() -> None:
     report = stage(head, clock=clock, retries=3, backoff_s=1.0).label(requests(4))
     assert len(head.calls) == 3 and report.keep == [0, 1, 2, 3]
     assert 0.5 <= clock.sleeps[0] <= 1.5 and 1.0 <= clock.sleeps[1] <= 3.0  # 1 s, then 2 s
-    assert report.metrics()["label/l0/retries"] == 2
+    assert report.metrics()["labeler/l0/retries"] == 2
 
 
 def test_retry_after_is_waited() -> None:
@@ -127,7 +127,7 @@ def test_the_chain_falls_back_per_sample_and_counts_who_valued_what() -> None:
     assert rule.calls == [["x", "xxx", "xxxx", "xxxxx"]]  # only what the head did not value
     assert report.ledger() == {"generated": 6, "valued": 2, "fallback_valued": 4, "dropped": 0}
     metrics = report.metrics()
-    assert metrics["label/l0/abstain"] == 3 and metrics["label/l0/rejected"] == 1
+    assert metrics["labeler/l0/abstain"] == 3 and metrics["labeler/l0/rejected"] == 1
 
 
 def test_exhausted_samples_are_dropped_or_their_groups_or_fail_the_run() -> None:
@@ -169,7 +169,7 @@ def test_the_breaker_trips_skips_the_labeler_and_recovers_after_a_probe() -> Non
     calls = len(head.calls)
     report = labeling.label(requests(2))
     assert len(head.calls) == calls  # skipped while open
-    assert report.metrics()["label/l0/breaker"] == 2.0
+    assert report.metrics()["labeler/l0/breaker"] == 2.0
     clock.now += 61  # cooldown over: one probe, which succeeds
     report = labeling.label(requests(2))
     assert report.valued_by == ["l0", "l0"] and breaker.state == "closed"
@@ -248,7 +248,7 @@ def test_a_worker_that_dies_is_an_error_and_is_replaced() -> None:
     try:
         report = labeling.label(requests(2))
         assert report.valued_by == ["l1", "l1"]
-        assert report.metrics()["label/l0/error"] == 2 * 2  # the first try and one retry
+        assert report.metrics()["labeler/l0/error"] == 2 * 2  # the first try and one retry
         assert labeling.slots[0].call.started == 2
         assert [s.value for s in report.scores] == [1.0, 2.0]
     finally:
@@ -317,5 +317,50 @@ def test_a_run_with_a_flaky_labeler_and_a_fallback_completes_and_reconciles(
             row["label/valued"] + row["label/fallback_valued"] + row["label/dropped"]
         )
     assert sum(r["label/fallback_valued"] for r in rows) > 0  # the chain carried on
-    assert sum(r.get("label/flaky/retries", 0) for r in rows) > 0
+    assert sum(r.get("labeler/flaky/retries", 0) for r in rows) > 0
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "eval.jsonl")] == [0, 2, 4, 6, 8]
+
+
+def test_the_store_reuses_labels_and_identical_requests_are_sent_once(tmp_path) -> None:
+    from alignzoo.engine.labelstore import LabelStore, labeler_identity, stored_requests
+
+    head = Scripted([value])
+    chain = [("l0", head, Hooks(build_plugin_manager([head])))]
+    reqs = requests(4) + requests(2)  # the last two repeat the first two
+    labeling = LabelingStage.build(LabelingConfig(), chain, store=LabelStore(tmp_path / "l.sqlite"))
+    report = labeling.label(reqs)
+    assert head.calls == [["x", "xx", "xxx", "xxxx"]]  # duplicates sent once
+    assert [s.value for s in report.scores] == [1, 2, 3, 4, 1, 2]
+    assert report.metrics()["labeler/l0/deduplicated"] == 2
+    again = labeling.label(reqs)  # a resumed run replaying the step
+    assert len(head.calls) == 1 and [s.value for s in again.scores] == [1, 2, 3, 4, 1, 2]
+    assert again.metrics()["labeler/l0/stored"] == 6
+    labeling.close()
+    stored = stored_requests(tmp_path / "l.sqlite")
+    assert len(stored) == 4 and all(labeler_identity(head) in s for _, _, s in stored)
+
+
+def test_the_store_keeps_verdicts_not_failures_and_keys_by_params(tmp_path) -> None:
+    from alignzoo.engine.labelstore import LabelStore, labeler_identity, request_key
+    from alignzoo.plugins.labelers.rules import FormatLabeler
+
+    store = LabelStore(tmp_path / "l.sqlite")
+    reqs = requests(3)
+    verdicts = [
+        Score(1.0, info={"a": 1}),
+        Score.abstain("no key"),
+        Score(math.nan, False, {}, Outcome.TIMEOUT),
+    ]
+    assert (
+        store.put("lab", [(request_key(r), r, s) for r, s in zip(reqs, verdicts, strict=True)], 0.1)
+        == 2
+    )
+    found = store.lookup("lab", [request_key(r) for r in reqs])
+    assert found[request_key(reqs[0])].info == {"a": 1}
+    assert found[request_key(reqs[1])].outcome == Outcome.ABSTAIN
+    assert request_key(reqs[2]) not in found  # a timeout is not a verdict
+    assert store.lookup("other", [request_key(reqs[0])]) == {}
+    a = labeler_identity(FormatLabeler())
+    assert a != labeler_identity(FormatLabeler(FormatLabeler.Params(ok=2.0)))
+    assert a == labeler_identity(FormatLabeler())
+    store.close()

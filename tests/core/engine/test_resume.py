@@ -14,7 +14,7 @@ import pytest
 from .conftest import read_jsonl, tiny_experiment
 
 ROOT = Path(__file__).resolve().parents[3]
-VOLATILE = ("timing/", "throughput/")
+VOLATILE = ("timing/", "throughput/", "labeler/")
 
 
 def _worker(exp: Path, out: Path, resume: bool) -> subprocess.Popen:
@@ -148,3 +148,46 @@ def test_sigkill_at_20_random_points_then_resume_matches(write_experiment, tmp_p
         expected, got = read_jsonl(full / name), read_jsonl(killed / name)
         assert _stable(got) == _stable(expected), f"{name} after kills at {points}"
     assert [r["step"] for r in read_jsonl(killed / "metrics.jsonl")] == list(range(1, steps + 1))
+
+
+@pytest.mark.slow
+def test_sigkill_during_labeling_then_resume_scores_no_sample_twice(
+    write_experiment, tmp_path
+) -> None:
+    """A labeler that logs every request it scores, killed inside labeling three times: with
+    the label store, the resumed runs replay their steps from stored labels, so the log holds
+    each (prompt, response) once; and the run's history is the uninterrupted one."""
+    (tmp_path / "logged.py").write_text(
+        "import json, os\n"
+        "def exact(prompts, completions, answer):\n"
+        "    with open(os.environ['LABEL_LOG'], 'a') as fh:\n"
+        "        for p, c in zip(prompts, completions):\n"
+        "            fh.write(json.dumps([p, c]) + '\\n')\n"
+        "    return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]\n"
+    )
+    labeler = {"name": "python", "params": {"function": str(tmp_path / "logged.py") + ":exact"}}
+    spec = tiny_experiment(
+        budget={"steps": 12},
+        training={"checkpoint_every": 3},
+        evaluation={"every": 4, "num_prompts": 8},
+        arms={"grpo": {"algorithm": "grpo", "labeler": labeler}},
+    )
+    exp = write_experiment(spec)
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    os.environ["LABEL_LOG"] = str(tmp_path / "full.log")
+    try:
+        assert _kill_worker(exp, full, False, None).wait(timeout=300) == 0
+        os.environ["LABEL_LOG"] = str(tmp_path / "killed.log")
+        for i, point in enumerate(("2:label", "5:label", "10:label")):
+            proc = _kill_worker(exp, killed, resume=i > 0, kill_at=point)
+            assert proc.wait(timeout=300) == -signal.SIGKILL, proc.stdout.read()
+        proc = _kill_worker(exp, killed, resume=True, kill_at=None)
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    finally:
+        os.environ.pop("LABEL_LOG", None)
+
+    lines = (tmp_path / "killed.log").read_text().splitlines()
+    assert len(lines) == len(set(lines)), "a sample was scored twice"
+    assert sorted(lines) == sorted((tmp_path / "full.log").read_text().splitlines())
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        assert _stable(read_jsonl(killed / name)) == _stable(read_jsonl(full / name)), name

@@ -21,7 +21,7 @@ from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 
 from .conftest import read_jsonl, tiny_experiment
 
-VOLATILE = ("time_s", "timing/", "throughput/")
+VOLATILE = ("time_s", "timing/", "throughput/", "labeler/")
 
 
 def _stable(rows: list[dict]) -> list[dict]:
