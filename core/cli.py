@@ -149,6 +149,20 @@ def relabel(
     console.print(f"wrote {run_dir / 'relabel.json'}")
 
 
+@app.command("serve-labeler")
+def serve_labeler(
+    config: Annotated[Path, typer.Argument(help="YAML: labeler, batching, token_env, limits.")],
+    host: Annotated[
+        str, typer.Option(help="Interface to bind (0.0.0.0 only if you mean it).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8765,
+) -> None:
+    """Serve a labeler plugin over HTTP (protocol v1: POST /v1/score, /health, /metrics)."""
+    from alignzoo.serve import serve
+
+    serve(config, host=host, port=port)
+
+
 @app.command()
 def report(
     run_dir: Annotated[Path, typer.Argument(help="An experiment's output folder (runs/<name>).")],

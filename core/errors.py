@@ -66,3 +66,8 @@ class LabelerUnavailable(Exception):
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class LabelerTimeout(LabelerUnavailable):
+    """Raised by a labeler whose own call ran out of time (an HTTP read timeout, say): the
+    samples of that call get the ``timeout`` outcome."""

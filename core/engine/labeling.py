@@ -38,7 +38,7 @@ import torch
 
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.labelstore import LabelStore, labeler_identity, request_key
-from alignzoo.errors import LabelerUnavailable, RunError, UserError
+from alignzoo.errors import LabelerTimeout, LabelerUnavailable, RunError, UserError
 from alignzoo.types import LabelRequest, Outcome, Score
 
 if TYPE_CHECKING:
@@ -117,12 +117,15 @@ def _interpret(scores: Any, n: int) -> CallResult:
 class InlineCaller:
     """Calls a labeler in this process (no timeout can end a synchronous call here)."""
 
-    def __init__(self, hooks: Hooks) -> None:
+    def __init__(self, hooks: Hooks, component: Any = None) -> None:
         self.hooks = hooks
+        self.component = component
 
     def __call__(self, requests: list[LabelRequest], timeout: float | None) -> CallResult:
         try:
             scores = self.hooks.pm.hook.score_batch(requests=requests)
+        except LabelerTimeout as exc:
+            return _failed(len(requests), Outcome.TIMEOUT, str(exc), exc.retry_after)
         except LabelerUnavailable as exc:
             return _failed(len(requests), Outcome.ERROR, str(exc), exc.retry_after)
         except (KeyboardInterrupt, SystemExit, UserError):
@@ -134,7 +137,10 @@ class InlineCaller:
         return _interpret(scores, len(requests))
 
     def close(self) -> None:
-        pass
+        """Let the labeler release what it holds (connections, pools): its ``close()``."""
+        close = getattr(self.component, "close", None)
+        if callable(close):
+            close()
 
 
 def _worker_main(conn: Any, cls: Any, params: dict[str, Any]) -> None:
@@ -361,7 +367,7 @@ class LabelingStage:
         slots = [
             Slot(
                 name,
-                ProcessCaller(component) if process else InlineCaller(hooks),
+                ProcessCaller(component) if process else InlineCaller(hooks, component),
                 Breaker(cfg.breaker),
                 identity=labeler_identity(component) if component is not None else None,
             )

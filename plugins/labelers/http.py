@@ -1,0 +1,142 @@
+"""Labeler "http": the client of ``alignzoo serve-labeler`` (protocol version 1, see
+:mod:`alignzoo.serve`), or of any service that speaks it.
+
+One pooled ``httpx`` client per labeler (keep-alive), requests of at most ``batch_size``
+items. What comes back becomes typed outcomes for the arm's labeling policies: HTTP 429 and
+503 raise :class:`~alignzoo.errors.LabelerUnavailable` with the server's ``Retry-After``; other
+5xx, refused or reset connections raise it too (``error``); a read timeout raises
+:class:`~alignzoo.errors.LabelerTimeout` (``timeout``); a body that is not the protocol's JSON
+gives ``parse_failure`` for the call's samples; a value that is null for a ``value`` outcome
+(NaN on the server) or the wrong number of scores is ``rejected`` by the stage.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo import Labeler, LabelRequest, Score, hookimpl
+from alignzoo.errors import LabelerTimeout, LabelerUnavailable, UserError
+from alignzoo.types import Outcome
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+class HTTPLabeler(Labeler):
+    """Scores through a labeler server (POST <url>/v1/score)."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        url: str = Field(description="Base URL of the server, e.g. http://127.0.0.1:8765.")
+        token_env: str | None = Field(
+            None, description="Environment variable holding the bearer token."
+        )
+        timeout_s: float = Field(30.0, gt=0, description="Read timeout of one POST.")
+        connect_timeout_s: float = Field(5.0, gt=0)
+        batch_size: int = Field(256, ge=1, description="Most requests in one POST.")
+
+    params: Params
+
+    def __init__(self, params: Any = None) -> None:
+        super().__init__(params)
+        self._client: Any = None
+
+    def _http(self) -> Any:
+        import httpx
+
+        if self._client is None:
+            headers = {}
+            if self.params.token_env is not None:
+                token = os.environ.get(self.params.token_env)
+                if not token:
+                    raise UserError(
+                        f"http labeler: the environment variable {self.params.token_env} is not set"
+                    )
+                headers["Authorization"] = f"Bearer {token}"
+            self._client = httpx.Client(
+                base_url=self.params.url.rstrip("/"),
+                headers=headers,
+                timeout=httpx.Timeout(self.params.timeout_s, connect=self.params.connect_timeout_s),
+            )
+        return self._client
+
+    def close(self) -> None:
+        """Close the pooled connections (the labeling stage calls it at the end of a run)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __getstate__(self) -> dict[str, Any]:  # a worker process opens its own connections
+        state = dict(self.__dict__)
+        state["_client"] = None
+        return state
+
+    @hookimpl
+    def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
+        out: list[Score] = []
+        for start in range(0, len(requests), self.params.batch_size):
+            out += self._post(requests[start : start + self.params.batch_size])
+        return out
+
+    def _post(self, requests: list[LabelRequest]) -> list[Score]:
+        import httpx
+
+        body = {
+            "version": 1,
+            "requests": [
+                {"prompt": r.prompt, "response": r.response, "extra": r.extra} for r in requests
+            ],
+        }
+        try:
+            reply = self._http().post("/v1/score", json=body)
+        except httpx.TimeoutException as exc:
+            raise LabelerTimeout(f"{self.params.url}: {type(exc).__name__}") from None
+        except httpx.TransportError as exc:  # refused, reset, DNS, protocol errors
+            raise LabelerUnavailable(f"{self.params.url}: {type(exc).__name__}: {exc}") from None
+        if reply.status_code in (429, 503) or reply.status_code >= 500:
+            raise LabelerUnavailable(
+                f"{self.params.url}: HTTP {reply.status_code}",
+                retry_after=_retry_after(reply.headers.get("retry-after")),
+            )
+        if reply.status_code in (401, 403):
+            raise UserError(
+                f"http labeler: {self.params.url} refused the token ({reply.status_code})"
+            )
+        if reply.status_code != 200:
+            raise LabelerUnavailable(
+                f"{self.params.url}: HTTP {reply.status_code}: {reply.text[:200]}"
+            )
+        try:
+            scores = reply.json()["scores"]
+            if not isinstance(scores, list):
+                raise TypeError("scores is not a list")
+        except (ValueError, KeyError, TypeError) as exc:
+            return [
+                Score.parse_failure(f"the server's reply is not protocol JSON ({exc})")
+                for _ in requests
+            ]
+        return [self._score(s) for s in scores]
+
+    @staticmethod
+    def _score(item: Any) -> Any:
+        if not isinstance(item, dict):
+            return item  # rejected by the stage
+        outcome = (
+            Outcome(item.get("outcome", "value"))
+            if item.get("outcome") in {o.value for o in Outcome}
+            else Outcome.VALUE
+        )
+        value = item.get("value")
+        if outcome != Outcome.VALUE:
+            return Score(math.nan, False, dict(item.get("info") or {}), outcome)
+        number = math.nan if value is None else value
+        return Score(number, bool(item.get("valid", True)), dict(item.get("info") or {}))
