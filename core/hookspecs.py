@@ -28,7 +28,9 @@ per training step: [``generate``, ``score_batch``] (online arms), ``transform_ba
 implementation (no call when no component implements it), ``compute_advantages``,
 ``compute_loss`` once per micro-batch of every optimizer step of every epoch, ``sync_weights``,
 ``on_step_end``, and evaluations on their schedule; after the last step, an evaluation unless
-that step had one; finally ``on_run_end``. A step left with nothing to train on (no untied
+that step had one; finally ``on_run_end``. ``score_batch`` is not called for requests whose
+labels the label store already holds (``labeling.store``; identical requests of one call are
+sent once). A step left with nothing to train on (no untied
 online pair, or every sample filtered out) calls no further hook before ``on_step_end``.
 
 State across steps: a component is built once per run from its params. One that keeps state

@@ -101,7 +101,14 @@ def test_an_online_grpo_run_calls_the_hooks_in_the_documented_order(
         evaluation={"every": 2, "num_prompts": 4},
     )
     spec["arms"] = {
-        "grpo": {"algorithm": "grpo", "labeler": "arithmetic", "modifiers": ["pass_through"]}
+        # No label store: with one, a request labeled before (the same greedy answers at two
+        # evaluations) is not sent to score_batch again.
+        "grpo": {
+            "algorithm": "grpo",
+            "labeler": "arithmetic",
+            "modifiers": ["pass_through"],
+            "labeling": {"store": None},
+        }
     }
     loaded = load_experiment(write_experiment(spec), registry=registry)
     monkeypatch.setenv(TRACE_ENV, "1")  # after loading: only the run's own manager is traced

@@ -117,3 +117,34 @@ def test_combine_passes_on_a_part_that_gives_no_value(tmp_path, monkeypatch):
     out = score(labeler, REQS)
     assert out[2].outcome == Outcome.ABSTAIN and not math.isfinite(out[2].value)
     assert out[0].value == 2.0 and isinstance(out[0], Score)
+
+
+def test_panel_aggregates_and_filters_disagreement(tmp_path, monkeypatch):
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from alignzoo.plugins.labelers.panel import PanelLabeler, agreeing
+
+    (tmp_path / "raters.py").write_text(
+        "def a(prompts, completions, **c):\n    return [0.9, 0.1, 0.5]\n"
+        "def b(prompts, completions, **c):\n    return [0.8, 0.9, 0.5]\n"
+        "def c(prompts, completions, **c):\n    return [0.2, 0.5, None]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    raters = [{"name": "python", "params": {"function": f"raters.py:{n}"}} for n in "abc"]
+    panel = PanelLabeler(PanelLabeler.Params(labelers=raters, agree_within=0.3, min_agree=2))
+    out = score(panel, REQS)
+    assert out[0].value == pytest.approx(0.85) and out[0].info["agreeing"] == 2
+    assert out[1].outcome == Outcome.ABSTAIN and out[1].info["disagree"] is True
+    assert out[2].value == pytest.approx(0.5)  # rater c gave no value: the other two agree
+    median = PanelLabeler(PanelLabeler.Params(labelers=raters, aggregate="median"))
+    assert [s.value for s in score(median, REQS)] == [0.8, 0.5, 0.5]
+
+    @given(st.lists(st.floats(0, 1), min_size=1, max_size=8), st.floats(0, 1))
+    def spread_is_bounded_and_maximal(values, within):
+        kept = agreeing(values, within, 0.0, 1.0)
+        assert max(kept) - min(kept) <= within + 1e-9
+        for v in values:  # no larger agreeing set around any value
+            assert sum(1 for w in values if v <= w <= v + within) <= len(kept)
+
+    spread_is_bounded_and_maximal()
