@@ -39,6 +39,7 @@ lint: setup
 bench: setup
 	$(PY) benchmarks/import_time.py
 	$(PY) benchmarks/engine_step.py
+	$(PY) benchmarks/labeling.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

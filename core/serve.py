@@ -162,6 +162,7 @@ def build_app(cfg: ServeConfig) -> Any:
     from starlette.responses import JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
 
+    from alignzoo.engine.labeling import start_labeler
     from alignzoo.engine.labelstore import labeler_identity
     from alignzoo.registry import build_plugin_manager, get_registry
 
@@ -171,6 +172,7 @@ def build_app(cfg: ServeConfig) -> Any:
     except ValidationError as exc:
         raise UserError(f"labeler.params of {cfg.labeler.name!r}: {exc}") from None
     pm = build_plugin_manager([component])
+    start_labeler(pm)
     identity = labeler_identity(component)
     token = None
     if cfg.token_env is not None:

@@ -190,6 +190,9 @@ def assemble(
         eval_rows=eval_rows(evaluation, spec.evaluation.num_prompts),
     )
     hooks.on_run_start(context)
+    for slot in hooks.labeling.slots[1:]:  # the fallbacks live outside the run's manager
+        if hasattr(slot.call, "hooks"):
+            slot.call.hooks.on_run_start(context)
     hooks.sync_weights(models.actor)
     seed_everything(seed)  # every arm enters the loop with the same RNG state for a seed
     return run

@@ -58,6 +58,26 @@ def label_requests(batch: RolloutBatch) -> list[LabelRequest]:
     ]
 
 
+class StandaloneRun:
+    """What a labeler's ``on_run_start`` gets outside a training run (a labeler server, a
+    worker process, ``alignzoo relabel``): every role on ``device``, no folder, no console."""
+
+    def __init__(self, name: str = "labeler", device: str = "cpu") -> None:
+        self.name, self._device = name, device
+        self.out_dir = None
+        self.console = None
+        self.state: dict[str, Any] = {}
+        self.step = 0
+
+    def device(self, role: str) -> str:
+        return self._device
+
+
+def start_labeler(pm: Any, run: Any = None) -> None:
+    """Call the labeler's ``on_run_start`` (a reward model loads its weights there)."""
+    pm.hook.on_run_start(run=run if run is not None else StandaloneRun())
+
+
 # --------------------------------------------------------------------------- one labeler call
 
 
@@ -148,6 +168,7 @@ def _worker_main(conn: Any, cls: Any, params: dict[str, Any]) -> None:
     from alignzoo.registry import build_plugin_manager
 
     pm = build_plugin_manager([cls(cls.Params.model_validate(params))])
+    start_labeler(pm)
     while True:
         try:
             requests = conn.recv()

@@ -71,7 +71,7 @@ def _corr(a: list[float], b: list[float]) -> tuple[float | None, float | None]:
 def relabel(folder: Path, labeler_file: Path, tolerance: float = 1e-6) -> dict[str, Any]:
     """Relabel the stored rollouts under ``folder``; returns (and writes) the comparison."""
     from alignzoo.engine.hooks import Hooks
-    from alignzoo.engine.labeling import LabelingStage
+    from alignzoo.engine.labeling import LabelingStage, start_labeler
     from alignzoo.engine.labelstore import LabelStore, labeler_identity, stored_requests
     from alignzoo.registry import build_plugin_manager, get_registry
 
@@ -87,6 +87,7 @@ def relabel(folder: Path, labeler_file: Path, tolerance: float = 1e-6) -> dict[s
     except ValidationError as exc:
         raise UserError(f"{labeler_file}: params of labeler {ref.name!r}: {exc}") from None
     identity = labeler_identity(component)
+    start_labeler(build_plugin_manager([component]))
     new: dict[str, float] = {}
     old: dict[str, dict[str, float]] = {}
     total = 0

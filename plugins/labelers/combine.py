@@ -59,6 +59,11 @@ class CombineLabeler(Labeler):
         self.weights = self.params.weights or [1.0] * len(self.parts)
 
     @hookimpl
+    def on_run_start(self, run: Any) -> None:
+        for _, pm in self.parts:  # a reward-model part loads its weights here
+            pm.hook.on_run_start(run=run)
+
+    @hookimpl
     def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
         per_part = []
         for name, pm in self.parts:

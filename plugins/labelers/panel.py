@@ -69,6 +69,11 @@ class PanelLabeler(Labeler):
             self.raters.append(build_plugin_manager([cls(cls.Params.model_validate(ref.params))]))
 
     @hookimpl
+    def on_run_start(self, run: Any) -> None:
+        for pm in self.raters:  # a reward-model rater loads its weights here
+            pm.hook.on_run_start(run=run)
+
+    @hookimpl
     def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
         per_rater = [pm.hook.score_batch(requests=requests) for pm in self.raters]
         low, high = self.params.scale

@@ -226,3 +226,21 @@ def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tm
     )
     time.sleep(0.2)
     assert threading.active_count() <= threads_before + 1  # no leaked client or worker threads
+
+
+def test_a_reward_model_served_loads_its_weights_and_matches_in_process(tmp_path) -> None:
+    from alignzoo.engine.labeling import start_labeler
+    from alignzoo.plugins.labelers.reward_model import RewardModelLabeler
+    from tests.plugins.labelers.test_reward_model import save_reward_model
+
+    folder = tmp_path / "rm"
+    save_reward_model(folder)
+    local = build_plugin_manager([RewardModelLabeler(RewardModelLabeler.Params(path=str(folder)))])
+    start_labeler(local)
+    expected = [s.value for s in local.hook.score_batch(requests=REQS)]
+    cfg = ServeConfig.model_validate(
+        {"labeler": {"name": "reward_model", "params": {"path": str(folder)}}}
+    )
+    with running(build_app(cfg)) as url:
+        served = [s.value for s in client(url).score_batch(requests=REQS)]
+    assert served == pytest.approx(expected, abs=1e-5)
