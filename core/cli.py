@@ -29,6 +29,11 @@ check_app = typer.Typer(
     help="Check an installed component against the contract suite.", no_args_is_help=True
 )
 app.add_typer(check_app, name="check")
+labeler_app = typer.Typer(
+    help="Change a live run's labeler between steps (hot swap, shadow mode).",
+    no_args_is_help=True,
+)
+app.add_typer(labeler_app, name="labeler")
 
 console = Console(soft_wrap=True)  # long paths and messages stay on one line in logs
 err_console = Console(stderr=True, soft_wrap=True)
@@ -161,6 +166,34 @@ def serve_labeler(
     from alignzoo.serve import serve
 
     serve(config, host=host, port=port)
+
+
+@labeler_app.command("swap")
+def labeler_swap(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder or an experiment folder.")],
+    labeler: Annotated[Path, typer.Argument(help="YAML: {name: <labeler>, params: {...}}.")],
+    shadow: Annotated[
+        bool,
+        typer.Option(help="Score alongside the current labeler, not trained on, until promoted."),
+    ] = False,
+) -> None:
+    """Validate a new labeler and ask every unfinished run under RUN_DIR to use it."""
+    from alignzoo.engine.labelswap import request
+
+    runs = request(run_dir, "shadow" if shadow else "swap", labeler)
+    what = "shadow labeler" if shadow else "labeler swap"
+    console.print(f"{what} requested for {len(runs)} run(s); applied before their next step")
+
+
+@labeler_app.command("promote")
+def labeler_promote(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder or an experiment folder.")],
+) -> None:
+    """Make the shadow labeler the labeler of every unfinished run under RUN_DIR."""
+    from alignzoo.engine.labelswap import request
+
+    runs = request(run_dir, "promote")
+    console.print(f"promotion requested for {len(runs)} run(s); applied before their next step")
 
 
 @app.command()

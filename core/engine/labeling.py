@@ -315,6 +315,7 @@ class LabelReport:
     keep: list[int]
     dropped: Counter[str] = field(default_factory=Counter)  # by outcome
     slots: list[Slot] = field(default_factory=list)
+    shadow: dict[str, float] = field(default_factory=dict)  # agreement of a shadow labeler
 
     def ledger(self) -> dict[str, int]:
         """generated, valued (by the head), fallback-valued, dropped: they must balance."""
@@ -339,6 +340,7 @@ class LabelReport:
         out = {f"label/{k}": float(v) for k, v in ledger.items()}
         for outcome, n in sorted(self.dropped.items()):
             out[f"label/dropped/{outcome}"] = float(n)
+        out.update(self.shadow)
         for slot in self.slots:
             prefix = f"labeler/{slot.name}"  # how labels were obtained: calls, the store, ...
             out[f"{prefix}/calls"] = float(slot.calls)
@@ -371,6 +373,7 @@ class LabelingStage:
         self.cfg = cfg
         self.slots = list(slots)
         self.store = store
+        self.shadow: Slot | None = None
         self.sleep, self.clock = sleep, clock
         self.rng = random.Random(seed)
 
@@ -399,6 +402,8 @@ class LabelingStage:
     def close(self) -> None:
         for slot in self.slots:
             slot.call.close()
+        if self.shadow is not None:
+            self.shadow.call.close()
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -465,7 +470,47 @@ class LabelingStage:
         ledger = report.ledger()
         if ledger["generated"] != ledger["valued"] + ledger["fallback_valued"] + ledger["dropped"]:
             raise RunError(f"labeling: the ledger does not balance: {ledger}")  # a bug here
+        if self.shadow is not None:
+            report.shadow = self._shadow_agreement(requests, report)
         return report
+
+    def _shadow_agreement(
+        self, requests: list[LabelRequest], report: LabelReport
+    ) -> dict[str, float]:
+        """Score the kept samples with the shadow labeler (never trained on) and compare."""
+        assert self.shadow is not None
+        kept = [i for i in report.keep if report.outcomes[i] == Outcome.VALUE]
+        if not kept:
+            return {}
+        result = self.shadow.call([requests[i] for i in kept], self.cfg.timeout_s)
+        pairs = [
+            (float(report.scores[i].value), float(s.value))
+            for i, s in zip(kept, result.scores, strict=True)
+            if s.outcome == Outcome.VALUE
+        ]
+        name = f"shadow/{self.shadow.name}"
+        out = {f"{name}/n": float(len(pairs)), f"{name}/valued_frac": len(pairs) / len(kept)}
+        if pairs:
+            out[f"{name}/disagree"] = sum(abs(a - b) > 1e-6 for a, b in pairs) / len(pairs)
+            a, b = [p[0] for p in pairs], [p[1] for p in pairs]
+            if len(pairs) >= 3 and len(set(a)) > 1 and len(set(b)) > 1:
+                from scipy import stats
+
+                out[f"{name}/pearson"] = float(stats.pearsonr(a, b).statistic)
+                out[f"{name}/spearman"] = float(stats.spearmanr(a, b).statistic)
+        return out
+
+    def replace_head(self, slot: Slot) -> None:
+        """Label with ``slot`` from the next call on (the chain's fallbacks stay)."""
+        old = self.slots[0]
+        self.slots[0] = slot
+        old.call.close()
+
+    def set_shadow(self, slot: Slot | None) -> None:
+        """Score alongside the chain without training on it (None: stop)."""
+        if self.shadow is not None and self.shadow is not slot:
+            self.shadow.call.close()
+        self.shadow = slot
 
     def _through(
         self,

@@ -25,6 +25,7 @@ from rich.console import Console
 from alignzoo import provenance
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import Budget
+from alignzoo.engine import labelswap
 from alignzoo.engine.assemble import Run, assemble
 from alignzoo.engine.checkpoint import (
     ResumePoint,
@@ -187,6 +188,7 @@ def start_or_resume(
     )
     run.sampler.load_state_dict(state.sampler)
     run.context.state = dict(state.run_state)
+    labelswap.restore(run.hooks.labeling, run.context)  # the labeler in use at the checkpoint
     run.context.step = state.step
     for path in sorted(out.glob("*.jsonl")):  # the engine's streams and every plugin's
         truncate_jsonl(path, state.step)
@@ -198,6 +200,8 @@ class _Loop:
 
     def __init__(self, run: Run, state: TrainingState, sinks: Sinks) -> None:
         self.run, self.state, self.sinks = run, state, sinks
+        console = run.context.console
+        self.log: Callable[[str], None] = console.log if console is not None else (lambda _: None)
         self.base_time = state.time_s
         self.clock_start = time.monotonic()
         self.last_eval = _last_step(run.context.out_dir / EVAL_FILE)
@@ -240,6 +244,7 @@ class _Loop:
         while not budget_spent(spec.budget, self.state):
             step = self.state.step + 1
             run.context.step = step
+            labelswap.poll(run.hooks.labeling, run.context, self.log)  # a swap between steps
             result = train_step(run, step)
             self.state.step = step
             self.state.samples += result.samples

@@ -67,6 +67,8 @@ class RunData:
     health: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     """Files of the folder that could not be read whole (each names the file and why)."""
+    swaps: list[dict[str, Any]] = field(default_factory=list)
+    """Labeler changes requested during the run (``swaps.jsonl``), applied or rejected."""
 
     @property
     def name(self) -> str:
@@ -146,7 +148,13 @@ def read_run(arm: str, seed: int, path: Path) -> RunData:
         evals=evals,
         health=[health[k] for k in sorted(health, key=lambda k: (k[1], k[0]))],
         problems=problems,
+        swaps=by_step_all(read_jsonl(path / "swaps.jsonl", problems)),
     )
+
+
+def by_step_all(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows in step order, all of them (several may share a step)."""
+    return sorted(rows, key=lambda r: number(r.get("step")) or 0)
 
 
 def load_spec(run_dir: Path) -> ExperimentSpec | None:

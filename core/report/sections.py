@@ -271,6 +271,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks += _against_start(exp, rows)
     blocks += _health(exp.runs)
     blocks += _unreadable(exp.runs)
+    blocks += _swaps(exp.runs)
     blocks += _runs_table(exp)
     blocks.append(Block("h2", "Plots"))
     blocks += _plots(exp.run_dir, exp.arms, exp.runs, exp.key)
@@ -615,6 +616,42 @@ def _health(runs: list[RunData]) -> list[Block]:
         ],
     )
     return [Block("h2", "Health warnings"), table]
+
+
+def _swaps(runs: list[RunData]) -> list[Block]:
+    """Labeler changes during runs (``alignzoo labeler swap``), and what they mean for the
+    comparison."""
+    rows = [(r, w) for r in runs for w in r.swaps]
+    if not rows:
+        return []
+    applied = {
+        r.name for r, w in rows if w.get("status") == "applied" and w.get("action") != "shadow"
+    }
+    text = (
+        "Labeler changes requested while the runs trained (a shadow labeler scores alongside "
+        "without being trained on; a swap or promotion changes the labeler from that step on)."
+    )
+    if applied:
+        text += (
+            f" {len(applied)} of {len(runs)} runs changed labeler ({', '.join(sorted(applied))}): "
+            "the arms were not labeled the same way throughout, so differences between them mix "
+            "the algorithms with the labelers."
+        )
+    table = Block(
+        "table",
+        headers=["run", "before step", "action", "labeler", "status"],
+        rows=[
+            [
+                r.name,
+                str(w.get("step")),
+                str(w.get("action")),
+                json.dumps(w.get("labeler")),
+                str(w.get("status")) + (f" ({w.get('reason')})" if w.get("reason") else ""),
+            ]
+            for r, w in rows
+        ],
+    )
+    return [Block("h2", "Labeler changes"), Block("p", text), table]
 
 
 def _unreadable(runs: list[RunData]) -> list[Block]:

@@ -1,0 +1,119 @@
+"""Hot swap and shadow mode in a live run: requests arrive between steps, an invalid one is
+refused (by the command, or by the run when the labeler fails to start), a shadow labeler is
+compared then promoted, and a resumed run keeps the labeler it had."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+from typing import ClassVar
+
+import yaml
+
+from alignzoo import cli
+from alignzoo.config.loader import load_experiment
+from alignzoo.engine.labelswap import CONTROL, request
+from alignzoo.engine.loop import run_one
+from alignzoo.plugin import Modifier, hookimpl
+from alignzoo.registry import ENTRY_POINT_GROUP, Registry
+
+from .conftest import read_jsonl, tiny_experiment
+
+REGEX = {
+    "name": "regex",
+    "params": {"pattern": r"\s*0*{answer}\s*", "fullmatch": True, "answer_field": "answer"},
+}
+
+
+class Operator(Modifier):
+    """Plays the researcher at the console: requests changes while the run goes on."""
+
+    plan: ClassVar[dict[int, tuple[str, Path | None]]] = {}
+
+    @hookimpl
+    def on_step_end(self, run, step, metrics):
+        if step in self.plan:
+            action, path = self.plan[step]
+            if action == "broken":  # a request the command could not have refused
+                (Path(run.out_dir) / CONTROL).write_text(yaml.safe_dump(
+                    {"action": "swap", "id": f"bad-{step}",
+                     "labeler": {"name": "reward_model", "params": {"path": "/no/such/rm"}}}))  # fmt: skip
+            else:
+                request(Path(run.out_dir), action, path)
+
+
+def test_shadow_then_promote_and_a_rejected_swap_during_a_live_run(
+    write_experiment, tmp_path, capsys
+):
+    spec_file = tmp_path / "regex.yaml"
+    spec_file.write_text(yaml.safe_dump(REGEX))
+    bad_file = tmp_path / "bad.yaml"
+    bad_file.write_text(yaml.safe_dump({"name": "regex", "params": {"pattern": "(unclosed"}}))
+
+    registry = Registry(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    registry.register(Operator, "operator")
+    Operator.plan = {2: ("shadow", spec_file), 5: ("promote", None), 7: ("broken", None)}
+    spec = tiny_experiment(
+        budget={"steps": 9},
+        training={"checkpoint_every": 3},
+        evaluation={"every": 3, "num_prompts": 8},
+        arms={"grpo": {"algorithm": "grpo", "labeler": "arithmetic", "modifiers": ["operator"]}},
+    )
+    loaded = load_experiment(write_experiment(spec), registry=registry)
+    out = tmp_path / "run"
+
+    # The command refuses an invalid labeler before the run is touched.
+    out.mkdir()
+    (out / "config.yaml").write_text("{}")
+    assert cli.main(["labeler", "swap", str(out), str(bad_file)]) == 2
+    assert "not a valid regular expression" in capsys.readouterr().err
+    assert not (out / CONTROL).exists()
+
+    summary = run_one(loaded, "grpo", 0, out)
+    assert summary.status == "finished", summary.error
+    rows = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl")}
+    # Steps 3-5: the regex scores alongside, not trained on; its agreement is logged.
+    assert all("shadow/regex/n" in rows[s] for s in (3, 4, 5))
+    assert "shadow/regex/n" not in rows[2] and "shadow/regex/n" not in rows[6]
+    assert all(rows[s]["shadow/regex/disagree"] <= 0.2 for s in (3, 4, 5))
+    # From step 6 the regex labels the run.
+    assert "labeler/arithmetic/calls" in rows[5] and "labeler/regex/calls" in rows[6]
+    assert "labeler/regex/calls" in rows[9]  # the broken swap at step 8 was rejected
+    swaps = read_jsonl(out / "swaps.jsonl")
+    assert [(r["action"], r["status"], r["step"]) for r in swaps] == [
+        ("shadow", "applied", 3),
+        ("promote", "applied", 6),
+        ("swap", "rejected", 8),
+    ]
+    assert "does not exist" in swaps[2]["reason"]
+
+    # The report lists the changes and says the comparison mixes labelers.
+    from alignzoo.experiment.runfiles import read_run
+    from alignzoo.report.sections import _swaps
+
+    blocks = _swaps([read_run("grpo", 0, out)])
+    assert "were not labeled the same way" in blocks[1].text
+    assert [row[2] for row in blocks[2].rows] == ["shadow", "promote", "swap"]
+
+    # Resumed from the checkpoint of step 6, the run labels with the regex it had then.
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "step-000009")
+    (out / "checkpoints" / "latest").write_text("step-000006\n")
+    status = json.loads((out / "status.json").read_text())
+    (out / "status.json").write_text(json.dumps({**status, "status": "running"}))
+    Operator.plan = {}
+    assert run_one(loaded, "grpo", 0, out, resume=True).status == "finished"
+    again = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl")}
+    assert "labeler/regex/calls" in again[7] and "labeler/arithmetic/calls" not in again[7]
+    assert [(r["action"], r["status"]) for r in read_jsonl(out / "swaps.jsonl")] == [
+        ("shadow", "applied"), ("promote", "applied"), ("swap", "rejected"),
+    ]  # fmt: skip
+
+
+def test_promote_without_a_run_is_a_user_error(tmp_path, capsys):
+    assert cli.main(["labeler", "promote", str(tmp_path / "none")]) == 2
+    assert "run folder not found" in capsys.readouterr().err
+    assert cli.main(["labeler", "promote", str(tmp_path)]) == 2
+    assert "no unfinished run" in capsys.readouterr().err
