@@ -257,6 +257,15 @@ class LabelingConfig(_Strict):
     isolation: Literal["inline", "process"] = Field(
         "inline", description="'process' runs each labeler in its own worker process."
     )
+    batch_size: int | None = Field(
+        None, ge=1, description="Most requests in one labeler call (default: the whole step)."
+    )
+    concurrency: int = Field(
+        1,
+        ge=1,
+        description="Calls in flight at once: threads for an inline labeler (which must then "
+        "be thread-safe), worker processes with isolation 'process'.",
+    )
     retries: int = Field(2, ge=0, description="Tries after the first, for the 'retry' policy.")
     backoff_s: float = Field(
         0.2, ge=0, description="First retry wait; doubled each try, with 50-150% jitter."

@@ -299,6 +299,7 @@ class Slot:
     call: Any  # InlineCaller | ProcessCaller
     breaker: Breaker
     identity: str | None = None  # the label store's key for this labeler (None: not stored)
+    pool: list[Any] = field(default_factory=list)  # more worker processes (concurrency > 1)
     latencies: list[float] = field(default_factory=list)
     calls: int = 0
     retries: int = 0
@@ -388,20 +389,27 @@ class LabelingStage:
         """A stage over (name, component, hooks of that component alone) labelers; with a
         ``store``, labels are looked up and persisted there."""
         process = cfg.isolation == "process" or cfg.timeout_s is not None
-        slots = [
-            Slot(
+        slots = []
+        for name, component, hooks in labelers:
+            caller = ProcessCaller(component) if process else InlineCaller(hooks, component)
+            slot = Slot(
                 name,
-                ProcessCaller(component) if process else InlineCaller(hooks, component),
+                caller,
                 Breaker(cfg.breaker),
                 identity=labeler_identity(component) if component is not None else None,
             )
-            for name, component, hooks in labelers
-        ]
+            if process and cfg.concurrency > 1:
+                slot.pool = [caller] + [
+                    ProcessCaller(component) for _ in range(cfg.concurrency - 1)
+                ]
+            slots.append(slot)
         return cls(cfg, slots, seed=seed, store=store)
 
     def close(self) -> None:
         for slot in self.slots:
             slot.call.close()
+            for caller in slot.pool:
+                caller.close()
         if self.shadow is not None:
             self.shadow.call.close()
         if self.store is not None:
@@ -500,6 +508,49 @@ class LabelingStage:
                 out[f"{name}/spearman"] = float(stats.spearmanr(a, b).statistic)
         return out
 
+    def _call(self, slot: Slot, requests: list[LabelRequest]) -> CallResult:
+        """One labeler's answer to ``requests``: in chunks of ``labeling.batch_size``, up to
+        ``labeling.concurrency`` of them at once (each worker process, or the inline labeler
+        from several threads), each chunk a call of its own for latency and the breaker."""
+        size = self.cfg.batch_size or max(1, len(requests))
+        chunks = [requests[i : i + size] for i in range(0, len(requests), size)] or [[]]
+        import queue
+
+        free: queue.Queue[Any] = queue.Queue()
+        for caller in slot.pool or [slot.call]:
+            free.put(caller)  # a worker process answers one call at a time
+        shared = not slot.pool  # the inline labeler is called from several threads
+
+        def one(index: int) -> tuple[CallResult, float]:
+            caller = slot.call if shared else free.get()
+            try:
+                begin = time.perf_counter()
+                result = caller(chunks[index], self.cfg.timeout_s)
+                return result, time.perf_counter() - begin
+            finally:
+                if not shared:
+                    free.put(caller)
+
+        if len(chunks) > 1 and self.cfg.concurrency > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=min(self.cfg.concurrency, len(chunks))) as pool:
+                answers = list(pool.map(one, range(len(chunks))))
+        else:
+            answers = [one(i) for i in range(len(chunks))]
+        scores: list[Score] = []
+        retry_after = None
+        for result, seconds in answers:
+            slot.latencies.append(seconds)
+            slot.calls += 1
+            slot.breaker.record(
+                bool(result.scores) and all(s.outcome in FAILURES for s in result.scores)
+            )
+            scores += result.scores
+            if result.retry_after is not None:
+                retry_after = max(retry_after or 0.0, result.retry_after)
+        return CallResult(scores, retry_after)
+
     def replace_head(self, slot: Slot) -> None:
         """Label with ``slot`` from the next call on (the chain's fallbacks stay)."""
         old = self.slots[0]
@@ -570,11 +621,8 @@ class LabelingStage:
             sent = list(first.values())
             slot.outcomes["deduplicated"] += len(todo) - len(sent)
             begin = time.perf_counter()
-            result = slot.call([requests[i] for i in sent], self.cfg.timeout_s)
+            result = self._call(slot, [requests[i] for i in sent])
             seconds = time.perf_counter() - begin
-            slot.latencies.append(seconds)
-            slot.calls += 1
-            slot.breaker.record(all(s.outcome in FAILURES for s in result.scores))
             by_key = {keys[i]: score for i, score in zip(sent, result.scores, strict=True)}
             if self.store is not None and slot.identity:
                 self.store.put(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -364,3 +365,38 @@ def test_the_store_keeps_verdicts_not_failures_and_keys_by_params(tmp_path) -> N
     assert a != labeler_identity(FormatLabeler(FormatLabeler.Params(ok=2.0)))
     assert a == labeler_identity(FormatLabeler())
     store.close()
+
+
+def test_chunks_run_concurrently_and_keep_their_order() -> None:
+    import threading
+
+    active, peak = [0], [0]
+    lock = threading.Lock()
+
+    def slow(requests):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.05)
+        with lock:
+            active[0] -= 1
+        return value(requests)
+
+    head = Scripted([slow])
+    labeling = stage(head, batch_size=2, concurrency=4)
+    report = labeling.label(requests(8))
+    assert [s.value for s in report.scores] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert sorted(len(c) for c in head.calls) == [2, 2, 2, 2] and peak[0] > 1
+    assert report.metrics()["labeler/l0/calls"] == 4
+
+
+def test_a_pool_of_worker_processes(tmp_path) -> None:
+    log = tmp_path / "calls.log"
+    labeling = stage(Sleepy(Sleepy.Params(log=str(log))), isolation="process", batch_size=1,
+                     concurrency=2)  # fmt: skip
+    try:
+        report = labeling.label(requests(4))
+        assert [s.value for s in report.scores] == [1.0, 2.0, 3.0, 4.0]
+        assert len({line.split()[0] for line in log.read_text().splitlines()}) == 2
+    finally:
+        labeling.close()
