@@ -276,6 +276,13 @@ class LabelingConfig(_Strict):
     )
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     on: OutcomePolicies = Field(default_factory=OutcomePolicies)
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Serve the label path's metrics (label/*, labeler/*, timing/labeler/*) of "
+        "the latest step on a Prometheus endpoint at 127.0.0.1:<port> while the run is live.",
+    )
     store: str | None = Field(
         "run",
         description="Where labels are persisted and reused (SQLite): 'run' (labels.sqlite in "

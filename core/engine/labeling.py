@@ -359,6 +359,30 @@ class LabelReport:
         return out
 
 
+class MetricsExporter:
+    """The label path's metrics of the latest pass on a Prometheus endpoint (127.0.0.1)."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        self.gauge = Gauge(
+            "alignzoo_labeling",
+            "Label path metrics of the latest labeling pass",
+            ["metric"],
+            registry=self.registry,
+        )
+        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def update(self, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.gauge.labels(name).set(value)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 class LabelingStage:
     """An arm's labeler chain with its policies (see the module docstring)."""
 
@@ -375,6 +399,9 @@ class LabelingStage:
         self.slots = list(slots)
         self.store = store
         self.shadow: Slot | None = None
+        self.exporter: MetricsExporter | None = None
+        if cfg.metrics_port is not None:
+            self.exporter = MetricsExporter(cfg.metrics_port)
         self.sleep, self.clock = sleep, clock
         self.rng = random.Random(seed)
 
@@ -412,6 +439,9 @@ class LabelingStage:
                 caller.close()
         if self.shadow is not None:
             self.shadow.call.close()
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -480,6 +510,8 @@ class LabelingStage:
             raise RunError(f"labeling: the ledger does not balance: {ledger}")  # a bug here
         if self.shadow is not None:
             report.shadow = self._shadow_agreement(requests, report)
+        if self.exporter is not None:
+            self.exporter.update(report.metrics())
         return report
 
     def _shadow_agreement(

@@ -400,3 +400,21 @@ def test_a_pool_of_worker_processes(tmp_path) -> None:
         assert len({line.split()[0] for line in log.read_text().splitlines()}) == 2
     finally:
         labeling.close()
+
+
+def test_the_label_path_is_exported_to_prometheus_while_live() -> None:
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    labeling = stage(Scripted([value]), metrics_port=port)
+    try:
+        labeling.label(requests(6))
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'alignzoo_labeling{metric="label/valued"} 6.0' in text
+        assert 'metric="labeler/l0/calls"' in text
+    finally:
+        labeling.close()
