@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from alignzoo.config.schema import ComponentRef
@@ -77,18 +76,11 @@ class _Body(BaseModel):
 
 
 def load_config(path: Path) -> ServeConfig:
-    try:
-        data = yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"labeler server file not found: {path}") from None
-    except (UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"{path}: not a YAML file ({exc})") from None
-    try:
-        return ServeConfig.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(map(str, err["loc"])) or "<top level>"
-        raise UserError(f"{path}: {where}: {err['msg']}") from None
+    """The server's YAML, validated."""
+    from alignzoo.config.loader import load_yaml_model
+
+    cfg: ServeConfig = load_yaml_model(path, ServeConfig, "labeler server")
+    return cfg
 
 
 def score_to_json(score: Score) -> dict[str, Any]:

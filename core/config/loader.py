@@ -220,6 +220,24 @@ def read_yaml(path: str | Path) -> tuple[dict[str, Any], _LineIndex]:
     return data, index
 
 
+def load_yaml_model(path: str | Path, model: type[BaseModel], what: str) -> Any:
+    """A small YAML file (a labeler spec, a server config) validated by ``model``; UserError
+    naming the file, the field and what was expected."""
+    file = Path(path)
+    try:
+        data = yaml.safe_load(file.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{what} file not found: {file}") from None
+    except (UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{file}: not a YAML {what} file ({exc})") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(map(str, err["loc"])) or "<top level>"
+        raise UserError(f"{file}: {where}: {err['msg']}") from None
+
+
 # ---------------------------------------------------------------------- merging
 
 

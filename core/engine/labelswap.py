@@ -47,16 +47,11 @@ def build_labeler(ref: ComponentRef) -> Any:
 
 
 def read_ref(path: Path) -> ComponentRef:
-    try:
-        data = yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"labeler file not found: {path}") from None
-    except (UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"{path}: not a YAML labeler spec ({exc})") from None
-    try:
-        return ComponentRef.model_validate(data)
-    except ValidationError as exc:
-        raise UserError(f"{path}: expected {{name: <labeler>, params: {{...}}}} ({exc})") from None
+    """A labeler spec file: ``{name: <labeler>, params: {...}}``."""
+    from alignzoo.config.loader import load_yaml_model
+
+    ref: ComponentRef = load_yaml_model(path, ComponentRef, "labeler spec")
+    return ref
 
 
 def run_folders(folder: Path) -> list[Path]:

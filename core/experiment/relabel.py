@@ -16,10 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
-
-from alignzoo.config.schema import ComponentRef, LabelingConfig
+from alignzoo.config.schema import LabelingConfig
 from alignzoo.errors import UserError
 from alignzoo.types import Outcome
 
@@ -45,21 +42,6 @@ def stores_under(folder: Path) -> list[Path]:
     return sorted(folder.glob(f"*/seed-*/{STORE_FILE}"))
 
 
-def read_labeler(path: Path) -> ComponentRef:
-    try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"labeler file not found: {path}") from None
-    except (UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"{path}: not a YAML labeler spec ({exc})") from None
-    try:
-        return ComponentRef.model_validate(data)
-    except ValidationError as exc:
-        raise UserError(
-            f"{path}: expected {{name: <labeler>, params: {{...}}}} ({exc.errors()[0]['msg']})"
-        ) from None
-
-
 def _corr(a: list[float], b: list[float]) -> tuple[float | None, float | None]:
     if len(a) < 3 or len(set(a)) < 2 or len(set(b)) < 2:
         return None, None
@@ -73,19 +55,16 @@ def relabel(folder: Path, labeler_file: Path, tolerance: float = 1e-6) -> dict[s
     from alignzoo.engine.hooks import Hooks
     from alignzoo.engine.labeling import LabelingStage, start_labeler
     from alignzoo.engine.labelstore import LabelStore, labeler_identity, stored_requests
-    from alignzoo.registry import build_plugin_manager, get_registry
+    from alignzoo.engine.labelswap import build_labeler, read_ref
+    from alignzoo.registry import build_plugin_manager
 
     if not folder.is_dir():
         raise UserError(f"run folder not found: {folder}")
     stores = stores_under(folder)
     if not stores:
         raise UserError(f"{folder}: no label store (labels.sqlite) in it or in its run folders")
-    ref = read_labeler(labeler_file)
-    cls = get_registry().get("labeler", ref.name)
-    try:
-        component = cls(cls.Params.model_validate(ref.params))
-    except ValidationError as exc:
-        raise UserError(f"{labeler_file}: params of labeler {ref.name!r}: {exc}") from None
+    ref = read_ref(labeler_file)
+    component = build_labeler(ref)
     identity = labeler_identity(component)
     start_labeler(build_plugin_manager([component]))
     new: dict[str, float] = {}
