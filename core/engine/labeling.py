@@ -28,6 +28,7 @@ import contextlib
 import math
 import multiprocessing
 import random
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -300,6 +301,11 @@ class Slot:
     breaker: Breaker
     identity: str | None = None  # the label store's key for this labeler (None: not stored)
     pool: list[Any] = field(default_factory=list)  # more worker processes (concurrency > 1)
+    values: list[float] = field(default_factory=list)  # the values it gave in this pass
+    in_flight_max: int = 0
+    queued_max: int = 0
+    running_mean: float | None = None  # of its per-pass mean values, for drift
+    drift: float | None = None  # this pass's mean minus the running mean before it
     latencies: list[float] = field(default_factory=list)
     calls: int = 0
     retries: int = 0
@@ -335,8 +341,12 @@ class LabelReport:
         uninterrupted one). ``labeler/<name>/*``: how the labels were obtained, per labeler:
         calls, retries, counts by outcome, ``stored`` (reused from the label store),
         ``deduplicated`` (identical requests sent once), breaker state (0 closed, 1 half-open,
-        2 open); and the latency of its calls (p50/p95/max) under ``timing/labeler/<name>/``.
-        These depend on what the process saw before (a resumed run finds its labels stored)."""
+        2 open), ``in_flight_max`` and ``queued_max`` (calls at once, chunks waiting), the
+        values it gave (``value_p10/p50/p90``, ``value_mean``, and ``drift``: this pass's mean
+        minus the running mean of its earlier passes), and whatever its ``stats()`` reports
+        (the judge's rate-limit waits); the latency of its calls (p50/p95/max) under
+        ``timing/labeler/<name>/``. These depend on what the process saw before (a resumed run
+        finds its labels stored), so resume comparisons leave them out."""
         ledger = self.ledger()
         out = {f"label/{k}": float(v) for k, v in ledger.items()}
         for outcome, n in sorted(self.dropped.items()):
@@ -356,6 +366,21 @@ class LabelReport:
                 out[f"{timing}/max"] = ordered[-1]
             states = {"closed": 0.0, "half-open": 1.0, "open": 2.0}
             out[f"{prefix}/breaker"] = states[slot.breaker.state]
+            out[f"{prefix}/in_flight_max"] = float(slot.in_flight_max)
+            out[f"{prefix}/queued_max"] = float(max(0, slot.queued_max))
+            if slot.values:
+                ordered = sorted(slot.values)
+                for q in (10, 50, 90):  # the distribution of the values it gave
+                    out[f"{prefix}/value_p{q}"] = ordered[
+                        min(len(ordered) - 1, len(ordered) * q // 100)
+                    ]
+                out[f"{prefix}/value_mean"] = sum(ordered) / len(ordered)
+                if slot.drift is not None:
+                    out[f"{prefix}/drift"] = slot.drift
+            stats = getattr(getattr(slot.call, "component", None), "stats", None)
+            if callable(stats):
+                for key, value in stats().items():  # the labeler's own counters (rate limits)
+                    out[f"{prefix}/{key}"] = float(value)
         return out
 
 
@@ -469,6 +494,8 @@ class LabelingStage:
             slot.latencies = []
             slot.calls = slot.retries = 0
             slot.outcomes = Counter()
+            slot.values = []
+            slot.in_flight_max = slot.queued_max = 0
         started = self.clock()
         pending = list(range(n))
         for slot in self.slots:
@@ -510,6 +537,15 @@ class LabelingStage:
             raise RunError(f"labeling: the ledger does not balance: {ledger}")  # a bug here
         if self.shadow is not None:
             report.shadow = self._shadow_agreement(requests, report)
+        for slot in self.slots:  # drift: once per pass, against the passes before
+            slot.drift = None
+            if slot.values:
+                mean = sum(slot.values) / len(slot.values)
+                if slot.running_mean is not None:
+                    slot.drift = mean - slot.running_mean
+                    slot.running_mean = 0.9 * slot.running_mean + 0.1 * mean
+                else:
+                    slot.running_mean = mean
         if self.exporter is not None:
             self.exporter.update(report.metrics())
         return report
@@ -553,13 +589,22 @@ class LabelingStage:
             free.put(caller)  # a worker process answers one call at a time
         shared = not slot.pool  # the inline labeler is called from several threads
 
+        in_flight = [0]
+        lock = threading.Lock()
+        slot.queued_max = max(slot.queued_max, len(chunks) - max(1, self.cfg.concurrency))
+
         def one(index: int) -> tuple[CallResult, float]:
             caller = slot.call if shared else free.get()
+            with lock:
+                in_flight[0] += 1
+                slot.in_flight_max = max(slot.in_flight_max, in_flight[0])
             try:
                 begin = time.perf_counter()
                 result = caller(chunks[index], self.cfg.timeout_s)
                 return result, time.perf_counter() - begin
             finally:
+                with lock:
+                    in_flight[0] -= 1
                 if not shared:
                     free.put(caller)
 
@@ -617,6 +662,7 @@ class LabelingStage:
             scores[i], outcomes[i] = score, score.outcome
             if score.outcome == Outcome.VALUE:
                 valued_by[i] = slot.name
+                slot.values.append(float(score.value))
                 return
             policy = self._policy(score.outcome)
             if policy == "retry":

@@ -132,6 +132,11 @@ class JudgeLabeler(Labeler):
             )
         return self._client
 
+    def stats(self) -> dict[str, float]:
+        """Counters the labeling stage logs as ``labeler/<name>/*``: seconds waited for the
+        rate limits so far."""
+        return {"rate_limit_wait_s": self.limiter.waited}
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()

@@ -189,6 +189,9 @@ def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tm
 
     faults = Faults(build_app(ServeConfig.model_validate(ARITHMETIC)))
     threads_before = threading.active_count()
+    import os
+
+    fds_before = len(os.listdir("/proc/self/fd"))
     with running(faults) as url:
         spec = tiny_experiment(
             budget={"steps": 30},
@@ -226,6 +229,8 @@ def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tm
     )
     time.sleep(0.2)
     assert threading.active_count() <= threads_before + 1  # no leaked client or worker threads
+    # No leaked connections or files (a little slack for what torch opens once, lazily).
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 4
 
 
 def test_a_reward_model_served_loads_its_weights_and_matches_in_process(tmp_path) -> None:

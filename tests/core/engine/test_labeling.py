@@ -418,3 +418,23 @@ def test_the_label_path_is_exported_to_prometheus_while_live() -> None:
         assert 'metric="labeler/l0/calls"' in text
     finally:
         labeling.close()
+
+
+def test_the_values_each_labeler_gives_and_their_drift_are_reported() -> None:
+    shift = [0.0]
+
+    def shifting(requests):
+        return [Score(float(len(r.response)) + shift[0]) for r in requests]
+
+    labeling = stage(Scripted([shifting]), batch_size=3, concurrency=2)
+    first = labeling.label(requests(10)).metrics()
+    assert first["labeler/l0/value_p50"] == 6.0 and first["labeler/l0/value_mean"] == 5.5
+    assert "labeler/l0/drift" not in first and first["labeler/l0/queued_max"] == 2
+    assert 1 <= first["labeler/l0/in_flight_max"] <= 2
+    shift[0] = 1.0
+    second = labeling.label(requests(10)).metrics()
+    assert second["labeler/l0/drift"] == pytest.approx(1.0)
+    report = labeling.label(requests(10))
+    assert report.metrics() == report.metrics()  # reading the metrics twice changes nothing
+    assert report.metrics()["labeler/l0/drift"] == pytest.approx(0.9)  # 6.5 vs 5.5*0.9+6.5*0.1
+    assert labeling.label(requests(0)).metrics()["label/generated"] == 0  # an empty pass
