@@ -267,13 +267,16 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     components: dict[str, Any],
+    checked: bool = False,
 ) -> TrainingState:
     """Restore models, optimizer, scheduler, RNGs and components; return the loop's state.
 
-    The files are checked first (:func:`check_checkpoint`): a damaged checkpoint raises
-    :class:`CheckpointError` before anything is changed.
+    Unless ``checked`` (the caller ran :func:`check_checkpoint` on it already), the files are
+    checked first: a damaged checkpoint raises :class:`CheckpointError` before anything is
+    changed.
     """
-    check_checkpoint(folder, critic is not None)
+    if not checked:
+        check_checkpoint(folder, critic is not None)
     meta = _read_state(folder)
     trainer = _read_trainer(folder)
     load_model(actor, str(folder / "actor.safetensors"), device=str(_device(actor)))

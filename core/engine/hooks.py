@@ -9,7 +9,6 @@ An exception raised inside a plugin is wrapped the same way (a :class:`UserError
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,7 +16,7 @@ import pluggy
 
 from alignzoo.errors import RunError, UserError
 from alignzoo.metrics import owned_by_engine
-from alignzoo.types import AlgorithmRequirements, LabelRequest, LossContext, LossOutput, Score
+from alignzoo.types import AlgorithmRequirements, LossContext, LossOutput
 
 if TYPE_CHECKING:
     import torch
@@ -128,35 +127,8 @@ class Hooks:
                 ) from None
         return loss, metrics
 
-    # ------------------------------------------------------------------ labeler
-    def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
-        """One :class:`Score` with a finite number per request, in order."""
-        if not requests:
-            return []
-        try:
-            scores = self.pm.hook.score_batch(requests=requests)
-        except (UserError, RunError):
-            raise
-        except Exception as exc:
-            raise RunError(f"the labeler failed: {type(exc).__name__}: {exc}") from exc
-        if scores is None or len(scores) != len(requests):
-            got = "nothing" if scores is None else f"{len(scores)} scores"
-            raise RunError(f"the labeler returned {got} for {len(requests)} responses")
-        for i, s in enumerate(scores):
-            if not isinstance(s, Score):
-                raise RunError(
-                    f"the labeler returned {type(s).__name__} for response {i}, not a Score"
-                )
-            try:
-                value = float(s.value)
-            except (TypeError, ValueError):
-                raise RunError(
-                    f"the labeler returned Score(value={s.value!r}) for response {i}; "
-                    "expected a number"
-                ) from None
-            if not math.isfinite(value):
-                raise RunError(f"the labeler returned a non-finite score for response {i}")
-        return list(scores)
+    # Labeler calls go through the labeling stage (alignzoo.engine.labeling), which turns
+    # what a labeler returns into typed outcomes instead of raising.
 
     # ------------------------------------------------------------------ backend
     def generate(

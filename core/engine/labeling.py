@@ -88,13 +88,11 @@ class CallResult:
 
     scores: list[Score]
     retry_after: float | None = None
-    seconds: float = 0.0
 
 
 def _failed(n: int, outcome: Outcome, reason: str, retry_after: float | None = None) -> CallResult:
-    score = Score(math.nan, False, {"reason": reason}, outcome)
     return CallResult(
-        [Score(score.value, False, dict(score.info), outcome) for _ in range(n)], retry_after
+        [Score(math.nan, False, {"reason": reason}, outcome) for _ in range(n)], retry_after
     )
 
 
@@ -758,5 +756,5 @@ def default_stage(hooks: Hooks) -> LabelingStage:
     from alignzoo.config.schema import LabelingConfig
 
     stage = LabelingStage.build(LabelingConfig(), [("labeler", None, hooks)])
-    hooks.labeling = stage  # type: ignore[attr-defined]
+    hooks.labeling = stage
     return stage

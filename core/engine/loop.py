@@ -157,7 +157,10 @@ def resume_point(out: Path, critic: bool) -> ResumePoint:
 
 
 def start_or_resume(
-    run: Run, resume: bool, log: Callable[[str], None] = lambda _: None
+    run: Run,
+    resume: bool,
+    log: Callable[[str], None] = lambda _: None,
+    point: ResumePoint | None = None,
 ) -> TrainingState:
     """Load the newest usable checkpoint (and cut every jsonl stream back to it), or start.
 
@@ -168,7 +171,8 @@ def start_or_resume(
     checkpoint that is unusable is passed over for the previous one, saying so.
     """
     out = run.context.out_dir
-    point = resume_point(out, run.models.critic is not None) if resume else ResumePoint(None)
+    if point is None:  # ``point``: a resume point its caller found (and checked) already
+        point = resume_point(out, run.models.critic is not None) if resume else ResumePoint(None)
     for folder, why in point.unusable:
         log(f"checkpoint {folder} is unusable ({why}); resuming from an earlier one")
     if point.folder is None:
@@ -185,6 +189,7 @@ def start_or_resume(
         learner.optimizer,
         learner.scheduler,
         run.components,
+        checked=True,  # find_resume_point read every file of it
     )
     run.sampler.load_state_dict(state.sampler)
     run.context.state = dict(state.run_state)
@@ -279,8 +284,8 @@ def run_one(
     run's checkpoints are all unusable.
     """
     out_dir = Path(out_dir)
-    if resume:
-        resume_point(out_dir, needs_critic(loaded, arm))
+    # Checked before anything is written, and reused by start_or_resume.
+    point = resume_point(out_dir, needs_critic(loaded, arm)) if resume else ResumePoint(None)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = loaded.spec
     config = resolved_config(loaded, arm, seed)
@@ -298,7 +303,7 @@ def run_one(
         session.update(provenance.policy_fields(run.models.policy_path))
         provenance.record(out_dir, session, resume)
         recorded = True
-        state = start_or_resume(run, resume, log)
+        state = start_or_resume(run, resume, log, point)
         write_status(out_dir, "running", state, None, device)
         sinks = Sinks(
             out_dir,

@@ -77,3 +77,21 @@ def write_experiment(tmp_path: Path, engine_cache: Path) -> Callable[..., Path]:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The rows of a jsonl file."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def back_to_checkpoint(out: Path, step: int) -> None:
+    """Make a finished run folder look like one killed after its checkpoint of ``step``:
+    newer checkpoints removed, ``latest`` pointing there, status running."""
+    import shutil
+
+    for folder in (out / "checkpoints").glob("step-*"):
+        if int(folder.name.split("-")[1]) > step:
+            shutil.rmtree(folder)
+    (out / "checkpoints" / "latest").write_text(f"step-{step:06d}\n")
+    mark_running(out)
+
+
+def mark_running(out: Path) -> None:
+    """status.json says running (as after a SIGKILL), the rest as it was."""
+    status = json.loads((out / "status.json").read_text())
+    (out / "status.json").write_text(json.dumps({**status, "status": "running"}))

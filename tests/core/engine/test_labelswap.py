@@ -4,7 +4,6 @@ compared then promoted, and a resumed run keeps the labeler it had."""
 
 from __future__ import annotations
 
-import json
 from importlib import metadata
 from pathlib import Path
 from typing import ClassVar
@@ -18,7 +17,7 @@ from alignzoo.engine.loop import run_one
 from alignzoo.plugin import Modifier, hookimpl
 from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 
-from .conftest import read_jsonl, tiny_experiment
+from .conftest import back_to_checkpoint, read_jsonl, tiny_experiment
 
 REGEX = {
     "name": "regex",
@@ -97,12 +96,7 @@ def test_shadow_then_promote_and_a_rejected_swap_during_a_live_run(
     assert [row[2] for row in blocks[2].rows] == ["shadow", "promote", "swap"]
 
     # Resumed from the checkpoint of step 6, the run labels with the regex it had then.
-    import shutil
-
-    shutil.rmtree(out / "checkpoints" / "step-000009")
-    (out / "checkpoints" / "latest").write_text("step-000006\n")
-    status = json.loads((out / "status.json").read_text())
-    (out / "status.json").write_text(json.dumps({**status, "status": "running"}))
+    back_to_checkpoint(out, 6)
     Operator.plan = {}
     assert run_one(loaded, "grpo", 0, out, resume=True).status == "finished"
     again = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl")}

@@ -3,13 +3,10 @@ the run trains, and a resumed run keeps the buffer (the same history as without 
 
 from __future__ import annotations
 
-import json
-import shutil
-
 from alignzoo.config.loader import load_experiment
 from alignzoo.engine.loop import run_one
 
-from .conftest import read_jsonl, tiny_experiment
+from .conftest import back_to_checkpoint, read_jsonl, tiny_experiment
 
 VOLATILE = ("time_s", "timing/", "throughput/", "labeler/")
 
@@ -38,9 +35,6 @@ def test_replay_in_a_run_and_across_a_resume(write_experiment, tmp_path) -> None
     assert all("loss" in r for r in rows)
     reference = _stable(rows)
 
-    shutil.rmtree(out / "checkpoints" / "step-000006")
-    (out / "checkpoints" / "latest").write_text("step-000004\n")
-    status = json.loads((out / "status.json").read_text())
-    (out / "status.json").write_text(json.dumps({**status, "status": "running"}))
+    back_to_checkpoint(out, 4)
     assert run_one(loaded, "grpo", 0, out, resume=True).status == "finished"
     assert _stable(read_jsonl(out / "metrics.jsonl")) == reference

@@ -5,7 +5,6 @@ plugin's own stream is cut back to the checkpoint like the engine's."""
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from importlib import metadata
 from pathlib import Path
@@ -19,7 +18,7 @@ from alignzoo.errors import UserError
 from alignzoo.plugin import Modifier, hookimpl
 from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 
-from .conftest import read_jsonl, tiny_experiment
+from .conftest import mark_running, read_jsonl, tiny_experiment
 
 VOLATILE = ("time_s", "timing/", "throughput/", "labeler/")
 
@@ -67,11 +66,6 @@ def finished(write_experiment, tmp_path):
     return out, reference, again
 
 
-def _as_if_killed_after_step_6(out: Path) -> None:
-    status = json.loads((out / "status.json").read_text())
-    (out / "status.json").write_text(json.dumps({**status, "status": "running"}))
-
-
 def test_a_damaged_newest_checkpoint_is_passed_over_for_the_previous_one(finished) -> None:
     out, reference, again = finished
     newest = out / "checkpoints" / "step-000006"
@@ -82,7 +76,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_previous_one(finishe
     point = find_resume_point(out / "checkpoints", critic=False)
     assert point.folder == out / "checkpoints" / "step-000004"
     assert [f.name for f, _ in point.unusable] == ["step-000006"]
-    _as_if_killed_after_step_6(out)
+    mark_running(out)
 
     summary = again()
 
@@ -97,7 +91,7 @@ def test_no_usable_checkpoint_stops_with_the_folder_untouched(finished) -> None:
     out, _, again = finished
     for folder in (out / "checkpoints").glob("step-*"):
         (folder / "state.json").write_bytes(b"\x00\xff binary")
-    _as_if_killed_after_step_6(out)
+    mark_running(out)
     before = _snapshot(out)
 
     with pytest.raises(UserError) as caught:
@@ -113,7 +107,7 @@ def test_a_run_with_no_checkpoint_yet_keeps_its_earlier_attempt(finished) -> Non
     out, reference, again = finished
     shutil.rmtree(out / "checkpoints")  # as if killed before the first checkpoint
     old = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "probe.jsonl")}
-    _as_if_killed_after_step_6(out)
+    mark_running(out)
 
     summary = again()
 
@@ -130,7 +124,7 @@ def test_a_plugin_stream_is_cut_back_to_the_checkpoint(finished) -> None:
     out, reference, again = finished
     shutil.rmtree(out / "checkpoints" / "step-000006")
     (out / "checkpoints" / "latest").write_text("step-000004\n")
-    _as_if_killed_after_step_6(out)
+    mark_running(out)
 
     assert again().status == "finished"
 
