@@ -283,6 +283,12 @@ class LabelingConfig(_Strict):
         description="Serve the label path's metrics (label/*, labeler/*, timing/labeler/*) of "
         "the latest step on a Prometheus endpoint at 127.0.0.1:<port> while the run is live.",
     )
+    overlap: bool = Field(
+        False,
+        description="Online arms: label each step's samples in the background while the next "
+        "step's are generated, and train on samples one step old (see alignzoo.engine.pipeline "
+        "for the staleness this brings).",
+    )
     store: str | None = Field(
         "run",
         description="Where labels are persisted and reused (SQLite): 'run' (labels.sqlite in "

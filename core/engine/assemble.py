@@ -25,11 +25,14 @@ from alignzoo.engine.labelstore import STORE_FILE, LabelStore
 from alignzoo.engine.learner import Learner, build_learner
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
+from alignzoo.engine.pipeline import LabelAhead
 from alignzoo.engine.sampler import PromptSampler
 from alignzoo.errors import UserError
 from alignzoo.plugin import Component
 from alignzoo.registry import build_plugin_manager
 from alignzoo.types import AlgorithmRequirements
+
+AHEAD_SLOT = "labeling.overlap"
 
 
 @dataclass
@@ -45,6 +48,14 @@ class Run:
     learner: Learner
     sampler: PromptSampler
     eval_rows: list[dict[str, Any]]
+    ahead: LabelAhead | None = None  # labeling.overlap: the batch labeled in the background
+
+    def stateful(self) -> dict[str, Any]:
+        """What a checkpoint saves besides models and optimizer: the components, and the
+        look-ahead batch of an overlapping arm."""
+        if self.ahead is None:
+            return dict(self.components)
+        return {**self.components, AHEAD_SLOT: self.ahead}
 
     @property
     def models(self) -> Models:
@@ -157,6 +168,11 @@ def assemble(
             f"arms.{arm}.training.samples_per_prompt: online preference pairs need at least 2 "
             "samples per prompt"
         )
+    if arm_spec.labeling.overlap and not mode.online:
+        raise UserError(
+            f"arms.{arm}.labeling.overlap: the arm reads its data offline ({mode.name}), so "
+            "there is no labeling to overlap with generation; leave overlap unset"
+        )
     context = RunContext(
         experiment=spec.name,
         arm=arm,
@@ -189,6 +205,8 @@ def assemble(
         sampler=PromptSampler(train, seed),
         eval_rows=eval_rows(evaluation, spec.evaluation.num_prompts),
     )
+    if arm_spec.labeling.overlap:
+        run.ahead = LabelAhead(run)
     hooks.on_run_start(context)
     for slot in hooks.labeling.slots[1:]:  # the fallbacks live outside the run's manager
         if hasattr(slot.call, "hooks"):

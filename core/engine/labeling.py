@@ -305,6 +305,7 @@ class Slot:
     running_mean: float | None = None  # of its per-pass mean values, for drift
     drift: float | None = None  # this pass's mean minus the running mean before it
     latencies: list[float] = field(default_factory=list)
+    slowest: list[tuple[float, int, LabelRequest]] = field(default_factory=list)  # (s, n, first)
     calls: int = 0
     retries: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
@@ -321,6 +322,8 @@ class LabelReport:
     dropped: Counter[str] = field(default_factory=Counter)  # by outcome
     slots: list[Slot] = field(default_factory=list)
     shadow: dict[str, float] = field(default_factory=dict)  # agreement of a shadow labeler
+    snapshot: dict[str, float] | None = None  # metrics() as the pass ended (set by the stage)
+    slowest: list[dict[str, Any]] = field(default_factory=list)  # the pass's slowest calls
 
     def ledger(self) -> dict[str, int]:
         """generated, valued (by the head), fallback-valued, dropped: they must balance."""
@@ -344,7 +347,12 @@ class LabelReport:
         minus the running mean of its earlier passes), and whatever its ``stats()`` reports
         (the judge's rate-limit waits); the latency of its calls (p50/p95/max) under
         ``timing/labeler/<name>/``. These depend on what the process saw before (a resumed run
-        finds its labels stored), so resume comparisons leave them out."""
+        finds its labels stored), so resume comparisons leave them out.
+
+        Read after the pass, this is the snapshot the stage took when the pass ended (a later
+        pass, running ahead with ``labeling.overlap``, does not change it)."""
+        if self.snapshot is not None:
+            return dict(self.snapshot)
         ledger = self.ledger()
         out = {f"label/{k}": float(v) for k, v in ledger.items()}
         for outcome, n in sorted(self.dropped.items()):
@@ -427,6 +435,7 @@ class LabelingStage:
             self.exporter = MetricsExporter(cfg.metrics_port)
         self.sleep, self.clock = sleep, clock
         self.rng = random.Random(seed)
+        self.lock = threading.RLock()  # one pass at a time; a swap waits for the pass in flight
 
     @classmethod
     def build(
@@ -482,7 +491,12 @@ class LabelingStage:
     def label(
         self, requests: list[LabelRequest], groups: Sequence[int] | None = None
     ) -> LabelReport:
-        """Label every request through the chain; see :class:`LabelReport`."""
+        """Label every request through the chain; see :class:`LabelReport`. Thread-safe: one
+        pass runs at a time (with ``labeling.overlap`` a pass runs beside the main thread)."""
+        with self.lock:
+            return self._label(requests, groups)
+
+    def _label(self, requests: list[LabelRequest], groups: Sequence[int] | None) -> LabelReport:
         n = len(requests)
         scores: list[Score] = [Score(math.nan, False, {}, Outcome.ERROR) for _ in range(n)]
         outcomes: list[Outcome] = [Outcome.ERROR] * n
@@ -493,6 +507,7 @@ class LabelingStage:
             slot.calls = slot.retries = 0
             slot.outcomes = Counter()
             slot.values = []
+            slot.slowest = []
             slot.in_flight_max = slot.queued_max = 0
         started = self.clock()
         pending = list(range(n))
@@ -544,8 +559,10 @@ class LabelingStage:
                     slot.running_mean = 0.9 * slot.running_mean + 0.1 * mean
                 else:
                     slot.running_mean = mean
+        report.snapshot = report.metrics()
+        report.slowest = slowest_calls(self.slots)
         if self.exporter is not None:
-            self.exporter.update(report.metrics())
+            self.exporter.update(report.snapshot)
         return report
 
     def _shadow_agreement(
@@ -574,12 +591,17 @@ class LabelingStage:
                 out[f"{name}/spearman"] = float(stats.spearmanr(a, b).statistic)
         return out
 
-    def _call(self, slot: Slot, requests: list[LabelRequest]) -> CallResult:
+    def _call(
+        self, slot: Slot, requests: list[LabelRequest], keys: Sequence[str] | None = None
+    ) -> CallResult:
         """One labeler's answer to ``requests``: in chunks of ``labeling.batch_size``, up to
         ``labeling.concurrency`` of them at once (each worker process, or the inline labeler
-        from several threads), each chunk a call of its own for latency and the breaker."""
+        from several threads), each chunk a call of its own for latency and the breaker. With
+        ``keys`` (the requests' store keys) each chunk's verdicts are stored as soon as it
+        returns, so a kill loses at most the calls in flight."""
         size = self.cfg.batch_size or max(1, len(requests))
         chunks = [requests[i : i + size] for i in range(0, len(requests), size)] or [[]]
+        store = self.store if keys is not None and slot.identity else None
         import queue
 
         free: queue.Queue[Any] = queue.Queue()
@@ -599,7 +621,13 @@ class LabelingStage:
             try:
                 begin = time.perf_counter()
                 result = caller(chunks[index], self.cfg.timeout_s)
-                return result, time.perf_counter() - begin
+                seconds = time.perf_counter() - begin
+                if store is not None and keys is not None and slot.identity:
+                    at = index * size
+                    chunk_keys = keys[at : at + len(chunks[index])]
+                    verdicts = zip(chunk_keys, chunks[index], result.scores, strict=True)
+                    store.put(slot.identity, verdicts, seconds)
+                return result, seconds
             finally:
                 with lock:
                     in_flight[0] -= 1
@@ -615,8 +643,11 @@ class LabelingStage:
             answers = [one(i) for i in range(len(chunks))]
         scores: list[Score] = []
         retry_after = None
-        for result, seconds in answers:
+        for index, (result, seconds) in enumerate(answers):
             slot.latencies.append(seconds)
+            if chunks[index]:
+                slot.slowest.append((seconds, len(chunks[index]), chunks[index][0]))
+                slot.slowest = sorted(slot.slowest, key=lambda c: -c[0])[:SLOWEST]
             slot.calls += 1
             slot.breaker.record(
                 bool(result.scores) and all(s.outcome in FAILURES for s in result.scores)
@@ -627,16 +658,20 @@ class LabelingStage:
         return CallResult(scores, retry_after)
 
     def replace_head(self, slot: Slot) -> None:
-        """Label with ``slot`` from the next call on (the chain's fallbacks stay)."""
-        old = self.slots[0]
-        self.slots[0] = slot
-        old.call.close()
+        """Label with ``slot`` from the next pass on (the chain's fallbacks stay); waits for a
+        pass in flight."""
+        with self.lock:
+            old = self.slots[0]
+            self.slots[0] = slot
+            old.call.close()
 
     def set_shadow(self, slot: Slot | None) -> None:
-        """Score alongside the chain without training on it (None: stop)."""
-        if self.shadow is not None and self.shadow is not slot:
-            self.shadow.call.close()
-        self.shadow = slot
+        """Score alongside the chain without training on it (None: stop); waits for a pass in
+        flight."""
+        with self.lock:
+            if self.shadow is not None and self.shadow is not slot:
+                self.shadow.call.close()
+            self.shadow = slot
 
     def _through(
         self,
@@ -696,14 +731,8 @@ class LabelingStage:
                 first.setdefault(keys[i], i)
             sent = list(first.values())
             slot.outcomes["deduplicated"] += len(todo) - len(sent)
-            begin = time.perf_counter()
-            result = self._call(slot, [requests[i] for i in sent])
-            seconds = time.perf_counter() - begin
+            result = self._call(slot, [requests[i] for i in sent], [keys[i] for i in sent])
             by_key = {keys[i]: score for i, score in zip(sent, result.scores, strict=True)}
-            if self.store is not None and slot.identity:
-                self.store.put(
-                    slot.identity, [(keys[i], requests[i], by_key[keys[i]]) for i in sent], seconds
-                )
             again: list[int] = []
             for i in todo:
                 score = by_key[keys[i]]
@@ -727,6 +756,28 @@ class LabelingStage:
 
 
 # --------------------------------------------------------------------------- the engine's entry
+
+
+SLOWEST = 3
+"""Calls kept per pass in :attr:`LabelReport.slowest` (and ``labels_slowest.jsonl``)."""
+
+
+def slowest_calls(slots: Sequence[Slot], chars: int = 200) -> list[dict[str, Any]]:
+    """The pass's :data:`SLOWEST` slowest labeler calls over the chain, slowest first: which
+    labeler, seconds, requests in the call, and the first request's prompt and response (cut to
+    ``chars``), so a slow input can be found."""
+    calls = [(seconds, n, first, slot.name) for slot in slots for seconds, n, first in slot.slowest]
+    calls.sort(key=lambda c: -c[0])
+    return [
+        {
+            "labeler": name,
+            "seconds": round(seconds, 6),
+            "requests": n,
+            "prompt": first.prompt[:chars],
+            "response": first.response[:chars],
+        }
+        for seconds, n, first, name in calls[:SLOWEST]
+    ]
 
 
 def label(hooks: Hooks, batch: RolloutBatch) -> LabelReport:

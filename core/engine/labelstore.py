@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -63,18 +64,23 @@ def request_key(request: LabelRequest) -> str:
 
 
 class LabelStore:
-    """One SQLite file; safe for several processes (WAL, a busy timeout)."""
+    """One SQLite file; safe for several processes (WAL, a busy timeout) and threads (one
+    connection behind a lock: a run with ``labeling.overlap`` labels off the main thread)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        self.lock = threading.Lock()
+        self.db = sqlite3.connect(
+            self.path, timeout=30, isolation_level=None, check_same_thread=False
+        )
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute(_SCHEMA)
 
     def close(self) -> None:
-        self.db.close()
+        with self.lock:
+            self.db.close()
 
     def lookup(self, labeler: str, keys: Sequence[str]) -> dict[str, Score]:
         """The stored Scores of ``labeler`` for those keys (absent keys are left out)."""
@@ -83,11 +89,12 @@ class LabelStore:
         for start in range(0, len(unique), 500):
             chunk = unique[start : start + 500]
             marks = ",".join("?" * len(chunk))
-            rows = self.db.execute(
-                f"SELECT key, outcome, value, valid, info FROM labels "
-                f"WHERE labeler = ? AND key IN ({marks})",
-                [labeler, *chunk],
-            )
+            with self.lock:
+                rows = self.db.execute(
+                    f"SELECT key, outcome, value, valid, info FROM labels "
+                    f"WHERE labeler = ? AND key IN ({marks})",
+                    [labeler, *chunk],
+                ).fetchall()
             for key, outcome, value, valid, info in rows:
                 found[key] = Score(
                     math.nan if value is None else float(value),
@@ -123,7 +130,7 @@ class LabelStore:
             if score.outcome in KEPT
         ]
         if rows:
-            with self.db:
+            with self.lock, self.db:
                 self.db.executemany(
                     "INSERT OR REPLACE INTO labels VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows
                 )

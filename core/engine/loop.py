@@ -188,7 +188,7 @@ def start_or_resume(
         run.models.critic,
         learner.optimizer,
         learner.scheduler,
-        run.components,
+        run.stateful(),
         checked=True,  # find_resume_point read every file of it
     )
     run.sampler.load_state_dict(state.sampler)
@@ -237,7 +237,7 @@ class _Loop:
             run.models.critic,
             run.learner.optimizer,
             run.learner.scheduler,
-            run.components,
+            run.stateful(),
         )
         self.last_ckpt = self.state.step
         write_status(run.context.out_dir, "running", self.state, None, run.models.device("actor"))
@@ -333,6 +333,8 @@ def run_one(
     finally:
         if sinks is not None:
             sinks.close()
+        if run is not None and run.ahead is not None:
+            run.ahead.close()  # a pass in flight finishes: its labels reach the store
         if run is not None and run.hooks.labeling is not None:
             run.hooks.labeling.close()  # labeler worker processes end with the run
     if run is not None:

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from alignzoo.engine.assemble import Run
 
 SAMPLES_PER_STEP = 4
+SLOWEST_STREAM = "labels_slowest"
+"""The run folder's ``labels_slowest.jsonl``: each step's slowest labeler calls."""
 
 
 @dataclass
@@ -53,8 +55,12 @@ def train_step(run: Run, step: int) -> StepResult:
     """Run step ``step`` (1-based) end to end."""
     start = time.perf_counter()
     mode, hooks, cfg = run.mode, run.hooks, run.context.arm_spec.training
-    rows = run.sampler.next(cfg.prompts_per_step)
-    collected = mode.collect(rows, StepSource(hooks, run.models.tokenizer, cfg))
+    scorer = Scorer(run.models, cfg.micro_batch_size)
+    if run.ahead is not None:  # labeled in the background, behaviour snapshot taken already
+        collected = run.ahead.collect(scorer)
+    else:
+        rows = run.sampler.next(cfg.prompts_per_step)
+        collected = mode.collect(rows, StepSource(hooks, run.models.tokenizer, cfg))
     result = StepResult(
         metrics=collected.metrics,
         sample_rows=sample_rows(collected.batch, step),
@@ -62,9 +68,12 @@ def train_step(run: Run, step: int) -> StepResult:
         tokens=collected.tokens,
     )
     m = result.metrics
+    if collected.report is not None:
+        for row in collected.report.slowest:  # where labeling time went, call by call
+            run.context.record(SLOWEST_STREAM, row)
     t = time.perf_counter()
-    scorer = Scorer(run.models, cfg.micro_batch_size)
-    m.update(prepare(scorer, collected.batch, generated=mode.online))
+    if run.ahead is None:
+        m.update(prepare(scorer, collected.batch, generated=mode.online))
     batch = mode.select(collected.batch, m)
     if batch is not None:  # online pairs with no untied group have nothing to learn from
         batch = hooks.transform_batch(batch, run.context)

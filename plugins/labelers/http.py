@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,6 +50,15 @@ class HTTPLabeler(Labeler):
     def __init__(self, params: Any = None) -> None:
         super().__init__(params)
         self._client: Any = None
+        self.failures: Counter[str] = Counter()
+
+    def stats(self) -> dict[str, float]:
+        """Counters the labeling stage logs as ``labeler/<name>/*``: failed POSTs so far by
+        kind (``connect_errors``: refused or unreachable; ``network_errors``: reset or cut
+        connections; ``timeouts``; ``rate_limited``: 429 and 503; ``server_errors``: other
+        5xx)."""
+        kinds = ("connect_errors", "network_errors", "timeouts", "rate_limited", "server_errors")
+        return {kind: float(self.failures[kind]) for kind in kinds}
 
     def _http(self) -> Any:
         import httpx
@@ -99,10 +109,15 @@ class HTTPLabeler(Labeler):
         try:
             reply = self._http().post("/v1/score", json=body)
         except httpx.TimeoutException as exc:
+            self.failures["timeouts"] += 1
             raise LabelerTimeout(f"{self.params.url}: {type(exc).__name__}") from None
         except httpx.TransportError as exc:  # refused, reset, DNS, protocol errors
+            connect = isinstance(exc, httpx.ConnectError)
+            self.failures["connect_errors" if connect else "network_errors"] += 1
             raise LabelerUnavailable(f"{self.params.url}: {type(exc).__name__}: {exc}") from None
         if reply.status_code in (429, 503) or reply.status_code >= 500:
+            limited = reply.status_code in (429, 503)
+            self.failures["rate_limited" if limited else "server_errors"] += 1
             raise LabelerUnavailable(
                 f"{self.params.url}: HTTP {reply.status_code}",
                 retry_after=_retry_after(reply.headers.get("retry-after")),

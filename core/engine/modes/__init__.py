@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.labeling import label
+from alignzoo.engine.labeling import LabelReport, label
 from alignzoo.errors import RunError
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class Collected:
     samples: int
     tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+    report: LabelReport | None = None  # the labeling pass of an online batch
 
 
 def split_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
@@ -103,17 +104,20 @@ def part_rewards(infos: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collected:
-    """The online start of a step: ``samples_per_prompt`` responses per row, scored."""
+def sample(rows: list[dict[str, Any]], source: StepSource) -> tuple[RolloutBatch, dict[str, float]]:
+    """Generate ``samples_per_prompt`` responses per row (not yet labeled); ``timing/generate``
+    and ``batch/prompts`` in the metrics."""
     cfg = source.training
     prompts, extras = split_rows(rows)
-    m: dict[str, float] = {}
     start = time.perf_counter()
     batch = source.hooks.generate(prompts, extras, cfg.samples_per_prompt, cfg.sampling)
-    m["timing/generate"] = time.perf_counter() - start
-    start = time.perf_counter()
-    report = label(source.hooks, batch)
-    m["timing/label"] = time.perf_counter() - start
+    m = {"timing/generate": time.perf_counter() - start, canonical.BATCH_PROMPTS: float(len(rows))}
+    return batch, m
+
+
+def labeled(batch: RolloutBatch, report: LabelReport, m: dict[str, float]) -> Collected:
+    """A generated batch once :func:`~alignzoo.engine.labeling.label` has filled it: the samples
+    without a value left out, the ``reward/*`` and ``batch/*`` metrics added to ``m``."""
     m.update(report.metrics())
     generated = batch.size
     if len(report.keep) < batch.size:  # samples without a value never reach the loss
@@ -123,13 +127,23 @@ def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collecte
         m[canonical.REWARD_MEAN] = float(batch.scores.mean())
         m[canonical.REWARD_STD] = float(batch.scores.std(unbiased=False))
         m[canonical.REWARD_VALID_FRAC] = float(batch.score_valid.float().mean())
-    m[canonical.BATCH_PROMPTS] = float(len(prompts))
     m[canonical.BATCH_RESPONSES] = float(batch.size)
     if batch.size:
         m[canonical.RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
     m.update(part_rewards(batch.label_info))
     # The budget counts what was generated, labeled or not.
-    return Collected(batch, samples=generated, tokens=int(batch.response_mask.sum()), metrics=m)
+    return Collected(
+        batch, samples=generated, tokens=int(batch.response_mask.sum()), metrics=m, report=report
+    )
+
+
+def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collected:
+    """The online start of a step: ``samples_per_prompt`` responses per row, scored."""
+    batch, m = sample(rows, source)
+    start = time.perf_counter()
+    report = label(source.hooks, batch)
+    m["timing/label"] = time.perf_counter() - start
+    return labeled(batch, report, m)
 
 
 def read_rows(batch: RolloutBatch, rows: int) -> Collected:

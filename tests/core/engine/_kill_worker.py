@@ -4,7 +4,8 @@ points test).
 Usage: python -m tests.core.engine._kill_worker EXPERIMENT.yaml ARM SEED OUT_DIR RESUME(0|1)
 with ``ALIGNZOO_KILL_AT=<step>:<phase>`` (or unset: run to the end). Phases:
 
-- ``label``: inside the labeler call of training step <step>;
+- ``label``: inside the labeler call of training step <step> (before its first call);
+- ``label-2``: the same, before the step's second labeler call (after the first returned);
 - ``eval``: inside the evaluation after step <step>;
 - ``metrics``: right after step <step>'s metrics line is written;
 - ``ckpt-actor``: while writing the checkpoint of step <step>, after actor.safetensors;
@@ -23,7 +24,7 @@ from typing import Any
 from alignzoo.config.loader import load_experiment
 from alignzoo.engine import checkpoint, labeling, loop, sinks
 
-_where: dict[str, Any] = {"step": 0, "saving": None}
+_where: dict[str, Any] = {"step": 0, "saving": None, "calls": 0}
 _target = os.environ.get("ALIGNZOO_KILL_AT")
 _kill_step, _kill_phase = (
     (int(_target.split(":")[0]), _target.split(":")[1]) if _target else (-1, "")
@@ -52,13 +53,17 @@ def _wrap(owner: Any, name: str, before: Any = None, after: Any = None) -> None:
 
 def _install() -> None:
     def at_step(run: Any, step: int) -> None:
-        _where["step"] = step
+        _where["step"], _where["calls"] = step, 0
+
+    def before_call(*args: Any, **kwargs: Any) -> None:
+        _where["calls"] += 1
+        _maybe_die("label" if _where["calls"] == 1 else f"label-{_where['calls']}", _where["step"])
 
     _wrap(loop, "train_step", before=at_step)
     _wrap(
         labeling.InlineCaller,
         "__call__",
-        before=lambda *a, **k: _maybe_die("label", _where["step"]),
+        before=before_call,
     )
     _wrap(loop, "evaluate", before=lambda *a, **k: _maybe_die("eval", _where["step"]))
     _wrap(sinks.Sinks, "step", after=lambda self, metrics, step: _maybe_die("metrics", step))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -36,3 +37,30 @@ class Crashing(Labeler):
 
     def score(self, request: LabelRequest) -> Score:
         os._exit(3)
+
+
+# For the overlap test: the run's training generations are counted (the test wraps the
+# backend), and the k-th labeling pass off the main thread (which labels the k-th training
+# batch) returns only once generation k + 1 has begun: possible only when labeling really
+# overlaps the next step's generation (without overlap the run would wait here for ever).
+GENERATIONS = [0]
+GENERATED = threading.Condition()
+PASSES = [0]
+WAITED = 4  # the passes that wait: those of the 4 trained batches (the 5th is the last look-ahead)
+WAITS: list[bool] = []  # per waiting pass: did the next generation begin while it waited
+
+
+def generation_began() -> None:
+    with GENERATED:
+        GENERATIONS[0] += 1
+        GENERATED.notify_all()
+
+
+def waits_for_next_generation(prompts, completions, **columns):
+    if threading.current_thread() is not threading.main_thread():
+        with GENERATED:
+            PASSES[0] += 1
+            batch = PASSES[0]
+            if batch <= WAITED:
+                WAITS.append(GENERATED.wait_for(lambda: GENERATIONS[0] > batch, timeout=30))
+    return [float(len(c)) for c in completions]

@@ -4,9 +4,11 @@ against a real server on 127.0.0.1 that fails 30% of its calls in every way it c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -180,6 +182,109 @@ class Faults:
         await send({"type": "http.response.body", "body": body})
 
 
+class FlakyNetwork:
+    """A TCP proxy in front of the server, for the faults an ASGI app cannot make. Every
+    ``every``-th request is not forwarded: in turn, its connection is reset (RST, "connection
+    reset by peer"), or the server "restarts": that connection is reset, the others are closed
+    and the port refuses connections for ``down_s`` (so the client's quick retries are refused).
+    """
+
+    def __init__(self, target: str, every: int = 7, down_s: float = 0.1) -> None:
+        self.target_port = int(target.rsplit(":", 1)[1])
+        self.port = free_port()
+        self.every, self.down_s = every, down_s
+        self.requests = 0
+        self.log: list[str] = []
+        self.stopping = threading.Event()
+        self.restart = threading.Event()
+        self.listening = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> FlakyNetwork:
+        self.threads.append(threading.Thread(target=self._accept, daemon=True))
+        self.threads[0].start()
+        assert self.listening.wait(10)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.stopping.set()
+        self._close_all()
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+    def _close_all(self) -> None:
+        with self.lock:
+            for sock in self.sockets:
+                with contextlib.suppress(OSError):
+                    sock.close()
+            self.sockets = []
+
+    def _accept(self) -> None:
+        while not self.stopping.is_set():
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", self.port))
+            listener.listen(64)
+            listener.settimeout(0.02)
+            self.listening.set()
+            while not self.stopping.is_set() and not self.restart.is_set():
+                try:
+                    client_sock, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                thread = threading.Thread(target=self._serve, args=(client_sock,), daemon=True)
+                self.threads.append(thread)
+                thread.start()
+            listener.close()  # refused from now until it listens again
+            self._close_all()
+            self.stopping.wait(self.down_s)
+            self.restart.clear()
+
+    def _fault(self) -> str | None:
+        """What happens to the request that starts now: None (forwarded), reset or restart."""
+        with self.lock:
+            self.requests += 1
+            if self.requests % self.every:
+                return None
+            fault = ("reset", "restart")[(self.requests // self.every) % 2]
+        self.log.append(fault)
+        return fault
+
+    def _serve(self, client_sock: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        with self.lock:
+            self.sockets += [client_sock, upstream]
+
+        def pump(src: socket.socket, dst: socket.socket, requests: bool) -> None:
+            try:
+                while data := src.recv(65536):
+                    fault = self._fault() if requests and data.startswith(b"POST ") else None
+                    if fault is not None:
+                        linger = struct.pack("ii", 1, 0)  # close with RST, not FIN
+                        client_sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                        if fault == "restart":
+                            self.restart.set()
+                        break
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for sock in (client_sock, upstream):
+                    with contextlib.suppress(OSError):
+                        sock.close()
+
+        back = threading.Thread(target=pump, args=(upstream, client_sock, False), daemon=True)
+        back.start()
+        pump(client_sock, upstream, True)
+        back.join(timeout=5)
+
+
 @pytest.mark.slow
 def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tmp_path) -> None:
     from alignzoo.config.loader import load_experiment
@@ -192,9 +297,10 @@ def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tm
     import os
 
     fds_before = len(os.listdir("/proc/self/fd"))
-    with running(faults) as url:
+    with running(faults) as server, FlakyNetwork(server) as network:
+        url = network.url
         spec = tiny_experiment(
-            budget={"steps": 30},
+            budget={"steps": 40},
             arms={
                 "grpo": {
                     "algorithm": "grpo",
@@ -204,6 +310,7 @@ def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tm
                         "retries": 2,
                         "backoff_s": 0.01,
                         "deadline_s": 2.0,
+                        "breaker": {"cooldown_s": 0.2},  # trips now and then, and recovers
                         "store": None,
                     },
                 }
@@ -213,7 +320,7 @@ def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tm
         summary = run_one(loaded, "grpo", 0, tmp_path / "run")
     assert summary.status == "finished", summary.error
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert len(rows) == 30
+    assert len(rows) == 40
     for row in rows:
         assert (
             row["label/generated"]
@@ -223,6 +330,14 @@ def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tm
         assert row["timing/label"] < 2.0 + 0.5 + 1.5, row["timing/label"]
     injected = [f for f in faults.log if f != "ok"]
     assert set(injected) == set(Faults.KINDS), faults.log
+    # The network faults reached the client: refused connections and resets, counted apart.
+    last = rows[-1]
+    assert {"reset", "restart"} <= set(network.log), network.log
+    assert last["labeler/http/network_errors"] > 0, network.log
+    assert last["labeler/http/connect_errors"] > 0, "no call met the port closed: " + str(
+        network.log
+    )
+    assert last["labeler/http/rate_limited"] > 0 and last["labeler/http/server_errors"] > 0
     assert (
         sum(r["label/fallback_valued"] for r in rows) > 0
         or sum(r.get("labeler/http/retries", 0) for r in rows) > 0

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -150,44 +153,69 @@ def test_sigkill_at_20_random_points_then_resume_matches(write_experiment, tmp_p
     assert [r["step"] for r in read_jsonl(killed / "metrics.jsonl")] == list(range(1, steps + 1))
 
 
+class CallLog:
+    """ASGI middleware: every (prompt, response) the server is asked to score, in order."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.scored, self.lock = app, [], threading.Lock()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/score":
+            await self.app(scope, receive, send)
+            return
+        body: list[bytes] = []
+
+        async def read() -> dict[str, Any]:
+            message = await receive()
+            body.append(message.get("body", b""))
+            return message
+
+        await self.app(scope, read, send)
+        with self.lock:
+            for item in json.loads(b"".join(body))["requests"]:
+                self.scored.append(json.dumps([item["prompt"], item["response"]]))
+
+
 @pytest.mark.slow
 def test_sigkill_during_labeling_then_resume_scores_no_sample_twice(
     write_experiment, tmp_path
 ) -> None:
-    """A labeler that logs every request it scores, killed inside labeling three times: with
-    the label store, the resumed runs replay their steps from stored labels, so the log holds
-    each (prompt, response) once; and the run's history is the uninterrupted one."""
-    (tmp_path / "logged.py").write_text(
-        "import json, os\n"
-        "def exact(prompts, completions, answer):\n"
-        "    with open(os.environ['LABEL_LOG'], 'a') as fh:\n"
-        "        for p, c in zip(prompts, completions):\n"
-        "            fh.write(json.dumps([p, c]) + '\\n')\n"
-        "    return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]\n"
-    )
-    labeler = {"name": "python", "params": {"function": str(tmp_path / "logged.py") + ":exact"}}
-    spec = tiny_experiment(
-        budget={"steps": 12},
-        training={"checkpoint_every": 3},
-        evaluation={"every": 4, "num_prompts": 8},
-        arms={"grpo": {"algorithm": "grpo", "labeler": labeler}},
-    )
-    exp = write_experiment(spec)
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    os.environ["LABEL_LOG"] = str(tmp_path / "full.log")
-    try:
-        assert _kill_worker(exp, full, False, None).wait(timeout=300) == 0
-        os.environ["LABEL_LOG"] = str(tmp_path / "killed.log")
-        for i, point in enumerate(("2:label", "5:label", "10:label")):
-            proc = _kill_worker(exp, killed, resume=i > 0, kill_at=point)
-            assert proc.wait(timeout=300) == -signal.SIGKILL, proc.stdout.read()
-        proc = _kill_worker(exp, killed, resume=True, kill_at=None)
-        assert proc.wait(timeout=300) == 0, proc.stdout.read()
-    finally:
-        os.environ.pop("LABEL_LOG", None)
+    """A run labeling through a real labeler server, in calls of 4 requests, SIGKILLed between
+    two calls of a step three times: every call's labels were stored as it returned, so the
+    resumed runs replay from the label store, the server's call log holds each (prompt,
+    response) once, the same set as an uninterrupted run's, and the history is the
+    uninterrupted one."""
+    from alignzoo.serve import ServeConfig, build_app
 
-    lines = (tmp_path / "killed.log").read_text().splitlines()
-    assert len(lines) == len(set(lines)), "a sample was scored twice"
-    assert sorted(lines) == sorted((tmp_path / "full.log").read_text().splitlines())
+    from .test_labeler_server import ARITHMETIC, running
+
+    servers = {name: CallLog(build_app(ServeConfig.model_validate(ARITHMETIC))) for name in ("full", "killed")}  # fmt: skip
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    with running(servers["full"]) as full_url, running(servers["killed"]) as killed_url:
+        exps = {}
+        for name, url in (("full", full_url), ("killed", killed_url)):
+            spec = tiny_experiment(
+                budget={"steps": 12},
+                training={"checkpoint_every": 3},
+                evaluation={"every": 4, "num_prompts": 8},
+                arms={
+                    "grpo": {
+                        "algorithm": "grpo",
+                        "labeler": {"name": "http", "params": {"url": url}},
+                        "labeling": {"batch_size": 4},
+                    }
+                },
+            )
+            exps[name] = write_experiment(spec, name=f"{name}.yaml")
+        assert _kill_worker(exps["full"], full, False, None).wait(timeout=300) == 0
+        for i, point in enumerate(("2:label-2", "5:label-2", "10:label-2")):
+            proc = _kill_worker(exps["killed"], killed, resume=i > 0, kill_at=point)
+            assert proc.wait(timeout=300) == -signal.SIGKILL, proc.stdout.read()
+        proc = _kill_worker(exps["killed"], killed, resume=True, kill_at=None)
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()
+
+    scored = servers["killed"].scored
+    assert len(scored) == len(set(scored)), "the server scored a sample twice"
+    assert sorted(scored) == sorted(servers["full"].scored)
     for name in ("metrics.jsonl", "eval.jsonl"):
         assert _stable(read_jsonl(killed / name)) == _stable(read_jsonl(full / name)), name
