@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 from alignzoo._lazy import lazy_import
 from alignzoo.config.loader import LoadedExperiment, load_experiment
 from alignzoo.config.schema import ExperimentSpec
-from alignzoo.errors import AlignzooError, ConfigError, RunError, UserError
+from alignzoo.errors import (
+    AlignzooError,
+    ConfigError,
+    LabelerTimeout,
+    LabelerUnavailable,
+    RunError,
+    UserError,
+)
 from alignzoo.plugin import (
     Algorithm,
     Backend,
@@ -34,6 +41,7 @@ from alignzoo.types import (
     LabelRequest,
     LossContext,
     LossOutput,
+    Outcome,
     SamplingParams,
     Score,
 )
@@ -57,11 +65,14 @@ __all__ = [
     "ExperimentSpec",
     "LabelRequest",
     "Labeler",
+    "LabelerTimeout",
+    "LabelerUnavailable",
     "LoadedExperiment",
     "LossContext",
     "LossOutput",
     "Modifier",
     "NoParams",
+    "Outcome",
     "PolicyOutputs",
     "Registry",
     "RolloutBatch",

@@ -6,7 +6,8 @@ looks every request up before calling a labeler and writes what the call gave ri
 in one transaction: so a resumed run (which replays the steps after its checkpoint) and a
 repeated pair (identical responses within a GRPO group) are never scored twice, and a SIGKILL
 loses at most the call in flight. Only verdicts are stored (values and abstains), never a
-timeout or an infrastructure error.
+timeout or an infrastructure error, nor an abstain marked ``info["pending"]`` (a label that may
+still come, like a human rating not given yet).
 
 ``alignzoo relabel RUN_DIR LABELER.yaml`` reads the stored requests back and scores them with
 another labeler (see :func:`stored_requests`).
@@ -127,7 +128,7 @@ class LabelStore:
                 now,
             )
             for key, req, score in items
-            if score.outcome in KEPT
+            if score.outcome in KEPT and not score.info.get("pending")
         ]
         if rows:
             with self.lock, self.db:

@@ -1,0 +1,102 @@
+"""Labeler "human": people rate the responses, through a queue (:mod:`alignzoo.humanqueue`).
+
+Each call puts its requests in the queue at ``queue`` (a folder; several runs and raters may
+share it), each wanting ``raters`` judgements on the ``scale``, and waits up to ``wait_s`` for
+them. A response with at least ``min_raters`` values by then gets their ``aggregate`` (mean
+or median), mapped to [0, 1] on the scale (``info``: the raw ratings); one without abstains
+(``info["pending"]``), and the arm's ``labeling.on.abstain`` policy decides what happens to it
+(by default the next labeler of the chain). Ratings that arrive later are kept in the queue: a
+later call for the same sample (the next run, a resumed one) finds them, and the pending
+abstain is never kept in the label store. A response every rater marked "cannot judge"
+abstains for good.
+
+Whoever rates takes :meth:`HumanQueue.next_for` and answers :meth:`HumanQueue.submit`: a web
+app, a script, or a simulated annotator in tests and demos. Keep ``wait_s`` under the arm's
+``labeling.timeout_s`` (if set), or the call is ended as a timeout.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from alignzoo import Labeler, LabelRequest, Score, hookimpl
+
+
+class HumanLabeler(Labeler):
+    """Ratings from people, through a queue that outlives the run."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        queue: str = Field(description="Folder of the queue (queue.sqlite), shared by raters.")
+        raters: int = Field(1, ge=1, description="Judgements wanted per response.")
+        min_raters: int | None = Field(
+            None, ge=1, description="Values needed to label a response (default: raters)."
+        )
+        scale: tuple[float, float] = Field((1.0, 5.0), description="Lowest and highest rating.")
+        aggregate: Literal["mean", "median"] = "mean"
+        wait_s: float = Field(60.0, ge=0, description="How long a call waits for ratings.")
+        poll_s: float = Field(0.5, gt=0, description="How often it looks at the queue.")
+
+        @model_validator(mode="after")
+        def _check(self) -> HumanLabeler.Params:
+            if self.scale[1] <= self.scale[0]:
+                raise ValueError(f"scale: highest must exceed lowest, got {list(self.scale)}")
+            if self.min_raters is not None and self.min_raters > self.raters:
+                raise ValueError(
+                    f"min_raters ({self.min_raters}) cannot exceed raters ({self.raters})"
+                )
+            return self
+
+    params: Params
+
+    def __init__(self, params: Any = None) -> None:
+        super().__init__(params)
+        self._queue: Any = None
+
+    def _q(self) -> Any:
+        from alignzoo.humanqueue import HumanQueue
+
+        if self._queue is None:
+            self._queue = HumanQueue(self.params.queue)
+        return self._queue
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._queue.close()
+            self._queue = None
+
+    def __getstate__(self) -> dict[str, Any]:  # a worker process opens its own connection
+        state = dict(self.__dict__)
+        state["_queue"] = None
+        return state
+
+    @hookimpl
+    def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
+        p = self.params
+        queue = self._q()
+        ids = queue.enqueue(requests, p.raters, p.scale)
+        deadline = time.monotonic() + p.wait_s
+        while True:
+            got = queue.judgements(ids)
+            if all(len(got[i]) >= p.raters for i in ids) or time.monotonic() >= deadline:
+                break
+            time.sleep(min(p.poll_s, max(0.0, deadline - time.monotonic())))
+        return [self._verdict(got[i]) for i in ids]
+
+    def _verdict(self, judgements: list[float | None]) -> Score:
+        p = self.params
+        values = [v for v in judgements if v is not None]
+        if len(values) >= (p.min_raters or p.raters):
+            raw = statistics.fmean(values) if p.aggregate == "mean" else statistics.median(values)
+            low, high = p.scale
+            return Score((raw - low) / (high - low), True, {"ratings": values, "rating": raw})
+        if judgements and len(judgements) >= p.raters:  # everyone answered, too few could judge
+            return Score.abstain(f"{len(judgements) - len(values)} rater(s) could not judge")
+        score = Score.abstain(f"waiting for raters: {len(values)} of {p.min_raters or p.raters}")
+        score.info["pending"] = True
+        return score
