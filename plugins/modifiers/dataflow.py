@@ -9,6 +9,8 @@
   sampling filter).
 - ``reward_hacking``: flag samples that score at least ``min_score`` while their response fails
   a format check (a regex fullmatch); set them to ``penalty`` or drop them.
+- ``reweight``: per-sample loss weights by difficulty (the group's pass rate) or by a labeler's
+  ``info`` value (see :class:`Reweight`).
 
 Each counts what it did for the step (``dataflow/<name>/<count>``, added to the step's metrics
 in ``on_step_end``). They apply to sampled batches (online samples and unpaired arms); a
@@ -187,4 +189,65 @@ class RewardHacking(_Counting):
         scores = batch.scores.clone()
         scores[torch.tensor(flagged, dtype=torch.long)] = self.params.penalty
         batch.scores = scores
+        return batch
+
+
+class Reweight(_Counting):
+    """Per-sample loss weights (``batch.weights``, which every loss of the zoo multiplies in).
+
+    ``by``:
+
+    - ``difficulty``: a group's samples get ``4 p (1 - p)``, with ``p`` the group's mean score
+      mapped to [0, 1] over the batch's score range: prompts the policy solves about half the
+      time weigh most, those it always or never solves least (a curriculum on difficulty);
+    - ``info``: the labeler's ``info[key]`` per sample (for example a panel's agreement, a
+      rater's confidence); a sample without it weighs 1.
+
+    Weights are clipped to [``min_weight``, ``max_weight``], multiplied into any weights the
+    batch has already and, with ``normalize``, scaled to mean 1 over the batch, so the step
+    size stays what the learning rate says. Counts: ``mean``, ``min`` and ``max`` of the new
+    weights.
+    """
+
+    name = "reweight"
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        by: Literal["difficulty", "info"] = "difficulty"
+        key: str = Field("weight", description="The info key read with by: info.")
+        min_weight: float = Field(0.1, ge=0)
+        max_weight: float = Field(10.0, gt=0)
+        normalize: bool = True
+
+    params: Params
+
+    def _weights(self, batch: Any) -> list[float]:
+        if self.params.by == "info":
+            infos = batch.label_info or [{}] * batch.size
+            return [float(info.get(self.params.key, 1.0)) for info in infos]
+        scores = batch.scores.tolist()
+        low, high = min(scores), max(scores)
+        span = high - low if high > low else 1.0
+        by_group: dict[int, list[float]] = {}
+        for group, score in zip(batch.group_ids.tolist(), scores, strict=True):
+            by_group.setdefault(group, []).append((score - low) / span)
+        mean = {g: sum(v) / len(v) for g, v in by_group.items()}
+        return [4 * mean[g] * (1 - mean[g]) for g in batch.group_ids.tolist()]
+
+    @hookimpl
+    def transform_batch(self, batch: Any, run: Any) -> Any:
+        if batch.scores is None or batch.size == 0 or is_pairs(batch):
+            return batch
+        p = self.params
+        weights = torch.tensor(self._weights(batch), dtype=torch.float32)
+        weights = weights.clamp(p.min_weight, p.max_weight)
+        if batch.weights is not None:
+            weights = weights * batch.weights.float().cpu()
+        if p.normalize and float(weights.sum()) > 0:
+            weights = weights * (weights.numel() / weights.sum())
+        batch.weights = weights.to(batch.response_mask.device)
+        self.count("mean", float(weights.mean()))
+        self.count("min", float(weights.min()))
+        self.count("max", float(weights.max()))
         return batch

@@ -1,11 +1,16 @@
-"""The dataflow transforms: dedupe, length filter, zero-variance filter, reward-hacking flag."""
+"""The dataflow transforms: dedupe, length filter, zero-variance filter, reward-hacking flag,
+reweighting."""
 
 from __future__ import annotations
+
+import pytest
+import torch
 
 from alignzoo.plugins.modifiers.dataflow import (
     Dedupe,
     LengthFilter,
     RewardHacking,
+    Reweight,
     ZeroVarianceFilter,
     is_pairs,
 )
@@ -74,3 +79,39 @@ def test_preference_pairs_pass_through():
     assert is_pairs(pairs)
     out, _ = run(Dedupe(), pairs)
     assert out.size == 4
+
+
+def test_reweight_by_difficulty_favours_groups_solved_half_the_time():
+    # group 0 solved 1 of 2 (p = 0.5), group 1 always (p = 1), group 2 never (p = 0)
+    b = batch(list("abcdef"), [0, 0, 1, 1, 2, 2], [1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    params = Reweight.Params(min_weight=0.1, normalize=False)
+    out, metrics = run(Reweight(params), b)
+    assert out.weights.tolist() == pytest.approx([1.0, 1.0, 0.1, 0.1, 0.1, 0.1])
+    assert metrics["dataflow/reweight/max"] == pytest.approx(1.0)
+    normalized, _ = run(Reweight(), batch(list("abcdef"), [0, 0, 1, 1, 2, 2], [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]))  # fmt: skip
+    assert float(normalized.weights.mean()) == pytest.approx(1.0)
+    assert normalized.weights[0] / normalized.weights[2] == pytest.approx(10.0)
+
+
+def test_reweight_by_info_multiplies_existing_weights_and_clips():
+    b = batch(list("abc"), [0, 0, 0], [1.0, 0.0, 1.0])
+    b.label_info = [{"agreement": 0.5}, {}, {"agreement": 50.0}]
+    b.weights = torch.tensor([2.0, 1.0, 1.0])
+    params = Reweight.Params(by="info", key="agreement", max_weight=4.0, normalize=False)
+    out, _ = run(Reweight(params), b)
+    assert out.weights.tolist() == pytest.approx([1.0, 1.0, 4.0])
+
+
+def test_reweighted_samples_weigh_in_the_loss():
+    from alignzoo.plugins.algorithms.grpo import GRPO
+
+    b, outputs = make_batch([[-1.0]] * 4, group_ids=[0, 0, 1, 1], scores=[1.0, 0.0, 1.0, 1.0],
+                            old_logprobs=[[-1.0]] * 4)  # fmt: skip
+    pm = build_plugin_manager([GRPO(GRPO.Params(beta=0.0))])
+    b = pm.hook.compute_advantages(batch=b)
+    plain = pm.hook.compute_loss(batch=b, outputs=outputs, context=b.loss_context())
+    assert float(plain.loss) == pytest.approx(0.0, abs=1e-7)  # +A and -A cancel in group 0
+    b.label_info = [{"w": 1.0}, {"w": 0.2}, {}, {}]
+    weighted, _ = run(Reweight(Reweight.Params(by="info", key="w", normalize=False)), b)
+    loss = pm.hook.compute_loss(batch=weighted, outputs=outputs, context=weighted.loss_context())
+    assert float(loss.loss) < -1e-3  # the right answer now outweighs the wrong one
