@@ -331,23 +331,119 @@ def doctor() -> None:
     console.print(table)
 
 
-@check_app.command("algorithm")
-def check_algorithm(
-    name: Annotated[str, typer.Argument(help="Registered algorithm name.")],
-    max_examples: Annotated[int, typer.Option(help="Hypothesis examples per property.")] = 50,
-) -> None:
-    """Run the algorithm contract suite (padding, permutation, finiteness, shapes) on NAME."""
-    from alignzoo.testing.contract import check_algorithm as run_suite
+def _parse_option(text: str | None, option: str) -> dict | None:
+    """A mapping given inline (JSON or YAML) or as the path of a YAML file."""
+    if text is None:
+        return None
+    import yaml
 
-    results = run_suite(name, max_examples=max_examples)
-    failed = [r for r in results if not r.passed]
+    source = Path(text)
+    try:
+        raw = source.read_text(encoding="utf-8") if source.is_file() else text
+        value = yaml.safe_load(raw)
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"{option}: not JSON, YAML or a readable YAML file: {exc}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{option}: expected a mapping such as '{{\"key\": 1}}', got {text!r}")
+    return value
+
+
+def _report_checks(results: list) -> None:
     for r in results:
         mark = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
         console.print(f"{mark} {r.name}")
         if not r.passed:
             console.print(f"      {r.detail}", markup=False)
-    if failed:
+    if any(not r.passed for r in results):
         raise typer.Exit(1)
+
+
+ParamsOption = Annotated[
+    Optional[str],  # noqa: UP045 - typer reads the annotation at run time
+    typer.Option("--params", help="The component's params: inline JSON/YAML or a YAML file."),
+]
+ExamplesOption = Annotated[
+    Optional[int],  # noqa: UP045
+    typer.Option(help="Hypothesis examples per property (default: the suite's own)."),
+]
+
+
+@check_app.command("algorithm")
+def check_algorithm(
+    name: Annotated[str, typer.Argument(help="Registered algorithm name.")],
+    max_examples: Annotated[int, typer.Option(help="Hypothesis examples per property.")] = 50,
+    params: ParamsOption = None,
+) -> None:
+    """Run the algorithm contract suite (padding, permutation, finiteness, shapes) on NAME."""
+    from alignzoo.testing.components import check_component
+
+    _report_checks(
+        check_component("algorithm", name, _parse_option(params, "--params"), max_examples)
+    )
+
+
+@check_app.command("labeler")
+def check_labeler(
+    name: Annotated[str, typer.Argument(help="Registered labeler name.")],
+    params: ParamsOption = None,
+    extra: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="The data columns of a request (inline JSON/YAML or a YAML file)."),
+    ] = None,
+    max_examples: ExamplesOption = None,
+) -> None:
+    """One Score per request for any model output, batch = items, determinism, on NAME."""
+    from alignzoo.testing.components import check_labeler as run_suite
+
+    results = run_suite(
+        name,
+        _parse_option(params, "--params"),
+        max_examples=max_examples or 50,
+        extra=_parse_option(extra, "--extra"),
+    )
+    _report_checks(results)
+
+
+@check_app.command("backend")
+def check_backend(
+    name: Annotated[str, typer.Argument(help="Registered backend name.")],
+    params: ParamsOption = None,
+    max_examples: ExamplesOption = None,
+) -> None:
+    """Generate layout, greedy determinism, sampling log-probs and weight sync, on NAME."""
+    from alignzoo.testing.components import check_component
+
+    _report_checks(
+        check_component("backend", name, _parse_option(params, "--params"), max_examples)
+    )
+
+
+@check_app.command("device_mapper")
+@check_app.command("device-mapper", hidden=True)
+def check_device_mapper(
+    name: Annotated[str, typer.Argument(help="Registered device mapper name.")],
+    params: ParamsOption = None,
+    max_examples: ExamplesOption = None,
+) -> None:
+    """Every role placed on an available device (or a clear refusal), stably, by NAME."""
+    from alignzoo.testing.components import check_component
+
+    parsed = _parse_option(params, "--params")
+    _report_checks(check_component("device_mapper", name, parsed, max_examples))
+
+
+@check_app.command("modifier")
+def check_modifier(
+    name: Annotated[str, typer.Argument(help="Registered modifier name.")],
+    params: ParamsOption = None,
+    max_examples: ExamplesOption = None,
+) -> None:
+    """The algorithm contract around every built-in algorithm, and transform_batch's layout."""
+    from alignzoo.testing.components import check_component
+
+    _report_checks(
+        check_component("modifier", name, _parse_option(params, "--params"), max_examples)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

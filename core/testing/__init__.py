@@ -1,6 +1,6 @@
-"""alignzoo.testing: the property kit for algorithm authors (public API).
+"""alignzoo.testing: the property kit for plugin authors (public API).
 
-Two modules:
+Three modules:
 
 - :mod:`alignzoo.testing.strategies`: hypothesis strategies that draw whole batches
   (:func:`~alignzoo.testing.strategies.batch_cases`, :func:`~alignzoo.testing.strategies.batches`)
@@ -11,6 +11,9 @@ Two modules:
 - :mod:`alignzoo.testing.contract`: the contract suite every algorithm must pass (padding
   invariance, permutation equivariance over samples and groups, finite loss and gradients at
   extreme log-probs, output types, finite float metrics).
+- :mod:`alignzoo.testing.components`: the contract suites of labelers, backends, device mappers
+  and modifiers (:func:`~alignzoo.testing.components.check_component`,
+  :func:`~alignzoo.testing.components.assert_contract`).
 
 In a plugin's tests::
 
@@ -19,12 +22,25 @@ In a plugin's tests::
     def test_contract():
         assert_algorithm_contract("my_algorithm")   # a registered name, a class or an instance
 
-On the command line: ``alignzoo check algorithm my_algorithm``.
+    def test_labeler_contract():
+        assert_contract("labeler", MyLabeler, params={"threshold": 0.5})
+
+On the command line: ``alignzoo check KIND NAME`` (algorithm, labeler, backend, device_mapper,
+modifier).
 This package imports torch and hypothesis.
 """
 
 from __future__ import annotations
 
+from alignzoo.testing.components import (
+    KIND_CHECKS,
+    assert_contract,
+    check_backend,
+    check_component,
+    check_device_mapper,
+    check_labeler,
+    check_modifier,
+)
 from alignzoo.testing.contract import (
     CHECKS,
     CheckResult,
@@ -49,12 +65,19 @@ from alignzoo.testing.strategies import (
 
 __all__ = [
     "CHECKS",
+    "KIND_CHECKS",
     "BatchCase",
     "CheckResult",
     "assert_algorithm_contract",
+    "assert_contract",
     "batch_cases",
     "batches",
     "check_algorithm",
+    "check_backend",
+    "check_component",
+    "check_device_mapper",
+    "check_labeler",
+    "check_modifier",
     "evaluate",
     "extreme_logprob_values",
     "group_ids",

@@ -139,8 +139,17 @@ class Evaluation:
 # --------------------------------------------------------------------------- running the hooks
 
 
+def _manager(component: Any) -> Any:
+    """A PluginManager of the component alone, or of its ``parts`` (an algorithm with the
+    modifiers around it, as the modifier suite checks it)."""
+    return build_plugin_manager(list(getattr(component, "parts", [component])))
+
+
 def _resolve(algorithm: str | type[Algorithm] | Algorithm) -> tuple[str, Callable[[], Any]]:
-    """A label for messages and a factory of fresh, independent algorithm instances."""
+    """A label for messages and a factory of fresh, independent algorithm instances (a
+    callable that is neither a class nor an algorithm is taken as that factory)."""
+    if callable(algorithm) and not isinstance(algorithm, (type, Algorithm)):
+        return str(getattr(algorithm, "__qualname__", "factory")), algorithm
     if isinstance(algorithm, str):
         cls = get_registry().get("algorithm", algorithm)
         return algorithm, cls
@@ -157,7 +166,7 @@ def evaluate(component: Any, case: BatchCase, backward: bool = True) -> Evaluati
     :class:`~alignzoo.types.LossContext` (the batch is one optimizer step).
     Warnings the algorithm emits are silenced.
     """
-    pm = build_plugin_manager([component])
+    pm = _manager(component)
     batch, outputs = case.build()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -334,7 +343,7 @@ def _prop_micro_batches(
     factory: Callable[[], Any], case: BatchCase, parts: list[list[int]]
 ) -> None:
     whole = evaluate(factory(), case)
-    pm = build_plugin_manager([factory()])
+    pm = _manager(factory())
     batch, outputs = case.build()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -570,7 +579,7 @@ def check_algorithm(
     label, factory = _resolve(algorithm)
     try:
         instance = factory()
-        requirements = build_plugin_manager([instance]).hook.algorithm_requirements()
+        requirements = _manager(instance).hook.algorithm_requirements()
         if not isinstance(requirements, AlgorithmRequirements):
             raise ContractViolation(
                 f"algorithm_requirements returned {requirements!r}, not AlgorithmRequirements"

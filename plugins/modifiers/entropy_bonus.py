@@ -9,6 +9,7 @@ editing GRPO.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,12 @@ class EntropyBonus(Modifier):
 
     Params = EntropyBonusParams
     params: EntropyBonusParams
+
+    @hookimpl(wrapper=True)
+    def algorithm_requirements(self) -> Generator[None, Any, Any]:
+        # The bonus needs the entropy with gradients, whatever the algorithm asked for.
+        requirements = yield
+        return dataclasses.replace(requirements, entropy=True)
 
     @hookimpl(wrapper=True)
     def compute_loss(
