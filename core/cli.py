@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -210,23 +210,94 @@ def report(
         console.print(f"wrote {path}")
 
 
+def _type_name(annotation: Any) -> str:
+    """``int``, ``str | None``, ``'mean' | 'median'``: a field's type as a user reads it."""
+    import typing
+
+    if typing.get_origin(annotation) is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation))
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "").replace("NoneType", "None")
+
+
+def _params_table(cls: type) -> Table:
+    """A component's Params: each field with its type, default and description."""
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    table = Table(title=f"{cls.__name__} params", title_justify="left")
+    for column in ("param", "type", "default", "description"):
+        table.add_column(column, overflow="fold")
+    model = getattr(cls, "Params", None)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        for field_name, info in model.model_fields.items():
+            if info.default is PydanticUndefined and info.default_factory is None:
+                default = "[bold]required[/bold]"
+            elif info.default_factory is not None:
+                default = repr(info.default_factory())  # type: ignore[call-arg]
+            else:
+                default = repr(info.default)
+            table.add_row(field_name, _type_name(info.annotation), default, info.description or "")
+    return table
+
+
+def _show_component(kind: str | None, name: str) -> None:
+    """One component in full: provider, target, docstring, and its Params."""
+    import inspect
+
+    from alignzoo.plugin import KINDS
+    from alignzoo.registry import get_registry
+
+    registry = get_registry()
+    found = [e for e in registry.load_all(kind) if e.name == name]
+    if not found:
+        where = f"kind {kind}" if kind else "any kind"
+        raise UserError(f"no component named {name!r} of {where}; see `alignzoo plugins`")
+    if len(found) > 1:
+        kinds = ", ".join(e.kind for e in found)
+        raise UserError(f"{name!r} names a component of several kinds ({kinds}): add --kind")
+    entry = found[0]
+    if entry.component is None:
+        raise UserError(f"{entry.kind} {name}: {entry.error}")
+    cls = entry.component
+    console.print(f"[bold]{entry.kind} {name}[/bold]  {entry.distribution} {entry.version}")
+    console.print(f"entry point: {entry.kind}.{name} = {entry.target}", markup=False)
+    console.print(inspect.cleandoc(cls.__doc__ or ""), markup=False, highlight=False)
+    console.print(_params_table(cls), soft_wrap=False)
+    assert entry.kind in KINDS
+
+
 @app.command()
 def plugins(
+    name: Annotated[
+        Optional[str],  # noqa: UP045 - typer reads the annotation at run time
+        typer.Argument(help="Show this component in full: its docs and Params."),
+    ] = None,
     kind: Annotated[
         str | None, typer.Option(help="Only this kind (algorithm, labeler, ...).")
     ] = None,
+    long: Annotated[
+        bool, typer.Option("--long", help="Whole summaries and entry-point targets.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """List every installed component: kind, name, provider and version, and what it does."""
+    """List every installed component (one line each: kind, name, provider, what it does), or
+    show one with its Params."""
     from alignzoo.plugin import KINDS
     from alignzoo.registry import get_registry
 
     if kind is not None and kind not in KINDS:
         raise UserError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if name is not None and not as_json:
+        _show_component(kind, name)
+        return
     registry = get_registry()
     entries = registry.load_all(kind)
     rows = []
     for e in entries:
+        if name is not None and e.name != name:
+            continue
         status = "ok"
         summary = e.component.summary() if e.component is not None else ""
         if e.duplicates:
@@ -259,13 +330,31 @@ def plugins(
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table(title="alignzoo components")
-    for column in ("kind", "name", "provider", "summary"):
-        table.add_column(column, overflow="fold")
+    table = Table(title="alignzoo components", box=None if not long else box_style())
+    wrap = {"overflow": "fold"} if long else {"overflow": "ellipsis", "no_wrap": True}
+    for column in ("kind", "name", "provider"):
+        width = max([len(column)] + [len(str(r[column])) for r in rows])
+        table.add_column(column, no_wrap=True, min_width=width)
+    if long:
+        table.add_column("target", overflow="fold")
+    table.add_column("summary", ratio=1, **wrap)  # type: ignore[arg-type]
     for row in rows:
         summary = row["summary"] if row["status"] == "ok" else f"[red]{row['status']}[/red]"
-        table.add_row(row["kind"], row["name"], f"{row['provider']} {row['version']}", summary)
-    console.print(table)
+        provider = f"{row['provider']} {row['version']}" if long else str(row["provider"])
+        cells = [row["kind"], row["name"], provider]
+        if long:
+            cells.append(row["target"])
+        table.add_row(*cells, summary)
+    console.print(table, soft_wrap=False)  # fit the terminal: one line per component
+    if not long:
+        console.print("[dim]alignzoo plugins NAME: one component's Params; --long: in full[/dim]")
+
+
+def box_style() -> Any:
+    """The table border of ``alignzoo plugins --long``."""
+    from rich import box
+
+    return box.SIMPLE
 
 
 @app.command()

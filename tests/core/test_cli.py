@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -31,9 +32,12 @@ arms:
 """
 
 
-def alignzoo(*args: str) -> subprocess.CompletedProcess[str]:
+def alignzoo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "alignzoo.cli", *args], capture_output=True, text=True
+        [sys.executable, "-m", "alignzoo.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -142,6 +146,25 @@ def test_plugins_kind_filter_and_bad_kind():
     result = alignzoo("plugins", "--kind", "device_mapper", "--json")
     assert {r["kind"] for r in json.loads(result.stdout)} == {"device_mapper"}
     assert_user_error(alignzoo("plugins", "--kind", "algo"), "unknown kind 'algo'")
+
+
+def test_plugins_fits_80_columns_one_line_each_and_shows_one_in_full():
+    env = {"COLUMNS": "80"}
+    listing = alignzoo("plugins", env=env)
+    assert listing.returncode == 0, listing.stderr
+    lines = listing.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    count = len(json.loads(alignzoo("plugins", "--json").stdout))
+    assert sum(1 for line in lines if line.split()[:1] and line.split()[0] in {
+        "algorithm", "labeler", "backend", "device_mapper", "modifier"}) == count  # fmt: skip
+    long = alignzoo("plugins", "--long", "--kind", "labeler", env={"COLUMNS": "200"})
+    assert "alignzoo.plugins.labelers.human:HumanLabeler" in long.stdout
+    one = alignzoo("plugins", "human", env={"COLUMNS": "120"})
+    assert one.returncode == 0, one.stderr
+    assert "labeler.human = alignzoo.plugins.labelers.human:HumanLabeler" in one.stdout
+    for text in ("queue", "required", "wait_s", "60.0", "'mean' | 'median'"):
+        assert text in one.stdout, text
+    assert_user_error(alignzoo("plugins", "nothing_here"), "no component named 'nothing_here'")
 
 
 def test_schema_includes_component_params(tmp_path):
