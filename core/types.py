@@ -138,10 +138,15 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 samples greedily.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling: keep the smallest set of tokens with this much probability.",
+    )
     top_k: int = Field(0, ge=0, description="0 disables top-k filtering")
-    max_new_tokens: int = Field(16, ge=1)
+    max_new_tokens: int = Field(16, ge=1, description="Longest response in tokens (EOS included).")
 
 
 @dataclass

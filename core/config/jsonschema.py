@@ -31,8 +31,21 @@ def _params_rules(registry: Registry, kind: str, defs: dict[str, Any]) -> list[d
         defs[key] = params_schema
         rules.append(
             {
-                "if": {"properties": {"name": {"const": entry.name}}, "required": ["name"]},
-                "then": {"properties": {"params": {"$ref": f"#/$defs/{key}"}}},
+                "if": {
+                    "properties": {
+                        "name": {"const": entry.name, "description": f"{kind} {entry.name}"}
+                    },
+                    "required": ["name"],
+                },
+                "then": {
+                    "properties": {
+                        "params": {
+                            "$ref": f"#/$defs/{key}",
+                            "description": f"Params of {kind} {entry.name}: "
+                            + entry.component.summary(),
+                        }
+                    }
+                },
             }
         )
     return rules
@@ -57,6 +70,11 @@ def experiment_json_schema(registry: Registry | None = None) -> dict[str, Any]:
         }
         defs[name] = ref_schemas[slot]
     for slot in _SLOTS:
-        arm["properties"][slot] = {"$ref": f"#/$defs/{_SLOTS[slot]}.ref"}
-    arm["properties"]["modifiers"] = {"type": "array", "items": {"$ref": "#/$defs/modifier.ref"}}
+        described = arm["properties"][slot].get("description", "")
+        arm["properties"][slot] = {"$ref": f"#/$defs/{_SLOTS[slot]}.ref", "description": described}
+    arm["properties"]["modifiers"] = {
+        "type": "array",
+        "items": {"$ref": "#/$defs/modifier.ref"},
+        "description": arm["properties"]["modifiers"].get("description", ""),
+    }
     return schema

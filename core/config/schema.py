@@ -34,7 +34,10 @@ class ComponentRef(_Strict):
     """A component chosen by name, with its parameters (validated by the component's Params)."""
 
     name: str = Field(description="Registered component name (see `alignzoo plugins`).")
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The component's params (see `alignzoo plugins NAME`); checked against its Params model.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -46,24 +49,36 @@ class ComponentRef(_Strict):
 class LoraConfig(_Strict):
     """LoRA adapters through peft; only the adapters are trained."""
 
-    r: PositiveInt = 8
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    r: PositiveInt = Field(8, description="LoRA rank of each adapter.")
+    alpha: float = Field(
+        16.0, gt=0, description="LoRA scaling: the update is multiplied by alpha / r."
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the adapters' input while training."
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names that get adapters, or 'all-linear'."
+    )
 
 
 class EmbeddedModelConfig(_Strict):
     """The small causal LM the embedded default builds, warm-started by supervised fine-tuning."""
 
-    architecture: Literal["qwen2", "llama"] = "qwen2"
-    hidden_size: PositiveInt = 64
-    num_layers: PositiveInt = 2
-    num_heads: PositiveInt = 4
-    intermediate_size: PositiveInt = 256
+    architecture: Literal["qwen2", "llama"] = Field(
+        "qwen2", description="Family of the embedded policy (a transformers config built locally)."
+    )
+    hidden_size: PositiveInt = Field(64, description="Width of the embedded policy.")
+    num_layers: PositiveInt = Field(2, description="Decoder layers of the embedded policy.")
+    num_heads: PositiveInt = Field(
+        4, description="Attention heads (hidden_size must divide by it)."
+    )
+    intermediate_size: PositiveInt = Field(256, description="Width of the MLP blocks.")
     # 800 steps: 29% greedy exact match on 2-digit addition with seed 0, ~30 s on 2 cores.
-    sft_steps: int = Field(800, ge=0)
-    sft_lr: float = Field(3e-3, gt=0)
-    sft_batch_size: PositiveInt = 64
+    sft_steps: int = Field(
+        800, ge=0, description="Supervised warm-start steps on teacher demonstrations (cached)."
+    )
+    sft_lr: float = Field(3e-3, gt=0, description="Learning rate of the warm start.")
+    sft_batch_size: PositiveInt = Field(64, description="Demonstrations per warm-start step.")
     sft_slip: float = Field(
         0.0,
         ge=0,
@@ -73,7 +88,7 @@ class EmbeddedModelConfig(_Strict):
         "the warm-started policy then answers such prompts wrongly when greedy but still "
         "samples the right answer, which is what RL from a verifier can fix.",
     )
-    seed: int = 0
+    seed: int = Field(0, description="Seed of the embedded model's initialisation and warm start.")
 
 
 class ModelConfig(_Strict):
@@ -87,13 +102,23 @@ class ModelConfig(_Strict):
         None,
         description="Local path of an AutoModelForSequenceClassification (reward_model labeler).",
     )
-    embedded: EmbeddedModelConfig = Field(default_factory=EmbeddedModelConfig)
-    lora: LoraConfig | None = None
+    embedded: EmbeddedModelConfig = Field(
+        default_factory=EmbeddedModelConfig,
+        description="The embedded default policy, used when policy is 'embedded'.",
+    )
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters instead of every weight (peft); null trains all."
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto': bf16 autocast on GPU, fp32 on CPU."
     )
-    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
-    gradient_checkpointing: bool = False
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = Field(
+        "auto",
+        description="Attention kernel passed to transformers ('flash_attention_2' needs the flash-attn extra and a GPU).",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass to save memory."
+    )
     disable_dropout: bool = Field(
         True,
         description="Zero every dropout probability of the actor and critic, so that the "
@@ -105,11 +130,15 @@ class ModelConfig(_Strict):
 class TaskConfig(_Strict):
     """The embedded arithmetic task: prompts like '12+7=' with a verifiable answer."""
 
-    digits: PositiveInt = 2
-    operations: list[Literal["+", "-", "*"]] = Field(default=["+"], min_length=1)
-    train_size: PositiveInt = 2000
-    eval_size: PositiveInt = 100
-    seed: int = 1234
+    digits: PositiveInt = Field(
+        2, description="Digits per operand of the embedded arithmetic task."
+    )
+    operations: list[Literal["+", "-", "*"]] = Field(
+        default=["+"], min_length=1, description="Operations the task draws from."
+    )
+    train_size: PositiveInt = Field(2000, description="Training prompts generated.")
+    eval_size: PositiveInt = Field(100, description="Held-out evaluation prompts generated.")
+    seed: int = Field(1234, description="Seed of the task's prompt generation.")
 
 
 class DataConfig(_Strict):
@@ -121,21 +150,33 @@ class DataConfig(_Strict):
     eval: str = Field(
         "embedded", description="'embedded' or a jsonl / parquet file or dataset folder."
     )
-    task: TaskConfig = Field(default_factory=TaskConfig)
+    task: TaskConfig = Field(
+        default_factory=TaskConfig,
+        description="The embedded arithmetic task, used when train / eval are 'embedded'.",
+    )
     online: bool = Field(
         True,
         description="Preference / unpaired algorithms: sample and label pairs in the loop (true) "
         "or read them from `train` (false).",
     )
-    sample_ratio: float = Field(1.0, gt=0, le=1)
+    sample_ratio: float = Field(
+        1.0, gt=0, le=1, description="Share of the train split used (a fixed random subset)."
+    )
 
 
 class Budget(_Strict):
     """How much each arm x seed may train: exactly one of steps, samples or wall-clock seconds."""
 
-    steps: PositiveInt | None = None
-    samples: PositiveInt | None = None
-    wall_clock_s: float | None = Field(None, gt=0)
+    steps: PositiveInt | None = Field(None, description="Training steps per arm x seed.")
+    samples: PositiveInt | None = Field(
+        None,
+        description="Samples (generated or read) per arm x seed; steps run until it is reached.",
+    )
+    wall_clock_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds of training per arm x seed (not reproducible across machines).",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Budget:
@@ -155,7 +196,9 @@ class TrainingConfig(_Strict):
     critic_lr: NonNegativeFloat | None = Field(
         None, description="Critic learning rate (default: lr)."
     )
-    prompts_per_step: PositiveInt = 8
+    prompts_per_step: PositiveInt = Field(
+        8, description="Prompts (or data rows) per training step."
+    )
     samples_per_prompt: PositiveInt = Field(4, description="n responses per prompt (group size).")
     epochs: PositiveInt = Field(1, description="Passes over each step's batch.")
     minibatch_size: PositiveInt | None = Field(
@@ -164,12 +207,23 @@ class TrainingConfig(_Strict):
     micro_batch_size: PositiveInt = Field(
         16, description="Samples per forward pass (gradient accumulation)."
     )
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    weight_decay: NonNegativeFloat = 0.0
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    checkpoint_every: PositiveInt = 10
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the gradient norm to this; null disables clipping."
+    )
+    weight_decay: NonNegativeFloat = Field(0.0, description="AdamW weight decay.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Optimizer steps of linear learning-rate warm-up."
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="Learning rate after warm-up: constant, or decayed to 0 over the budget.",
+    )
+    checkpoint_every: PositiveInt = Field(
+        10, description="Steps between checkpoints (and the last step always)."
+    )
+    sampling: SamplingParams = Field(
+        default_factory=SamplingParams, description="How responses are sampled during training."
+    )
 
 
 class EvaluationConfig(_Strict):
@@ -190,22 +244,30 @@ class EvaluationConfig(_Strict):
     pass_at_k: PositiveInt | None = Field(
         None, description="Also report pass@k with k sampled responses."
     )
-    max_new_tokens: PositiveInt | None = None
+    max_new_tokens: PositiveInt | None = Field(
+        None, description="Longest evaluation response; default: training.sampling.max_new_tokens."
+    )
 
 
 class WandbConfig(_Strict):
-    project: str = "alignzoo"
-    entity: str | None = None
-    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = Field("alignzoo", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team); default: yours.")
+    mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="offline keeps runs local (wandb sync uploads them later)."
+    )
 
 
 class LoggingConfig(_Strict):
     """Where metrics go. metrics.jsonl is always written."""
 
     sinks: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
-        default=["console", "jsonl"]
+        default=["console", "jsonl"],
+        description="Where step metrics go: the console line, metrics.jsonl, TensorBoard, W&B.",
     )
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig,
+        description="Weights & Biases settings, used when sinks include wandb.",
+    )
 
 
 Policy = Literal["retry", "fallback", "drop_sample", "drop_group", "fail"]
@@ -235,10 +297,16 @@ class BreakerConfig(_Strict):
     calls reaches ``error_rate`` (with at least ``min_calls``), the labeler is skipped (its
     samples fall back) for ``cooldown_s``; then one probe call decides whether it closes."""
 
-    window: PositiveInt = 20
-    min_calls: PositiveInt = 4
-    error_rate: float = Field(0.5, gt=0, le=1)
-    cooldown_s: float = Field(30.0, ge=0)
+    window: PositiveInt = Field(20, description="Calls the error rate is computed over.")
+    min_calls: PositiveInt = Field(
+        4, description="Calls needed in the window before the breaker may trip."
+    )
+    error_rate: float = Field(
+        0.5, gt=0, le=1, description="Share of failed calls that trips the breaker."
+    )
+    cooldown_s: float = Field(
+        30.0, ge=0, description="Seconds the labeler is skipped before one probe call."
+    )
 
 
 class LabelingConfig(_Strict):
@@ -270,12 +338,18 @@ class LabelingConfig(_Strict):
     backoff_s: float = Field(
         0.2, ge=0, description="First retry wait; doubled each try, with 50-150% jitter."
     )
-    backoff_max_s: float = Field(5.0, ge=0)
+    backoff_max_s: float = Field(5.0, ge=0, description="Longest wait between retries.")
     deadline_s: float | None = Field(
         None, gt=0, description="Labeling time budget per step: no retry starts after it."
     )
-    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
-    on: OutcomePolicies = Field(default_factory=OutcomePolicies)
+    breaker: BreakerConfig = Field(
+        default_factory=BreakerConfig,
+        description="The circuit breaker of each labeler of the chain.",
+    )
+    on: OutcomePolicies = Field(
+        default_factory=OutcomePolicies,
+        description="What happens to a sample for each outcome that is not a value.",
+    )
     metrics_port: int | None = Field(
         None,
         ge=1,
@@ -299,20 +373,43 @@ class LabelingConfig(_Strict):
 class ArmSpec(_Strict):
     """One arm: a set of components plus overrides of the shared sections."""
 
-    algorithm: ComponentRef
-    labeler: ComponentRef = Field(default_factory=lambda: ComponentRef(name="arithmetic"))
-    backend: ComponentRef = Field(default_factory=lambda: ComponentRef(name="hf"))
-    devices: ComponentRef = Field(default_factory=lambda: ComponentRef(name="single"))
-    modifiers: list[ComponentRef] = Field(default_factory=list)
+    algorithm: ComponentRef = Field(
+        description="The algorithm (kind algorithm): its compute_advantages / compute_loss train the policy."
+    )
+    labeler: ComponentRef = Field(
+        default_factory=lambda: ComponentRef(name="arithmetic"),
+        description="The labeler (kind labeler) that scores sampled responses; the head of labeling's chain.",
+    )
+    backend: ComponentRef = Field(
+        default_factory=lambda: ComponentRef(name="hf"),
+        description="The rollout backend (kind backend) that generates responses.",
+    )
+    devices: ComponentRef = Field(
+        default_factory=lambda: ComponentRef(name="single"),
+        description="The device mapper (kind device_mapper) that places actor, rollout, reference, critic and reward model.",
+    )
+    modifiers: list[ComponentRef] = Field(
+        default_factory=list,
+        description="Modifiers (kind modifier) around the other components: loss wrappers, batch transforms, lifecycle hooks.",
+    )
     online: bool | None = Field(
         None,
         description="Preference / unpaired algorithms: override data.online for this arm "
         "(offline reads data.train; online samples and labels pairs in the loop).",
     )
-    labeling: LabelingConfig = Field(default_factory=LabelingConfig)
-    training: TrainingConfig = Field(default_factory=TrainingConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    description: str = ""
+    labeling: LabelingConfig = Field(
+        default_factory=LabelingConfig,
+        description="How the arm labels: fallbacks, timeouts, retries, breaker, outcome policies, store, overlap.",
+    )
+    training: TrainingConfig = Field(
+        default_factory=TrainingConfig,
+        description="Overrides of the top-level training section for this arm.",
+    )
+    model: ModelConfig = Field(
+        default_factory=ModelConfig,
+        description="Overrides of the top-level model section for this arm.",
+    )
+    description: str = Field("", description="Free text shown in the report.")
 
     def component_refs(self) -> list[tuple[str, str, ComponentRef]]:
         """(kind, field path, ref) for every component the arm names."""
@@ -357,22 +454,40 @@ class ExperimentSpec(_Strict):
         description="Used as the run folder name: letters, digits, '_', '.', '-' (at most "
         f"{MAX_NAME} characters), starting with a letter, digit or '_'."
     )
-    description: str = ""
+    description: str = Field("", description="Free text shown at the top of the report.")
     seeds: list[StrictInt] = Field(min_length=1, description="Every arm runs once per seed.")
     baseline: str | None = Field(
         None, description="Arm the others are compared against (default: first)."
     )
-    budget: Budget
+    budget: Budget = Field(
+        description="How much every arm x seed trains: exactly one of steps, samples or wall_clock_s."
+    )
     defaults: dict[str, Any] = Field(
         default_factory=dict, description="Arm fields shared by every arm (an arm overrides them)."
     )
-    training: TrainingConfig = Field(default_factory=TrainingConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    output_dir: str = "runs"
-    arms: dict[str, ArmSpec] = Field(min_length=1)
+    training: TrainingConfig = Field(
+        default_factory=TrainingConfig,
+        description="Training settings shared by every arm (an arm's training overrides fields).",
+    )
+    model: ModelConfig = Field(
+        default_factory=ModelConfig,
+        description="The policy (and reward model) shared by every arm.",
+    )
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="Training and evaluation data."
+    )
+    evaluation: EvaluationConfig = Field(
+        default_factory=EvaluationConfig,
+        description="How and how often every arm is evaluated, and the metric arms are compared on.",
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Where metrics go.")
+    output_dir: str = Field(
+        "runs", description="Folder the experiment's runs/<name> folder is written under."
+    )
+    arms: dict[str, ArmSpec] = Field(
+        min_length=1,
+        description="The arms compared, by name: each a set of components and overrides.",
+    )
 
     @field_validator("name")
     @classmethod

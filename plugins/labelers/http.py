@@ -42,7 +42,11 @@ class HTTPLabeler(Labeler):
             None, description="Environment variable holding the bearer token."
         )
         timeout_s: float = Field(30.0, gt=0, description="Read timeout of one POST.")
-        connect_timeout_s: float = Field(5.0, gt=0)
+        connect_timeout_s: float = Field(
+            5.0,
+            gt=0,
+            description="Seconds to open a connection before the call counts as an error.",
+        )
         batch_size: int = Field(256, ge=1, description="Most requests in one POST.")
 
     params: Params

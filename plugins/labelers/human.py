@@ -38,7 +38,9 @@ class HumanLabeler(Labeler):
             None, ge=1, description="Values needed to label a response (default: raters)."
         )
         scale: tuple[float, float] = Field((1.0, 5.0), description="Lowest and highest rating.")
-        aggregate: Literal["mean", "median"] = "mean"
+        aggregate: Literal["mean", "median"] = Field(
+            "mean", description="How the raters' values become one: mean or median."
+        )
         wait_s: float = Field(60.0, ge=0, description="How long a call waits for ratings.")
         poll_s: float = Field(0.5, gt=0, description="How often it looks at the queue.")
 

@@ -89,14 +89,25 @@ class JudgeLabeler(Labeler):
         base_url: str = Field(description="e.g. http://127.0.0.1:8000 (a vLLM server).")
         model: str = Field(description="The model name the endpoint serves.")
         api_key_env: str | None = Field(None, description="Environment variable of the API key.")
-        system: str | None = None
-        template: str = DEFAULT_TEMPLATE
-        score_pattern: str = Field(r"[Ss]core:\s*(-?\d+(?:\.\d+)?)")
+        system: str | None = Field(
+            None, description="System message of the judge's chat request (none by default)."
+        )
+        template: str = Field(
+            DEFAULT_TEMPLATE, description="User message: {prompt} and {response} are filled in."
+        )
+        score_pattern: str = Field(
+            r"[Ss]core:\s*(-?\d+(?:\.\d+)?)",
+            description="Regex with one group that reads the score from the judge's reply.",
+        )
         scale: tuple[float, float] = Field((1.0, 10.0), description="[low, high] of the scores.")
-        max_tokens: int = Field(64, ge=1)
-        timeout_s: float = Field(60.0, gt=0)
-        requests_per_minute: int | None = Field(None, ge=1)
-        tokens_per_minute: int | None = Field(None, ge=1)
+        max_tokens: int = Field(64, ge=1, description="Longest judge reply.")
+        timeout_s: float = Field(60.0, gt=0, description="Read timeout of one request.")
+        requests_per_minute: int | None = Field(
+            None, ge=1, description="Client-side request rate limit (none by default)."
+        )
+        tokens_per_minute: int | None = Field(
+            None, ge=1, description="Client-side token rate limit, as the endpoint counts tokens."
+        )
 
         @field_validator("score_pattern")
         @classmethod

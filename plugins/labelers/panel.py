@@ -45,7 +45,9 @@ class PanelLabeler(Labeler):
         model_config = ConfigDict(extra="forbid")
 
         labelers: list[ComponentRef] = Field(min_length=2, description="The raters.")
-        aggregate: Literal["mean", "median", "majority"] = "mean"
+        aggregate: Literal["mean", "median", "majority"] = Field(
+            "mean", description="How the raters' scores become one: mean, median or majority."
+        )
         agree_within: float | None = Field(
             None, ge=0, description="Normalised distance within which scores agree."
         )

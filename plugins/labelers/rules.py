@@ -34,8 +34,8 @@ class RegexLabeler(Labeler):
 
         pattern: str = Field(description="A Python regular expression.")
         fullmatch: bool = Field(False, description="The whole response (stripped) must match.")
-        match: float = 1.0
-        miss: float = 0.0
+        match: float = Field(1.0, description="Score when the response matches.")
+        miss: float = Field(0.0, description="Score when it does not.")
         answer_field: str | None = Field(
             None, description="Column whose value replaces {answer} in the pattern."
         )
@@ -69,8 +69,8 @@ class FormatLabeler(Labeler):
         model_config = ConfigDict(extra="forbid")
 
         pattern: str = Field(r"[+-]?\d+", description="The format, as a regex fullmatch.")
-        ok: float = 1.0
-        bad: float = 0.0
+        ok: float = Field(1.0, description="Score when the response has the format.")
+        bad: float = Field(0.0, description="Score when it does not.")
 
         _check = field_validator("pattern")(classmethod(lambda cls, v: _compiled(v)))
 
@@ -88,8 +88,10 @@ class LengthPenaltyLabeler(Labeler):
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
-        max_chars: int = Field(200, ge=0)
-        coef: float = Field(0.01, ge=0)
+        max_chars: int = Field(
+            200, ge=0, description="Characters allowed before the penalty starts."
+        )
+        coef: float = Field(0.01, ge=0, description="Penalty per character over max_chars.")
 
     params: Params
 

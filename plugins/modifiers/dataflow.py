@@ -91,8 +91,12 @@ class LengthFilter(_Counting):
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
-        min_tokens: int = Field(1, ge=0)
-        max_tokens: int | None = Field(None, ge=1)
+        min_tokens: int = Field(
+            1, ge=0, description="Shortest response kept, in tokens (EOS counted)."
+        )
+        max_tokens: int | None = Field(
+            None, ge=1, description="Longest response kept (none by default)."
+        )
         drop_truncated: bool = Field(
             False, description="Also drop responses that hit the generation budget without EOS."
         )
@@ -154,7 +158,10 @@ class RewardHacking(_Counting):
 
         format: str = Field(r"[+-]?\d+", description="The expected format, a regex fullmatch.")
         min_score: float = Field(0.5, description="A score at least this high is suspect.")
-        action: Literal["penalty", "drop"] = "penalty"
+        action: Literal["penalty", "drop"] = Field(
+            "penalty",
+            description="penalty: set the flagged samples' score to penalty; drop: leave them out.",
+        )
         penalty: float = Field(0.0, description="The score a flagged sample gets.")
 
         @field_validator("format")
@@ -214,11 +221,14 @@ class Reweight(_Counting):
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
-        by: Literal["difficulty", "info"] = "difficulty"
+        by: Literal["difficulty", "info"] = Field(
+            "difficulty",
+            description="difficulty: 4p(1-p) of the group's pass rate; info: the labeler's info[key].",
+        )
         key: str = Field("weight", description="The info key read with by: info.")
-        min_weight: float = Field(0.1, ge=0)
-        max_weight: float = Field(10.0, gt=0)
-        normalize: bool = True
+        min_weight: float = Field(0.1, ge=0, description="Weights are clipped to at least this.")
+        max_weight: float = Field(10.0, gt=0, description="Weights are clipped to at most this.")
+        normalize: bool = Field(True, description="Scale the weights to mean 1 over the batch.")
 
     params: Params
 

@@ -59,11 +59,16 @@ class Replay(Modifier):
 
         capacity: int = Field(256, ge=1, description="Groups kept (the oldest leave first).")
         ratio: float = Field(0.25, ge=0, lt=1, description="Share of replayed groups per step.")
-        priority: Literal["variance", "score", "recency"] = "variance"
+        priority: Literal["variance", "score", "recency"] = Field(
+            "variance",
+            description="What a group is drawn by: variance of its scores, mean score, or recency.",
+        )
         alpha: float = Field(1.0, ge=0, description="Sharpness: 0 draws uniformly.")
         epsilon: float = Field(1e-3, gt=0, description="Every group keeps some chance.")
         max_age: int | None = Field(None, ge=1, description="Steps after which a group leaves.")
-        seed: int = 0
+        seed: int = Field(
+            0, description="Seed of the draws (saved with the buffer in checkpoints)."
+        )
 
     params: Params
 

@@ -1,0 +1,37 @@
+"""Every field of the experiment's JSON Schema says what it means (arm fields, every section,
+and the params of every built-in component), so an editor can show it."""
+
+from __future__ import annotations
+
+from alignzoo.config.jsonschema import experiment_json_schema
+from alignzoo.registry import get_registry
+
+TEST_DOUBLES = {
+    (e.kind, e.name) for e in get_registry().load_all() if e.distribution != "alignzoo"
+}
+
+
+def _undescribed(node, path, out):
+    if isinstance(node, dict):
+        for key, value in (node.get("properties") or {}).items():
+            if isinstance(value, dict) and not value.get("description"):
+                out.append(f"{path}.{key}")
+        for key, value in node.items():
+            _undescribed(value, f"{path}/{key}", out)
+    elif isinstance(node, list):
+        for value in node:
+            _undescribed(value, path, out)
+
+
+def test_every_schema_field_has_a_description():
+    schema = experiment_json_schema()
+    outside = {f"{kind}.{name}.params" for kind, name in TEST_DOUBLES}
+    missing: list[str] = []
+    for name, definition in schema["$defs"].items():
+        if name not in outside:
+            _undescribed(definition, name, missing)
+    _undescribed({"properties": schema["properties"]}, "experiment", missing)
+    assert missing == []
+    arm = schema["$defs"]["ArmSpec"]["properties"]
+    assert "kind labeler" in arm["labeler"]["description"]
+    assert "device_mapper" in arm["devices"]["description"]
