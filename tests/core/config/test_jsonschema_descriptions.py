@@ -6,9 +6,7 @@ from __future__ import annotations
 from alignzoo.config.jsonschema import experiment_json_schema
 from alignzoo.registry import get_registry
 
-TEST_DOUBLES = {
-    (e.kind, e.name) for e in get_registry().load_all() if e.distribution != "alignzoo"
-}
+TEST_DOUBLES = {(e.kind, e.name) for e in get_registry().load_all() if e.distribution != "alignzoo"}
 
 
 def _undescribed(node, path, out):
