@@ -166,7 +166,8 @@ def start_or_resume(
 
     Nothing already written is deleted: a run that starts from step 0 in a folder where an
     earlier attempt left history (a run killed before its first checkpoint, or one that
-    failed) moves that history into ``attempts/<n>/`` first. With ``resume`` and checkpoints
+    failed) has had that history moved into ``attempts/<n>/`` by :func:`run_one`, before the
+    run was assembled (so what components write in ``on_run_start`` stays). With ``resume`` and checkpoints
     that are all unusable it raises :class:`UserError` and changes nothing; a newest
     checkpoint that is unusable is passed over for the previous one, saying so.
     """
@@ -175,10 +176,7 @@ def start_or_resume(
         point = resume_point(out, run.models.critic is not None) if resume else ResumePoint(None)
     for folder, why in point.unusable:
         log(f"checkpoint {folder} is unusable ({why}); resuming from an earlier one")
-    if point.folder is None:
-        kept = archive_attempt(out)
-        if kept is not None:
-            log(f"{out}: no checkpoint to resume from; the earlier attempt is kept in {kept}")
+    if point.folder is None:  # run_one moved an earlier attempt's history aside already
         return TrainingState(sampler=run.sampler.state_dict())
     folder = point.folder
     learner = run.learner
@@ -287,6 +285,11 @@ def run_one(
     # Checked before anything is written, and reused by start_or_resume.
     point = resume_point(out_dir, needs_critic(loaded, arm)) if resume else ResumePoint(None)
     out_dir.mkdir(parents=True, exist_ok=True)
+    log = console.log if console is not None else (lambda *_: None)
+    if point.folder is None:  # before on_run_start, so what plugins write there stays
+        kept = archive_attempt(out_dir)
+        if kept is not None:
+            log(f"{out_dir}: no checkpoint to resume from; the earlier attempt is kept in {kept}")
     spec = loaded.spec
     config = resolved_config(loaded, arm, seed)
     (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
@@ -294,7 +297,6 @@ def run_one(
     run: Run | None = None
     sinks: Sinks | None = None
     device = "cpu"
-    log = console.log if console is not None else (lambda *_: None)
     session = provenance.collect(loaded.source)
     recorded = False
     try:
