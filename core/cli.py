@@ -34,6 +34,10 @@ labeler_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(labeler_app, name="labeler")
+new_app = typer.Typer(
+    help="Create a ready package: `alignzoo new plugin NAME`.", no_args_is_help=True
+)
+app.add_typer(new_app, name="new")
 
 console = Console(soft_wrap=True)  # long paths and messages stay on one line in logs
 err_console = Console(stderr=True, soft_wrap=True)
@@ -533,6 +537,30 @@ def check_modifier(
     _report_checks(
         check_component("modifier", name, _parse_option(params, "--params"), max_examples)
     )
+
+
+@new_app.command("plugin")
+def new_plugin(
+    name: Annotated[str, typer.Argument(help="Package and component name, e.g. my_rl.")],
+    kind: Annotated[
+        Optional[list[str]],  # noqa: UP045 - typer reads the annotation at run time
+        typer.Option(help="A kind to include (repeat it); default: all five kinds."),
+    ] = None,
+    out: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(help="Folder to write (default: ./NAME); must not exist or be empty."),
+    ] = None,
+) -> None:
+    """Write a plugin package: pyproject with entry points, a module per component, contract
+    tests, a README. `pip install -e` it and its tests pass as written."""
+    from alignzoo.scaffold import new_plugin as write
+
+    folder = out if out is not None else Path(name)
+    written = write(name, folder, kind)
+    console.print(f"wrote {len(written)} files to {folder}:")
+    for path in written:
+        console.print(f"  {path.relative_to(folder)}", markup=False)
+    console.print(f"next: pip install -e {folder} && pytest {folder}/tests", markup=False)
 
 
 def main(argv: list[str] | None = None) -> int:

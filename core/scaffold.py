@@ -1,0 +1,289 @@
+"""``alignzoo new plugin NAME``: a ready plugin package.
+
+It writes ``pyproject.toml`` with the entry points, one module per component kind (each a
+working component with its ``Params``), ``tests/test_contracts.py`` running the contract suite
+of each kind, and a README. ``pip install -e .`` installs it; its tests pass as written; the
+components are starting points to edit.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from string import Template
+
+from alignzoo.errors import UserError
+
+KINDS = ("algorithm", "labeler", "backend", "device_mapper", "modifier")
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,49}")
+
+_MODULES: dict[str, tuple[str, str]] = {
+    # kind: (class-name suffix, module source)
+    "algorithm": (
+        "Algorithm",
+        '''"""$title: an algorithm. Start here: compute_advantages and compute_loss."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo import Algorithm, AlgorithmRequirements, LossOutput, hookimpl
+from alignzoo.ops import aggregate_loss
+
+
+class ${cls}Algorithm(Algorithm):
+    """REINFORCE with the batch-mean reward as baseline (edit me)."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        scale: float = Field(1.0, gt=0, description="Multiplies the advantages.")
+
+    requirements = AlgorithmRequirements(reference=False, critic=False, data="online")
+
+    @hookimpl
+    def compute_advantages(self, batch):
+        # A_i = scale * (r_i - mean(r)), on every response token
+        advantage = self.params.scale * (batch.scores - batch.scores.mean())
+        batch.advantages = advantage[:, None] * batch.response_mask
+        return batch
+
+    @hookimpl
+    def compute_loss(self, batch, outputs, context):
+        # L = - sum_t A_i log pi(y_t) / tokens of the optimizer step
+        per_token = -batch.advantages * outputs.logprobs
+        loss = aggregate_loss(per_token, batch.response_mask, "token-mean", context=context)
+        return LossOutput(loss, {"$name/advantage_abs": float(batch.advantages.abs().mean())})
+''',
+    ),
+    "labeler": (
+        "Labeler",
+        '''"""$title: a labeler. Start here: score (or the score_batch hook)."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo import Labeler, LabelRequest, Score
+
+
+class ${cls}Labeler(Labeler):
+    """1.0 when the response contains the answer column's value, else 0.0 (edit me)."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        answer_field: str = Field("answer", description="Dataset column with the answer.")
+
+    marks_correct = True  # every Score says info["correct"]
+
+    def score(self, request: LabelRequest) -> Score:
+        answer = request.extra.get(self.params.answer_field)
+        if answer is None:
+            return Score.abstain(f"no {self.params.answer_field!r} column")
+        correct = str(answer) in request.response.split()
+        return Score(float(correct), info={"correct": correct})
+''',
+    ),
+    "backend": (
+        "Backend",
+        '''"""$title: a rollout backend. Start here: generate and sync_weights."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo import hookimpl
+from alignzoo.plugins.backends.hf import HFBackend
+
+
+class ${cls}Backend(HFBackend):
+    """Hugging Face generate with a cap on prompts per call (edit me: override generate)."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        max_batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
+        use_cache: bool = Field(True, description="Use the KV cache while decoding.")
+        add_special_tokens: bool = Field(True, description="Let the tokenizer add BOS etc.")
+
+    @hookimpl
+    def generate(self, prompts, extras, n, sampling):
+        return HFBackend.generate(self, prompts, extras, n, sampling)
+''',
+    ),
+    "device_mapper": (
+        "Devices",
+        '''"""$title: a device mapper. Start here: place_roles."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo import DeviceMapper, UserError, hookimpl
+
+
+class ${cls}Devices(DeviceMapper):
+    """Every role on one device, ``device`` if available, else the CPU (edit me)."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        device: str = Field("cuda:0", description="Preferred device for every role.")
+
+    @hookimpl
+    def place_roles(self, roles, available):
+        if self.params.device in available:
+            return {role: self.params.device for role in roles}
+        if "cpu" in available:
+            return {role: "cpu" for role in roles}
+        raise UserError(f"devices: neither {self.params.device} nor cpu in {list(available)}")
+''',
+    ),
+    "modifier": (
+        "Modifier",
+        '''"""$title: a modifier. Start here: wrap a hook of another component."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo import Modifier, hookimpl
+
+
+class ${cls}Modifier(Modifier):
+    """Scales any algorithm's loss by ``factor`` (edit me)."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        factor: float = Field(1.0, gt=0, description="Multiplies the loss.")
+
+    @hookimpl(wrapper=True)
+    def compute_loss(self, batch, outputs, context):
+        result = yield
+        result.loss = result.loss * self.params.factor
+        return result
+''',
+    ),
+}
+
+_TESTS = {
+    "algorithm": """
+
+def test_algorithm_contract():
+    assert_algorithm_contract(${cls}Algorithm, max_examples=20)
+""",
+    "labeler": """
+
+def test_labeler_contract():
+    assert_contract("labeler", ${cls}Labeler, max_examples=20)
+""",
+    "backend": """
+
+def test_backend_contract():
+    assert_contract("backend", ${cls}Backend, max_examples=3)
+""",
+    "device_mapper": """
+
+def test_device_mapper_contract():
+    assert_contract("device_mapper", ${cls}Devices)
+""",
+    "modifier": """
+
+def test_modifier_contract():
+    assert_contract("modifier", ${cls}Modifier, max_examples=5)
+""",
+}
+
+_MODULE_FILE = {
+    "algorithm": "algorithm",
+    "labeler": "labeler",
+    "backend": "backend",
+    "device_mapper": "devices",
+    "modifier": "modifier",
+}
+
+_README = """# $project
+
+alignzoo plugins: $components.
+
+    pip install -e .
+    alignzoo plugins --kind KIND          # listed, with $project as provider
+$checks
+    pytest tests                         # the same contract suites
+
+In an experiment (see `alignzoo schema` for every field):
+
+    arms:
+      mine:
+$arm
+Each module is a working starting point: edit it, then run the checks again. The plugin
+guide is docs/plugins.md in alignzoo's source tree.
+"""
+
+_ARM_FIELD = {
+    "algorithm": "algorithm",
+    "labeler": "labeler",
+    "backend": "backend",
+    "device_mapper": "devices",
+}
+
+
+def new_plugin(name: str, out: Path, kinds: list[str] | None = None) -> list[Path]:
+    """Write the package for ``name`` into ``out`` (which must not exist or be empty); return
+    the files written."""
+    if not _NAME.fullmatch(name):
+        raise UserError(
+            f"new plugin: NAME must be a Python package name (lower-case letters, digits, '_', "
+            f"starting with a letter, at most 50 characters), got {name!r}"
+        )
+    chosen = list(dict.fromkeys(kinds or KINDS))
+    unknown = [k for k in chosen if k not in KINDS]
+    if unknown:
+        raise UserError(f"new plugin: --kind {unknown[0]!r} is not one of {', '.join(KINDS)}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"new plugin: {out} exists and is not an empty folder; nothing written")
+    cls = "".join(part.capitalize() for part in name.split("_") if part)
+    values = {"name": name, "cls": cls, "title": name, "project": name.replace("_", "-")}
+    files: dict[str, str] = {f"{name}/__init__.py": f'"""{name}: alignzoo plugins."""\n'}
+    entry_points, imports, tests = [], [], []
+    for kind in chosen:
+        suffix, source = _MODULES[kind]
+        module = _MODULE_FILE[kind]
+        files[f"{name}/{module}.py"] = Template(source).substitute(values)
+        entry_points.append(f'"{kind}.{name}" = "{name}.{module}:{cls}{suffix}"')
+        imports.append(f"from {name}.{module} import {cls}{suffix}")
+        tests.append(Template(_TESTS[kind]).substitute(values))
+    uses_algorithm = "algorithm" in chosen
+    header = "from alignzoo.testing import "
+    header += "assert_algorithm_contract, assert_contract" if uses_algorithm else "assert_contract"
+    if chosen == ["algorithm"]:
+        header = "from alignzoo.testing import assert_algorithm_contract"
+    files["tests/test_contracts.py"] = (
+        f'"""The contract suites of {name}\'s components (as `alignzoo check` runs them)."""\n\n'
+        + header
+        + "\n\n"
+        + "\n".join(sorted(imports))
+        + "\n"
+        + "".join(tests)
+    )
+    files["pyproject.toml"] = (
+        '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        f'[project]\nname = "{values["project"]}"\nversion = "0.1.0"\n'
+        f'description = "alignzoo plugins: {", ".join(chosen)}"\n'
+        'requires-python = ">=3.10"\ndependencies = ["alignzoo"]\n\n'
+        f'[project.optional-dependencies]\ntest = ["pytest"]\n\n'
+        f'[tool.setuptools]\npackages = ["{name}"]\n\n'
+        "[project.entry-points.alignzoo]\n" + "\n".join(entry_points) + "\n"
+    )
+    arm = ["        algorithm: " + (name if uses_algorithm else "grpo")]
+    arm += [
+        f"        {_ARM_FIELD[k]}: {name}" for k in chosen if k in _ARM_FIELD and k != "algorithm"
+    ]
+    if "modifier" in chosen:
+        arm.append(f"        modifiers: [{name}]")
+    checks = "\n".join(f"    alignzoo check {k} {name}" for k in chosen)
+    files["README.md"] = Template(_README).substitute(
+        values,
+        components=", ".join(chosen),
+        checks=checks,
+        arm="\n".join(arm) + "\n",
+    )
+    written = []
+    for relative, text in files.items():
+        path = out / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written
