@@ -412,11 +412,25 @@ def load_experiment(
             arm_name, arm, registry, file, index, fallbacks
         )
         issues += arm_issues
+    if spec.evaluation.metric is None:
+        spec = spec.model_copy(
+            update={"evaluation": spec.evaluation.model_copy(update=default_metric(components))}
+        )
     issues += _check_eval_metric(spec, components, file, index)
     issues += _check_model_paths(spec, file, index, fallbacks)
     if issues:
         raise ConfigError(issues)
     return LoadedExperiment(spec=spec, source=file, components=components)
+
+
+def default_metric(components: dict[str, dict[str, Component]]) -> dict[str, str]:
+    """``evaluation.metric`` when the file gives none: ``exact_match`` when every arm's labeler
+    marks answers correct (``marks_correct``), else ``score``, the labeler's mean value."""
+    marks = all(
+        getattr(built.get("labeler"), "marks_correct", None) is True
+        for built in components.values()
+    )
+    return {"metric": "exact_match" if marks else "score", "metric_chosen": "default"}
 
 
 def _looks_local(value: str) -> bool:

@@ -235,7 +235,17 @@ class EvaluationConfig(_Strict):
     num_prompts: PositiveInt | None = Field(
         None, description="Use the first N eval prompts (default all)."
     )
-    metric: str = Field("exact_match", description="Metric the report compares arms on.")
+    metric: str | None = Field(
+        None,
+        description="Metric the report compares arms on (exact_match, score, pass@k, "
+        "response_length). Default: exact_match when every arm's labeler says which answers "
+        "are correct, else score (the labeler's mean value).",
+    )
+    metric_chosen: Literal["given", "default"] = Field(
+        "given",
+        description="Written by alignzoo in the resolved experiment: whether metric was given "
+        "or chosen by default (the report says which).",
+    )
     higher_is_better: bool | None = Field(
         None,
         description="Direction of the metric; default: guessed from its name (lower is better "

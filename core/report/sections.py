@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from alignzoo import metrics as canonical
 from alignzoo.config.schema import ExperimentSpec
@@ -185,25 +186,62 @@ def fmt_summary(summary: stats.Summary | None) -> str:
 # --------------------------------------------------------------------------- the report
 
 
+def _component(ref: Any) -> str:
+    """`name` and its params (only those given), as the report shows a component."""
+    params = json.dumps(ref.params, sort_keys=True) if ref.params else ""
+    return f"`{ref.name}`" + (f" `{params}`" if params else "")
+
+
+def _changed(section: Any, shared: Any) -> dict[str, Any]:
+    """The fields of an arm's section that differ from the experiment's shared one."""
+    mine, theirs = section.model_dump(mode="json"), shared.model_dump(mode="json")
+    return {k: v for k, v in mine.items() if v != theirs.get(k)}
+
+
 def _describe_arm(spec: ExperimentSpec | None, arm: str) -> str:
+    """Every component of the arm with its params (algorithm, labeler, backend, devices,
+    modifiers), labeling settings that are not the defaults, and what the arm overrides."""
     if spec is None or arm not in spec.arms:
         return f"**{arm}**"
+    from alignzoo.config.schema import LabelingConfig
+
     a = spec.arms[arm]
-    params = json.dumps(a.algorithm.params, sort_keys=True) if a.algorithm.params else ""
-    text = f"**{arm}**: `{a.algorithm.name}`" + (f" `{params}`" if params else "")
-    mods = [m.name for m in a.modifiers]
-    if mods:
-        text += " + " + ", ".join(f"`{m}`" for m in mods)
-    if a.training != spec.training:
-        changed = {
-            k: v
-            for k, v in a.training.model_dump(mode="json").items()
-            if v != spec.training.model_dump(mode="json")[k]
-        }
-        text += f"; training `{json.dumps(changed, sort_keys=True)}`"
+    parts = [
+        f"algorithm {_component(a.algorithm)}",
+        f"labeler {_component(a.labeler)}",
+        f"backend {_component(a.backend)}",
+        f"devices {_component(a.devices)}",
+    ]
+    if a.modifiers:
+        parts.append("modifiers " + ", ".join(_component(m) for m in a.modifiers))
+    labeling = _changed(a.labeling, LabelingConfig())
+    if labeling:
+        parts.append(f"labeling `{json.dumps(labeling, sort_keys=True)}`")
+    for name in ("training", "model"):
+        changed = _changed(getattr(a, name), getattr(spec, name))
+        if changed:
+            parts.append(f"{name} `{json.dumps(changed, sort_keys=True)}`")
+    text = f"**{arm}**: " + "; ".join(parts)
     if a.description:
         text += f" ({a.description})"
     return text
+
+
+def _metric_text(spec: ExperimentSpec, key: str) -> str:
+    """What the comparison metric is, and why it is the one (given, or the default)."""
+    meaning = {
+        "eval/exact_match": "the share of greedy responses the labeler marks correct",
+        "eval/score": "the labeler's mean value on the greedy responses",
+        "eval/response_length": "the mean greedy response length in tokens",
+    }.get(key, "pass@k: the share of prompts with a correct answer among k samples")
+    if spec.evaluation.metric_chosen != "default":
+        return f"`{key}` ({meaning})"
+    why = (
+        "every arm's labeler says which answers are correct"
+        if key == "eval/exact_match"
+        else "not every arm's labeler says which answers are correct"
+    )
+    return f"`{key}` ({meaning}; the default, as {why}; set evaluation.metric to choose)"
 
 
 def _budget_text(spec: ExperimentSpec) -> str:
@@ -233,7 +271,8 @@ def _open(run_dir: Path) -> _Experiment:
     spec = load_spec(run_dir)
     if spec is not None:
         arms = list(spec.arms)
-        name, metric, baseline = spec.name, spec.evaluation.metric, spec.baseline_arm
+        metric = spec.evaluation.metric or "exact_match"  # a resolved spec always names one
+        name, baseline = spec.name, spec.baseline_arm
     else:
         arms = sorted(
             p.name
@@ -367,7 +406,8 @@ def _overview(exp: _Experiment) -> list[Block]:
                 "p",
                 f"Arms: {len(exp.arms)}, seeds {', '.join(map(str, spec.seeds))}, budget "
                 f"{_budget_text(spec)} per run, baseline **{exp.baseline}**. Compared on "
-                f"`{exp.key}` ({'higher' if exp.higher else 'lower'} is better) at each run's "
+                f"{_metric_text(spec, exp.key)}, {'higher' if exp.higher else 'lower'} is "
+                "better, at each run's "
                 f"last evaluation; evaluation every {spec.evaluation.every} steps on the same "
                 "held-out prompts for every arm.",
             )

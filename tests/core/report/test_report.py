@@ -253,7 +253,7 @@ def test_metric_direction_from_the_spec_overrides_the_name_guess(experiment_dir:
     write_report(root)
     md = (root / "report.md").read_text()
     assert table_row(md, "Against the baseline (grpo)", "lr0")[6] == "better"
-    assert "(lower is better)" in md
+    assert "lower is better" in md
 
 
 def test_training_curves_are_smoothed_per_seed_and_the_caption_says_so(
