@@ -104,7 +104,11 @@ class Labeler(Component):
     ``pass@k`` count): True for a verifier such as the arithmetic rule, False for a labeler
     that only scores (a reward model), None when it depends on its params or is not declared.
     ``alignzoo validate`` refuses ``evaluation.metric: exact_match`` for an arm whose labeler
-    says False."""
+    says False, and arms are compared on ``exact_match`` by default only when every arm's
+    labeler says True."""
+    deterministic: ClassVar[bool] = True
+    """Whether the same request always gets the same Score. False for people or a sampled
+    judge: ``alignzoo check labeler`` then does not hold it to the same answer twice."""
 
     def score(self, request: LabelRequest) -> Score:
         """Score one response to one prompt (called by the default ``score_batch``)."""

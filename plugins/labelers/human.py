@@ -55,6 +55,7 @@ class HumanLabeler(Labeler):
             return self
 
     params: Params
+    deterministic = False  # people answer when they answer
 
     def __init__(self, params: Any = None) -> None:
         super().__init__(params)
