@@ -190,8 +190,9 @@ def assemble(
     models = model_loading.load_models(path, mcfg, devices, req.reference, req.critic, seed)
     context.models = models
 
-    train = load_split(spec.data, "train", mode.kind if not mode.online else "online")
-    evaluation = load_split(spec.data, "eval", "online")
+    kind = mode.kind if not mode.online else "online"
+    train = load_split(spec.data, "train", kind, models.tokenizer)
+    evaluation = load_split(spec.data, "eval", "online", models.tokenizer)
     learner = build_learner(
         models, arm_spec.training, total_optimizer_steps(spec, arm_spec, mode), seed
     )

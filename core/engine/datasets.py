@@ -14,6 +14,16 @@ preference ``prompt``, ``chosen``, ``rejected``
 unpaired   ``prompt``, ``completion``, ``label`` (bool; 0/1 accepted)
 ========== ===============================
 
+**Conversational data** (TRL's conversational formats): ``prompt``, ``chosen``, ``rejected`` and
+``completion`` may each be a list of ``{"role", "content"}`` messages, and an online file may
+give a ``messages`` column instead of ``prompt`` (a trailing assistant turn is dropped). They
+are rendered with the policy tokenizer's chat template (:func:`render`): the prompt with the
+generation prompt, a completion as what the template adds after it; the messages stay in the
+row as ``prompt_messages`` (and ``completion_messages``), so the labeler gets both the text and
+the messages. Preference rows without a ``prompt`` column have an implicit one, split off the
+way TRL does: the longest common prefix of ``chosen`` and ``rejected`` (whole messages, or
+characters for text). A tokenizer without a chat template given messages is an error.
+
 Extra columns are kept: the engine passes them to the labeler as ``LabelRequest.extra`` (the
 embedded task adds ``answer``). Text columns must hold strings and prompts must not be blank;
 otherwise a :class:`~alignzoo.errors.UserError` names the file, the row and the column.
@@ -45,10 +55,20 @@ from alignzoo.types import DataMode
 Split = Literal["train", "eval"]
 
 KINDS = ("online", "preference", "unpaired")
+SPLIT_NAMES: dict[str, tuple[str, ...]] = {
+    "train": ("train",),
+    "eval": ("eval", "validation", "test"),
+}
+"""The DatasetDict splits read for data.train and data.eval, in order of preference."""
+TEXT_COLUMNS = ("prompt", "chosen", "rejected", "completion")
+"""Columns that hold text or, in conversational data, a list of messages."""
 
 
-def load_split(data: DataConfig, split: Split, mode: DataMode) -> datasets.Dataset:
-    """The ``split`` data of the experiment in the columns ``mode`` needs (plus any extras)."""
+def load_split(
+    data: DataConfig, split: Split, mode: DataMode, tokenizer: Any = None
+) -> datasets.Dataset:
+    """The ``split`` data of the experiment in the columns ``mode`` needs (plus any extras);
+    with the policy's ``tokenizer``, conversational rows rendered to text (:func:`render`)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if mode not in KINDS:
@@ -60,6 +80,8 @@ def load_split(data: DataConfig, split: Split, mode: DataMode) -> datasets.Datas
         dataset = _read(Path(source).expanduser(), split, mode, f"data.{split}")
     if split == "train" and data.sample_ratio < 1.0:
         dataset = _sample(dataset, data.sample_ratio, seed=data.task.seed)
+    if tokenizer is not None:
+        dataset = render(dataset, tokenizer, mode, source if source != "embedded" else "data")
     return dataset
 
 
@@ -133,13 +155,15 @@ def _read_folder(path: Path, split: Split) -> datasets.Dataset:
     except Exception as exc:
         raise UserError(f"{path}: could not load ({type(exc).__name__}: {exc})") from exc
     if isinstance(loaded, datasets.DatasetDict):
-        if split in loaded:
-            return loaded[split]
+        names = SPLIT_NAMES[split]
+        for name in names:
+            if name in loaded:
+                return loaded[name]
         if len(loaded) == 1:
             return next(iter(loaded.values()))
         raise UserError(
             f"{path}: a DatasetDict with splits {', '.join(loaded)}; expected a split named "
-            f"{split!r} or a single split"
+            f"{' or '.join(repr(n) for n in names)}, or a single split"
         )
     return loaded
 
@@ -198,7 +222,11 @@ def _check(
     """Raise a UserError naming the file and row of the first problem in the required columns."""
     if size == 0:
         raise UserError(f"{source}: no rows")
-    required = required_columns(mode)  # each data mode owns its columns
+    required = list(required_columns(mode))  # each data mode owns its columns
+    if "prompt" not in found and mode == "preference":
+        required.remove("prompt")  # implicit: the common prefix of chosen and rejected
+    if "prompt" not in found and mode == "online" and "messages" in found:
+        required[required.index("prompt")] = "messages"
     missing = [c for c in required if c not in found]
     if missing:
         raise UserError(
@@ -211,8 +239,15 @@ def _check(
             if column == "label":
                 if not isinstance(value, (bool, int)) or value not in (0, 1):
                     raise UserError(f"{at}: expected true/false, got {_short(value)}")
+            elif isinstance(value, list):
+                problem = _messages_problem(value)
+                if problem:
+                    raise UserError(f"{at}: {problem}")
             elif not isinstance(value, str):
-                raise UserError(f"{at}: expected text, got {type(value).__name__} {_short(value)}")
+                raise UserError(
+                    f"{at}: expected text or a list of {{role, content}} messages, got "
+                    f"{type(value).__name__} {_short(value)}"
+                )
             elif column == "prompt" and not value.strip():
                 raise UserError(f"{at}: empty prompt")
 
@@ -232,3 +267,107 @@ def _sample(dataset: datasets.Dataset, ratio: float, seed: int) -> datasets.Data
     keep = max(1, round(len(dataset) * ratio))
     indices = sorted(random.Random(f"sample_ratio/{seed}").sample(range(len(dataset)), keep))
     return dataset.select(indices)
+
+
+# --------------------------------------------------------------------------- conversations
+
+
+def _messages_problem(value: list[Any]) -> str:
+    """Why ``value`` is not a list of {role, content} messages ('' when it is)."""
+    if not value:
+        return "an empty list of messages"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"message {i} is not a {{role, content}} object: {_short(message)}"
+        if not isinstance(message.get("content"), str):
+            return f"message {i} has no text content: {_short(message)}"
+    return ""
+
+
+def is_conversational(dataset: datasets.Dataset) -> bool:
+    """Whether any text column holds messages (checked on the first row)."""
+    if len(dataset) == 0:
+        return False
+    first = dataset[0]
+    return any(isinstance(first.get(c), list) for c in (*TEXT_COLUMNS, "messages"))
+
+
+def _common_prefix(a: Any, b: Any) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def split_implicit_prompt(row: dict[str, Any]) -> dict[str, Any]:
+    """A preference row without a prompt: the longest common prefix of chosen and rejected
+    (whole messages for conversations, characters for text) becomes the prompt."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    n = _common_prefix(chosen, rejected)
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        while n and chosen[n - 1].get("role") == "assistant":  # the prompt ends with a user turn
+            n -= 1
+    return {**row, "prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
+def render(
+    dataset: datasets.Dataset, tokenizer: Any, mode: DataMode, source: str
+) -> datasets.Dataset:
+    """Conversational rows as text through the tokenizer's chat template (see the module
+    docstring); text rows unchanged, an implicit preference prompt split off either way."""
+    columns = dataset.column_names
+    implicit = mode == "preference" and "prompt" not in columns
+    if not implicit and not is_conversational(dataset):
+        return dataset
+    rows = [dict(row) for row in dataset]
+    if implicit:
+        rows = [split_implicit_prompt(row) for row in rows]
+    if "prompt" not in rows[0] and "messages" in rows[0]:
+        for row in rows:
+            messages = list(row.pop("messages"))
+            while len(messages) > 1 and messages[-1].get("role") == "assistant":
+                messages.pop()
+            row["prompt"] = messages
+    if any(isinstance(row.get(c), list) for row in rows[:1] for c in TEXT_COLUMNS):
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(
+                f"{source}: the data holds messages ({{role, content}} lists) but the policy's "
+                "tokenizer has no chat template; use a model whose tokenizer has one (its "
+                "tokenizer_config.json 'chat_template'), or give the columns as text"
+            )
+        rows = [_render_row(row, tokenizer, source, i) for i, row in enumerate(rows)]
+    for i, row in enumerate(rows):
+        if not str(row["prompt"]).strip():
+            raise UserError(f"{source}: row {i + 1}: column 'prompt': empty prompt")
+    return datasets.Dataset.from_list(rows)
+
+
+def _render_row(row: dict[str, Any], tokenizer: Any, source: str, i: int) -> dict[str, Any]:
+    prompt = row["prompt"]
+    out = dict(row)
+    if isinstance(prompt, list):
+        out["prompt_messages"] = prompt
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        out["prompt"] = text
+    else:
+        text = prompt
+    for column in ("chosen", "rejected", "completion"):
+        value = row.get(column)
+        if not isinstance(value, list):
+            continue
+        if not isinstance(prompt, list):
+            raise UserError(
+                f"{source}: row {i + 1}: column {column!r} holds messages but 'prompt' is text; "
+                "give both as messages or both as text"
+            )
+        whole = tokenizer.apply_chat_template(prompt + value, tokenize=False)
+        if not whole.startswith(text):
+            raise UserError(
+                f"{source}: row {i + 1}: the chat template does not render the prompt as the "
+                f"start of the conversation with its {column}, so the {column} cannot be cut "
+                "from it"
+            )
+        out[column] = whole[len(text) :]
+        if column == "completion":
+            out["completion_messages"] = value
+    return out

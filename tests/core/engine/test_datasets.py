@@ -188,17 +188,24 @@ def test_non_text_value_names_row_and_column(tmp_path):
     assert "row 2" in message and "'chosen'" in message and "expected text" in message
 
 
-def test_conversational_prompt_is_rejected_as_non_text(tmp_path):
+def test_a_conversational_prompt_needs_a_tokenizer_with_a_chat_template(tmp_path):
+    from alignzoo.world.tokenizer import build_tokenizer
+
     path = tmp_path / "chat.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "hi"}]}]), path)
-    with pytest.raises(UserError, match=r"chat\.parquet: row 1: column 'prompt': expected text"):
-        load_split(_cfg(train=str(path)), "train", "online")
+    assert load_split(_cfg(train=str(path)), "train", "online")[0]["prompt"][0]["content"] == "hi"
+    with pytest.raises(UserError, match=r"chat\.parquet: the data holds messages"):
+        load_split(_cfg(train=str(path)), "train", "online", build_tokenizer())
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "text": "hi"}]}]), bad)
+    with pytest.raises(UserError, match="row 1: column 'prompt': message 0 has no text content"):
+        load_split(_cfg(train=str(bad)), "train", "online")
 
 
 def test_numeric_prompt_column_in_parquet(tmp_path):
     path = tmp_path / "n.parquet"
     pq.write_table(pa.table({"prompt": [1, 2]}), path)
-    with pytest.raises(UserError, match="row 1: column 'prompt': expected text, got int"):
+    with pytest.raises(UserError, match=r"row 1: column 'prompt': expected text or .* got int"):
         load_split(_cfg(train=str(path)), "train", "online")
 
 
