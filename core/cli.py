@@ -79,10 +79,13 @@ def _main(
 def validate(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
 ) -> None:
-    """Check an experiment file and every component's params, without loading any model."""
+    """Check an experiment file, every component's params and every data source (columns,
+    types, splits, chat templates), without loading any model."""
     from alignzoo.config.loader import load_experiment
+    from alignzoo.engine.datacheck import check_data
 
     loaded = load_experiment(experiment)
+    check_data(loaded)
     spec = loaded.spec
     console.print(
         f"[green]ok[/green] {experiment}: experiment {spec.name!r}, arms "

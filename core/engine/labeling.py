@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from alignzoo.config.schema import BreakerConfig, LabelingConfig
     from alignzoo.engine.hooks import Hooks
 
+WORKER_START_S = 120.0
+"""How long a labeler worker process may take to start (not part of a call's timeout)."""
 FAILURES = (Outcome.TIMEOUT, Outcome.ERROR)
 """Outcomes that count against a labeler's circuit breaker (the call itself failed)."""
 
@@ -163,11 +165,17 @@ class InlineCaller:
 
 
 def _worker_main(conn: Any, cls: Any, params: dict[str, Any]) -> None:
-    """A labeler worker process: build the labeler, then answer calls until told to stop."""
+    """A labeler worker process: build the labeler, say it is ready, then answer calls until
+    told to stop."""
     from alignzoo.registry import build_plugin_manager
 
-    pm = build_plugin_manager([cls(cls.Params.model_validate(params))])
-    start_labeler(pm)
+    try:
+        pm = build_plugin_manager([cls(cls.Params.model_validate(params))])
+        start_labeler(pm)
+    except Exception as exc:
+        conn.send(("error", f"the labeler did not start: {type(exc).__name__}: {exc}", None))
+        return
+    conn.send(("ready",))
     while True:
         try:
             requests = conn.recv()
@@ -187,7 +195,9 @@ class ProcessCaller:
     """Calls a labeler in a worker process of its own, started on first use.
 
     A call that runs past its timeout is ended: the worker is killed (and reaped), and the
-    next call starts a new one. A worker that dies gives ``error`` for its call.
+    next call starts a new one. A worker that dies gives ``error`` for its call. The time a
+    worker takes to start (imports, building the labeler) does not count against the call's
+    timeout; it has :data:`WORKER_START_S` of its own.
     """
 
     def __init__(self, component: Any) -> None:
@@ -208,6 +218,17 @@ class ProcessCaller:
         self.conn = parent
         self.started += 1
 
+    def _ready(self) -> str | None:
+        """Wait for a new worker's ready message; the reason it is not ready, or None."""
+        assert self.conn is not None
+        try:
+            if not self.conn.poll(WORKER_START_S):
+                return f"the labeler's worker did not start within {WORKER_START_S:.0f} s"
+            reply = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            return f"the labeler's worker died while starting ({exc})"
+        return None if reply[0] == "ready" else str(reply[1])
+
     def _kill(self) -> None:
         if self.process is not None:
             self.process.kill()
@@ -220,6 +241,10 @@ class ProcessCaller:
         if self.process is None or not self.process.is_alive():
             self._kill()
             self._start()
+            problem = self._ready()
+            if problem is not None:
+                self._kill()
+                return _failed(len(requests), Outcome.ERROR, problem)
         assert self.conn is not None
         try:
             self.conn.send(requests)

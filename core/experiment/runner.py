@@ -299,6 +299,10 @@ def run_experiment(
         raise UserError(f"--jobs must be at least 1, got {jobs}")
     spec = loaded.spec
     out = experiment_dir(spec, out_dir)
+    if run_fn is None:  # the data every run will read, checked once before anything is written
+        from alignzoo.engine.datacheck import check_data
+
+        check_data(loaded)
     if resume:
         _check_resumable(loaded, out, say=console.print if console is not None else None)
     prepare_folder(spec, out, resume)
