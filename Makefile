@@ -9,12 +9,13 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast lint bench clean
 
-$(VENV)/.installed: pyproject.toml tests/plugin_pkg/pyproject.toml
+# alignzoo and its extras only: the tests install their plugin package (tests/plugin_pkg)
+# into .test-plugins/ themselves, so `alignzoo plugins` never lists test doubles.
+$(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[dev,tensorboard]'
-	$(PY) -m pip install -q -e tests/plugin_pkg
 	touch $@
 
 setup: $(VENV)/.installed
@@ -42,4 +43,4 @@ bench: setup
 	$(PY) benchmarks/labeling.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .test-plugins

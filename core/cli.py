@@ -75,16 +75,27 @@ def _main(
     _state["debug"] = debug
 
 
+SetOption = Annotated[
+    Optional[list[str]],  # noqa: UP045 - typer reads the annotation at run time
+    typer.Option(
+        "--set",
+        help="Override a field, e.g. --set training.lr=1e-5 or "
+        "--set arms.grpo.algorithm.params.beta=0 (repeatable; validated like the file).",
+    ),
+]
+
+
 @app.command()
 def validate(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
+    overrides: SetOption = None,
 ) -> None:
     """Check an experiment file, every component's params and every data source (columns,
     types, splits, chat templates), without loading any model."""
     from alignzoo.config.loader import load_experiment
     from alignzoo.engine.datacheck import check_data
 
-    loaded = load_experiment(experiment)
+    loaded = load_experiment(experiment, overrides=overrides or ())
     check_data(loaded)
     spec = loaded.spec
     console.print(
@@ -112,12 +123,15 @@ def run(
     jobs: Annotated[
         int, typer.Option(min=1, help="Arm x seed runs in parallel worker processes.")
     ] = 1,
+    overrides: SetOption = None,
 ) -> None:
     """Train every arm x seed of an experiment and write the comparison report."""
     from alignzoo.config.loader import load_experiment
     from alignzoo.experiment.runner import run_experiment
 
-    loaded = load_experiment(experiment, arms=_parse_list(arms, str, "--arms"))
+    loaded = load_experiment(
+        experiment, arms=_parse_list(arms, str, "--arms"), overrides=overrides or ()
+    )
     seed_list = _parse_list(seeds, int, "--seeds")
     if seed_list is not None:
         if not seed_list:

@@ -1,10 +1,46 @@
-"""Shared test setup: quick hypothesis profiles, one torch thread per worker, a private cache."""
+"""Shared test setup: the test plugin package (for the tests only), quick hypothesis
+profiles, one torch thread per worker."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN_PKG = ROOT / "tests" / "plugin_pkg"
+TEST_PLUGINS = ROOT / ".test-plugins"
+
+
+def _test_plugins() -> Path:
+    """tests/plugin_pkg (test doubles: canned, keyword, all_cpu, ...) installed into
+    .test-plugins/ (rebuilt when its sources change), never into the user's environment."""
+    sources = [p for p in PLUGIN_PKG.rglob("*") if p.is_file() and ".egg-info" not in str(p)]
+    stamp = TEST_PLUGINS / ".stamp"
+    newest = str(max(p.stat().st_mtime_ns for p in sources))
+    TEST_PLUGINS.parent.mkdir(exist_ok=True)
+    with open(ROOT / ".test-plugins.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # xdist workers start together: one installs
+        if not stamp.exists() or stamp.read_text() != newest:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                 "--upgrade", "--target", str(TEST_PLUGINS), str(PLUGIN_PKG)],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            stamp.write_text(newest)
+    return TEST_PLUGINS
+
+
+_plugins = str(_test_plugins())
+if _plugins not in sys.path:
+    sys.path.insert(0, _plugins)  # entry points are found on sys.path
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [_plugins, *filter(None, [os.environ.get("PYTHONPATH")])]
+    )  # and in the subprocesses the tests start
 
 # Two cores run two xdist workers: one BLAS thread each keeps them from fighting.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

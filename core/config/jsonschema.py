@@ -77,4 +77,16 @@ def experiment_json_schema(registry: Registry | None = None) -> dict[str, Any]:
         "items": {"$ref": "#/$defs/modifier.ref"},
         "description": arm["properties"]["modifiers"].get("description", ""),
     }
+    # `defaults:` holds any arm field (merged into every arm): typed like an arm, so editors
+    # check it too.
+    described = schema["properties"]["defaults"].get("description", "")
+    schema["properties"]["defaults"] = {"$ref": "#/$defs/ArmSpec", "description": described}
+    # Exactly one budget: steps, samples or wall_clock_s.
+    defs["Budget"]["oneOf"] = [
+        {
+            "required": [key],
+            "properties": {key: {"not": {"type": "null"}, "description": f"The budget in {key}."}},
+        }
+        for key in ("steps", "samples", "wall_clock_s")
+    ]
     return schema

@@ -419,6 +419,12 @@ class ArmSpec(_Strict):
         default_factory=ModelConfig,
         description="Overrides of the top-level model section for this arm.",
     )
+    sweep: dict[str, list[Any]] | None = Field(
+        None,
+        description="Expand this arm into one arm per combination of values of dotted fields "
+        "of it, e.g. {training.lr: [1.0e-5, 3.0e-5]} -> arms <arm>-lr1e-05, <arm>-lr3e-05, "
+        "compared like any others.",
+    )
     description: str = Field("", description="Free text shown in the report.")
 
     def component_refs(self) -> list[tuple[str, str, ComponentRef]]:
@@ -493,6 +499,11 @@ class ExperimentSpec(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Where metrics go.")
     output_dir: str = Field(
         "runs", description="Folder the experiment's runs/<name> folder is written under."
+    )
+    overrides: list[str] = Field(
+        default_factory=list,
+        description="Written by alignzoo in the resolved experiment: the --set FIELD=VALUE "
+        "overrides applied to the file (the report lists them).",
     )
     arms: dict[str, ArmSpec] = Field(
         min_length=1,

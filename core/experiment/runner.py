@@ -259,7 +259,7 @@ def _worker(job: _Job) -> RunResult:
     if loaded is None:
         from alignzoo.config.loader import load_experiment
 
-        loaded = load_experiment(job.source, arms=[job.arm])
+        loaded = load_experiment(job.source, arms=[job.arm], overrides=job.spec.overrides)
         loaded.spec = job.spec
     return _execute(job.run_fn, loaded, job.arm, job.seed, job.run_dir, job.resume, None)
 

@@ -413,6 +413,13 @@ def _overview(exp: _Experiment) -> list[Block]:
             )
         )
         blocks.append(Block("ul", items=[_describe_arm(spec, a) for a in exp.arms]))
+        if spec.overrides:
+            blocks.append(
+                Block(
+                    "p",
+                    "Overrides of the file: " + ", ".join(f"`--set {o}`" for o in spec.overrides),
+                )
+            )
     n_done = sum(r.status == "finished" for r in runs)
     n_failed = sum(r.status == "failed" for r in runs)
     expected = len(exp.arms) * len(spec.seeds) if spec is not None else len(runs)

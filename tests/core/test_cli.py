@@ -221,3 +221,17 @@ def test_repeated_seeds_on_the_command_line_are_a_user_error(exp, tmp_path, caps
 def test_schema_into_a_missing_folder_is_a_user_error(tmp_path):
     result = alignzoo("schema", "--out", str(tmp_path / "no" / "such" / "schema.json"))
     assert_user_error(result, "cannot write")
+
+
+def test_the_user_environment_holds_no_test_doubles():
+    """make setup installs alignzoo only; the test plugin package lives in .test-plugins/,
+    which the tests put on the path for themselves."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    listing = subprocess.run(
+        [sys.executable, "-m", "alignzoo.cli", "plugins", "--json"],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    providers = {r["provider"] for r in json.loads(listing.stdout)}
+    assert "alignzoo-testplugin" not in providers
+    names = {r["name"] for r in json.loads(alignzoo("plugins", "--json").stdout)}
+    assert {"canned", "keyword", "loss_scale"} <= names  # the tests still see them

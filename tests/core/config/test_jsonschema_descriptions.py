@@ -33,3 +33,23 @@ def test_every_schema_field_has_a_description():
     arm = schema["$defs"]["ArmSpec"]["properties"]
     assert "kind labeler" in arm["labeler"]["description"]
     assert "device_mapper" in arm["devices"]["description"]
+
+
+def test_the_schema_checks_defaults_and_the_one_budget_rule():
+    from pathlib import Path
+
+    import jsonschema
+    import yaml
+
+    validator = jsonschema.Draft202012Validator(experiment_json_schema())
+    root = Path(__file__).resolve().parents[3]
+    for path in sorted((root / "experiments").glob("*.yaml")):
+        experiment = yaml.safe_load(path.read_text())
+        assert [e.message for e in validator.iter_errors(experiment)] == [], path.name
+    experiment = yaml.safe_load((root / "experiments" / "quickstart.yaml").read_text())
+    two = {**experiment, "budget": {"steps": 3, "samples": 10}}
+    assert list(validator.iter_errors(two))
+    none = {**experiment, "budget": {}}
+    assert list(validator.iter_errors(none))
+    typo = {**experiment, "defaults": {"labeler": "no_such_labeler"}}
+    assert list(validator.iter_errors(typo))
