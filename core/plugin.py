@@ -59,6 +59,13 @@ class Component:
         self.params = params
 
     @classmethod
+    def params_for_arm(cls, params: dict[str, Any], arm: Any) -> dict[str, Any]:
+        """The params to validate for this component in ``arm`` (an ArmSpec): a component may
+        fill one from the arm's own settings (the reward_model labeler takes its ``path``
+        from ``model.reward_model``). By default ``params`` as given."""
+        return params
+
+    @classmethod
     def summary(cls) -> str:
         """One line describing the component (the first line of its docstring)."""
         doc = (cls.__doc__ or "").strip()

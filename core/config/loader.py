@@ -701,7 +701,7 @@ def _build_components(
             issues.append(ConfigIssue(file, line, ".".join(map(str, (*base, "name"))), str(exc)))
             continue
         try:
-            params = cls.Params.model_validate(ref.params)
+            params = cls.Params.model_validate(cls.params_for_arm(dict(ref.params), arm))
         except ValidationError as exc:
             # Suggestions for misspelled params come from the component's own model.
             issues += issues_from_validation(

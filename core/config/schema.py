@@ -100,7 +100,8 @@ class ModelConfig(_Strict):
     )
     reward_model: str | None = Field(
         None,
-        description="Local path of an AutoModelForSequenceClassification (reward_model labeler).",
+        description="Local folder of an AutoModelForSequenceClassification: the reward_model "
+        "labeler's params.path unless it gives one, and a 'reward' role for the device mapper.",
     )
     embedded: EmbeddedModelConfig = Field(
         default_factory=EmbeddedModelConfig,

@@ -35,7 +35,8 @@ class RewardModelLabeler(Labeler):
 
         path: str = Field(
             description="Local folder of an AutoModelForSequenceClassification with num_labels=1 "
-            "and its tokenizer (as written by save_pretrained)."
+            "and its tokenizer (as written by save_pretrained); default: the arm's "
+            "model.reward_model."
         )
         batch_size: int = Field(16, ge=1, description="Pairs per forward pass.")
         max_length: int = Field(
@@ -54,6 +55,14 @@ class RewardModelLabeler(Labeler):
         dtype: Literal["float32", "bfloat16", "float16"] = Field(
             "float32", description="Weights dtype of the reward model."
         )
+
+    @classmethod
+    def params_for_arm(cls, params: dict[str, Any], arm: Any) -> dict[str, Any]:
+        # model.reward_model names the reward model once; params.path still wins.
+        reward_model = getattr(getattr(arm, "model", None), "reward_model", None)
+        if "path" not in params and reward_model:
+            return {**params, "path": reward_model}
+        return params
 
     def __init__(self, params: BaseModel | dict[str, Any] | None = None) -> None:
         super().__init__(params)

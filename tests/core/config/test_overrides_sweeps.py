@@ -92,3 +92,23 @@ def test_a_bad_sweep_says_what_was_expected(tmp_path):
     )
     with pytest.raises(ConfigError, match="lrr"):
         load_experiment(write(tmp_path, text))
+
+
+def test_model_reward_model_is_the_reward_model_labelers_default_path(tmp_path):
+    folder = tmp_path / "rm"
+    folder.mkdir()
+    text = f"""\
+name: r
+seeds: [0]
+budget: {{steps: 1}}
+arms:
+  a: {{algorithm: grpo, labeler: reward_model, model: {{reward_model: {folder}}}}}
+  b: {{algorithm: grpo, labeler: {{name: reward_model, params: {{path: {folder}/other}}}},
+      model: {{reward_model: {folder}}}}}
+"""
+    loaded = load_experiment(write(tmp_path, text))
+    assert loaded.components["a"]["labeler"].params.path == str(folder)
+    assert loaded.components["b"]["labeler"].params.path == f"{folder}/other"  # its own wins
+    with pytest.raises(ConfigError, match=r"labeler\.params\.path"):
+        load_experiment(write(tmp_path, BASE.replace("{algorithm: grpo}",
+                                                     "{algorithm: grpo, labeler: reward_model}")))  # fmt: skip
