@@ -556,6 +556,24 @@ def check_modifier(
     )
 
 
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder: RUN_DIR/<arm>/seed-<n>.")],
+    out: Annotated[Path, typer.Option(help="Folder to write (must not exist or be empty).")],
+    step: Annotated[
+        str, typer.Option(help="last, best (by the evaluation metric) or a checkpoint's step.")
+    ] = "last",
+    merge: Annotated[
+        bool, typer.Option(help="LoRA arms: merge the adapter into the base weights.")
+    ] = False,
+) -> None:
+    """Write a run's policy as a folder from_pretrained loads, with a model card."""
+    from alignzoo.experiment.export import export as write
+
+    folder = write(run_dir, out, step=step, merge=merge)
+    console.print(f"wrote {folder} (AutoModelForCausalLM.from_pretrained loads it)", markup=False)
+
+
 @new_app.command("plugin")
 def new_plugin(
     name: Annotated[str, typer.Argument(help="Package and component name, e.g. my_rl.")],
