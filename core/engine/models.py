@@ -61,7 +61,9 @@ def load_models(
         policy_path=path,
         devices=dict(devices),
     )
-    if reference:
+    if reference and cfg.lora is not None and models.device("ref") == device:
+        models.reference = AdaptersOff(models.actor)  # the starting policy, no second copy
+    elif reference:
         models.reference = load_reference(path, cfg, models.device("ref"))
     if critic:
         models.critic = load_critic(path, cfg, models.device("critic"), seed)
@@ -188,6 +190,38 @@ def freeze(model: Any) -> Any:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+class AdaptersOff(torch.nn.Module):
+    """The reference of a LoRA arm: the actor itself with its adapters switched off, which is
+    exactly the starting policy (the base weights are frozen), without a second copy.
+
+    Called like a model (eval mode, no gradients, adapters disabled for the call, the
+    actor's own mode restored after). It holds no parameters of its own: ``parameters()``
+    are the actor's, for placement only; the learner never sees this module.
+    """
+
+    def __init__(self, actor: Any) -> None:
+        super().__init__()
+        self.__dict__["_actor"] = actor  # not a submodule: not saved, counted or trained twice
+
+    @property
+    def actor(self) -> Any:
+        """The LoRA actor this reference reads."""
+        return self.__dict__["_actor"]
+
+    def parameters(self, recurse: bool = True) -> Any:
+        return self.actor.parameters(recurse)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        actor = self.actor
+        was_training = actor.training
+        actor.eval()
+        try:
+            with torch.no_grad(), actor.disable_adapter():
+                return actor(*args, **kwargs)
+        finally:
+            actor.train(was_training)
 
 
 def load_reference(path: str, cfg: ModelConfig, device: str) -> Any:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from alignzoo.config.loader import load_experiment
 from alignzoo.engine import assemble as assemble_mod
@@ -138,3 +139,37 @@ def test_dropout_is_disabled_unless_asked_to_keep_it(tmp_path) -> None:
     assert torch.equal(first, second)
     first, second = two_forwards(ModelConfig(attn_implementation="eager", disable_dropout=False))
     assert not torch.equal(first, second)
+
+
+def test_a_lora_reference_is_the_actor_with_adapters_off(write_experiment, tmp_path) -> None:
+    """No second copy of the base weights, and the reference stays the starting policy while
+    the adapters train."""
+    from alignzoo.engine.models import AdaptersOff, load_reference
+    from alignzoo.engine.prepare import Scorer
+    from alignzoo.engine.step import train_step
+
+    lora = {"r": 2, "alpha": 4}
+    spec = {"algorithm": {"name": "grpo", "params": {"beta": 0.1}}, "model": {"lora": lora}}
+    loaded = load_experiment(write_experiment(arms={"a": spec}))
+    run = assemble(loaded, "a", 0, tmp_path / "run", log=lambda *_: None)
+    models = run.models
+    assert isinstance(models.reference, AdaptersOff)
+    assert not list(models.reference.named_modules())[1:]  # holds no module of its own
+    run.context.step = 1
+    assert train_step(run, 1).metrics["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # B starts at 0
+    torch.manual_seed(1)
+    with torch.no_grad():  # adapters that change the policy, as training would
+        for name, param in models.actor.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    batch = run.hooks.generate(["3+4=", "1+2="], [{}, {}], 2, run.arm.training.sampling)
+    scorer = Scorer(models, 8)
+    shared = scorer.reference_logprobs(batch)
+    actor, _ = scorer.behaviour(batch)
+    mask = batch.response_mask.bool()
+    assert (actor - shared).abs().masked_fill(~mask, 0).max() > 1e-3  # premise: they differ
+    base = load_reference(models.policy_path, run.arm.model, "cpu")
+    separate = Scorer(type(models)(models.tokenizer, models.actor, models.policy_path,
+                                   reference=base), 8).reference_logprobs(batch)  # fmt: skip
+    assert (shared - separate).abs().masked_fill(~mask, 0).max() < 1e-5
+    assert models.actor.training  # the actor's mode is restored after a reference pass
