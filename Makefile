@@ -41,6 +41,7 @@ bench: setup
 	$(PY) benchmarks/import_time.py
 	$(PY) benchmarks/engine_step.py
 	$(PY) benchmarks/labeling.py
+	$(PY) benchmarks/lora_memory.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .test-plugins
