@@ -38,6 +38,12 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
         f.flush()
 
 
+def _cell(value: Any, width: int = 80) -> str:
+    """Text for one markdown table cell: no pipes or newlines, at most ``width`` characters."""
+    text = str(value if value is not None else "").replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def _fmt(metrics: dict[str, Any], key: str, spec: str = ".3f") -> str:
     value = metrics.get(key)
     return "-" if value is None else format(value, spec)
@@ -87,6 +93,9 @@ class Sinks:
         self.watched = watched  # the algorithm's own metrics its users watch (console only)
         self.console = console if "console" in sinks else None
         self.run_name = run_name
+        self.config = config or {}
+        self.last_eval: dict[str, float] = {}
+        self.sample_rows: list[dict[str, Any]] = []  # for the W&B samples table
         self.tb: Any = None
         self.wandb: Any = None
         if "tensorboard" in sinks:
@@ -94,6 +103,9 @@ class Sinks:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+                if config:  # the resolved config as text, readable in TensorBoard's Text tab
+                    text = json.dumps(config, indent=2, sort_keys=True, default=str)
+                    self.tb.add_text("config", "```\n" + text + "\n```", 0)
             except ImportError:
                 warnings.warn(
                     "logging.sinks asks for tensorboard but it is not installed "
@@ -136,6 +148,7 @@ class Sinks:
         append_jsonl(self.out_dir / EVAL_FILE, row)
         step = int(row["step"])
         numeric = {k: float(v) for k, v in row.items() if k.startswith("eval/") and v is not None}
+        self.last_eval = numeric
         self._track(numeric, step)
         if self.console is not None:
             shown = " │ ".join(f"{k} {v:.3f}" for k, v in numeric.items())
@@ -152,12 +165,47 @@ class Sinks:
             self.wandb.log(numeric, step=step)
 
     def samples(self, rows: list[dict[str, Any]]) -> None:
-        """Append a few prompt / response / score rows."""
+        """Append a few prompt / response / score rows (also TensorBoard text and, at the end,
+        a W&B table)."""
         for row in rows:
             append_jsonl(self.out_dir / SAMPLES_FILE, row)
+        if self.tb is not None and rows:
+            lines = ["| prompt | response | score |", "|---|---|---|"]
+            lines += [
+                f"| {_cell(r.get('prompt'))} | {_cell(r.get('response'))} | {r.get('score', '')} |"
+                for r in rows
+            ]
+            self.tb.add_text("samples", "\n".join(lines), int(rows[0].get("step", 0)))
+        self.sample_rows += rows
+
+    def hparams(self) -> dict[str, Any]:
+        """The run's settings as flat TensorBoard hparams (numbers, strings, booleans)."""
+        arm = self.config.get("arm_spec", {})
+        flat: dict[str, Any] = {
+            "arm": self.config.get("arm", ""),
+            "seed": self.config.get("seed", 0),
+        }
+        flat["algorithm"] = (arm.get("algorithm") or {}).get("name", "")
+        flat["labeler"] = (arm.get("labeler") or {}).get("name", "")
+        for key, value in (arm.get("training") or {}).items():
+            if isinstance(value, (int, float, str, bool)):
+                flat[f"training.{key}"] = value
+        for key, value in ((arm.get("algorithm") or {}).get("params") or {}).items():
+            if isinstance(value, (int, float, str, bool)):
+                flat[f"params.{key}"] = value
+        return flat
 
     def close(self) -> None:
         if self.tb is not None:
+            if self.config:  # the HParams tab: settings against the final evaluation
+                self.tb.add_hparams(self.hparams(), self.last_eval or {"eval/none": 0.0},
+                                    run_name="hparams")  # fmt: skip
             self.tb.close()
         if self.wandb is not None:
+            if self.sample_rows:
+                import wandb
+
+                columns = ["step", "prompt", "response", "score"]
+                data = [[r.get(c) for c in columns] for r in self.sample_rows]
+                self.wandb.log({"samples": wandb.Table(columns=columns, data=data)})
             self.wandb.finish()

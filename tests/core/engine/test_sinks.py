@@ -68,11 +68,25 @@ def test_console_line_shows_what_each_algorithms_users_watch() -> None:
 
 
 def test_tensorboard_sink_writes_events(tmp_path: Path) -> None:
-    sinks = Sinks(tmp_path, ["jsonl", "tensorboard"], None, "r")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = {"arm": "grpo", "seed": 1, "arm_spec": {"algorithm": {"name": "grpo", "params":
+              {"beta": 0.0}}, "training": {"lr": 0.001}}}  # fmt: skip
+    sinks = Sinks(tmp_path, ["jsonl", "tensorboard"], None, "r", config=config)
     sinks.step({"step": 1, "reward/mean": 0.5}, 1)
+    sinks.samples([{"step": 1, "prompt": "1+1=", "response": "2 | 3", "score": 1.0}])
     sinks.evaluation({"step": 1, "eval/exact_match": 0.1})
+    assert sinks.hparams() == {"arm": "grpo", "seed": 1, "algorithm": "grpo", "labeler": "",
+                               "training.lr": 0.001, "params.beta": 0.0}  # fmt: skip
     sinks.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    tags = events.Tags()["tensors"]
+    assert "config/text_summary" in tags and "samples/text_summary" in tags
+    table = events.Tensors("samples/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "1+1=" in table and "2 \\| 3" in table  # a pipe in a response does not break it
+    assert list((tmp_path / "tensorboard" / "hparams").glob("events.out.tfevents.*"))
     assert math.isclose(json.loads((tmp_path / "eval.jsonl").read_text())["eval/exact_match"], 0.1)
 
 
@@ -88,7 +102,7 @@ class _FakeWandbRun:
         self.logged: list[tuple[dict, int]] = []
         self.finished = False
 
-    def log(self, data: dict, step: int) -> None:
+    def log(self, data: dict, step: int | None = None) -> None:
         self.logged.append((data, step))
 
     def finish(self) -> None:
@@ -103,6 +117,7 @@ def test_wandb_sink_groups_by_experiment_and_logs_config(tmp_path: Path, monkeyp
     runs: list[_FakeWandbRun] = []
     fake = types.ModuleType("wandb")
     fake.init = lambda **kw: runs.append(_FakeWandbRun(**kw)) or runs[-1]  # type: ignore[attr-defined]
+    fake.Table = lambda columns, data: {"columns": columns, "data": data}  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "wandb", fake)
     config = {"arm": "grpo", "seed": 1, "arm_spec": {"algorithm": {"name": "grpo"}}}
     sinks = Sinks(
@@ -110,8 +125,12 @@ def test_wandb_sink_groups_by_experiment_and_logs_config(tmp_path: Path, monkeyp
     )
     sinks.step({"step": 3, "reward/mean": 0.5, "note": "text is not logged"}, 3)
     sinks.evaluation({"step": 3, "eval/exact_match": 0.25})
+    sinks.samples([{"step": 3, "prompt": "p", "response": "r", "score": 0.5}])
     sinks.close()
     (run,) = runs
+    tables = [d["samples"] for d, _ in run.logged if "samples" in d]
+    assert tables == [{"columns": ["step", "prompt", "response", "score"],
+                       "data": [[3, "p", "r", 0.5]]}]  # fmt: skip
     kwargs = run.init_kwargs
     assert kwargs["mode"] == "offline" and kwargs["group"] == "exp" and kwargs["name"] == "grpo-1"
     assert kwargs["config"] == config and kwargs["project"] == "alignzoo"
