@@ -620,7 +620,14 @@ def _check_model_paths(
             index.line_of(("data", field_name)),
             f"data.{field_name}",
             f"{value!r} does not exist (give 'embedded', a jsonl / parquet file or a dataset "
-            "folder written by save_to_disk)",
+            "folder written by save_to_disk)"
+            + (
+                "; it looks like a Hugging Face Hub dataset id, which alignzoo does not "
+                f"download: save it once with datasets.load_dataset({value!r}).save_to_disk(DIR)"
+                " and give DIR"
+                if value.count("/") == 1 and not value.startswith((".", "/", "~"))
+                else ""
+            ),
         )
     return list(issues.values())
 

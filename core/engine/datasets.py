@@ -125,6 +125,13 @@ def _embedded(data: DataConfig, split: Split, mode: DataMode) -> datasets.Datase
 
 def _read(path: Path, split: Split, mode: DataMode, field: str) -> datasets.Dataset:
     if not path.exists():
+        text = str(path)
+        if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+            raise UserError(
+                f"{field}: {text!r} is not a local file or folder; it looks like a Hugging Face "
+                "Hub dataset id, which alignzoo does not download: save it once with "
+                f"datasets.load_dataset({text!r}).save_to_disk(DIR) and give DIR"
+            )
         raise UserError(f"{field}: {path} does not exist (give 'embedded' or a data file)")
     if path.is_dir():
         return _checked(_read_folder(path, split), mode, str(path))

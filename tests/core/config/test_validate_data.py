@@ -74,3 +74,9 @@ def test_run_checks_the_data_before_writing_anything(tmp_path, capsys):
     assert main(["run", str(experiment(tmp_path, train)), "--out", str(out)]) == 2
     assert "empty prompt" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_hub_dataset_id_is_reported_as_such(tmp_path, capsys):
+    assert main(["validate", str(experiment(tmp_path, "trl-lib/tldr"))]) == 2
+    err = capsys.readouterr().err
+    assert "looks like a Hugging Face Hub dataset id" in err and "save_to_disk" in err
