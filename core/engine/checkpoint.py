@@ -1,7 +1,8 @@
 """Checkpoints: written atomically, kept two deep, read back without unpickling anything.
 
 Layout of ``checkpoints/step-000010/``:
-    actor.safetensors, critic.safetensors   model weights
+    actor.safetensors, critic.safetensors   model weights (a LoRA actor: only its adapters;
+                                            the frozen base is the starting policy)
     trainer.pt                              optimizer, scheduler, torch RNG, components' state
                                             (read only with ``torch.load(weights_only=True)``)
     state.json                              step, samples, time_s, sampler cursor, run.state,
@@ -96,7 +97,7 @@ def save_checkpoint(
     tmp = ckpt_dir / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(actor, str(tmp / "actor.safetensors"))
+    save_actor(actor, tmp / "actor.safetensors")
     if critic is not None:
         save_model(critic, str(tmp / "critic.safetensors"))
     trainer = {
@@ -279,7 +280,7 @@ def load_checkpoint(
         check_checkpoint(folder, critic is not None)
     meta = _read_state(folder)
     trainer = _read_trainer(folder)
-    load_model(actor, str(folder / "actor.safetensors"), device=str(_device(actor)))
+    load_actor_weights(actor, folder / "actor.safetensors")
     if critic is not None:
         load_model(critic, str(folder / "critic.safetensors"), device=str(_device(critic)))
     optimizer.load_state_dict(trainer["optimizer"])
@@ -299,6 +300,53 @@ def load_checkpoint(
         sampler=meta["sampler"],
         run_state=meta["run_state"],
     )
+
+
+ADAPTERS = "adapters"
+"""``actor.safetensors`` metadata ``format`` of a LoRA actor: only the trained adapter weights."""
+
+
+def _is_adapted(actor: Any) -> bool:
+    return hasattr(actor, "peft_config") and hasattr(actor, "disable_adapter")
+
+
+def save_actor(actor: Any, path: Path) -> None:
+    """The actor's weights: all of them, or for a LoRA actor only the adapters it trains (the
+    base weights are the starting policy, which the run loads again on resume)."""
+    if not _is_adapted(actor):
+        save_model(actor, str(path))
+        return
+    from safetensors.torch import save_file
+
+    trained = {
+        name: param.detach().cpu().contiguous()
+        for name, param in actor.named_parameters()
+        if param.requires_grad
+    }
+    save_file(trained, str(path), metadata={"format": ADAPTERS})
+
+
+def load_actor_weights(actor: Any, path: Path) -> None:
+    """Load what :func:`save_actor` wrote into ``actor`` (on its own device); adapters-only
+    files must name exactly the actor's trained parameters."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        adapters = (handle.metadata() or {}).get("format") == ADAPTERS
+    if not adapters:
+        load_model(actor, str(path), device=str(_device(actor)))
+        return
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path), device=str(_device(actor)))
+    trained = {n for n, p in actor.named_parameters() if p.requires_grad}
+    if set(tensors) != trained:
+        wrong = sorted(set(tensors) ^ trained)[:3]
+        raise CheckpointError(
+            f"{path}: its adapter weights do not match the arm's adapters (e.g. {wrong}); was "
+            "model.lora changed since the checkpoint?"
+        )
+    actor.load_state_dict(tensors, strict=False)
 
 
 def _device(model: Any) -> torch.device:

@@ -80,10 +80,9 @@ def _checkpoint(run: Path, step: str, metric: str, higher: bool) -> Path:
 
 def export(run: Path, out: Path, step: str = "last", merge: bool = False) -> Path:
     """Write the run's policy at ``step`` into ``out`` (which must not exist or be empty)."""
-    from safetensors.torch import load_model
-
     from alignzoo.config.schema import ArmSpec, DataConfig
     from alignzoo.engine import models as model_loading
+    from alignzoo.engine.checkpoint import load_actor_weights
     from alignzoo.experiment.runfiles import metric_key
 
     run = Path(run)
@@ -103,7 +102,7 @@ def export(run: Path, out: Path, step: str = "last", merge: bool = False) -> Pat
     base = model_loading.policy_path(arm.model, data.task, log=lambda _: None)
     tokenizer = model_loading.load_tokenizer(base)
     actor = model_loading.load_actor(base, arm.model, "cpu")
-    load_model(actor, str(folder / "actor.safetensors"), device="cpu")
+    load_actor_weights(actor, folder / "actor.safetensors")
     actor.eval()
     out.mkdir(parents=True, exist_ok=True)
     model = actor.merge_and_unload() if merge else actor
