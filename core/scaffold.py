@@ -246,10 +246,9 @@ def new_plugin(name: str, out: Path, kinds: list[str] | None = None) -> list[Pat
         imports.append(f"from {name}.{module} import {cls}{suffix}")
         tests.append(Template(_TESTS[kind]).substitute(values))
     uses_algorithm = "algorithm" in chosen
-    header = "from alignzoo.testing import "
-    header += "assert_algorithm_contract, assert_contract" if uses_algorithm else "assert_contract"
-    if chosen == ["algorithm"]:
-        header = "from alignzoo.testing import assert_algorithm_contract"
+    needed = ["assert_algorithm_contract"] * uses_algorithm
+    needed += ["assert_contract"] * any(k != "algorithm" for k in chosen)
+    header = "from alignzoo.testing import " + ", ".join(needed)
     files["tests/test_contracts.py"] = (
         f'"""The contract suites of {name}\'s components (as `alignzoo check` runs them)."""\n\n'
         + header

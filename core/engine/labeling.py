@@ -647,7 +647,7 @@ class LabelingStage:
                 begin = time.perf_counter()
                 result = caller(chunks[index], self.cfg.timeout_s)
                 seconds = time.perf_counter() - begin
-                if store is not None and keys is not None and slot.identity:
+                if store is not None and keys is not None:  # store is None without keys
                     at = index * size
                     chunk_keys = keys[at : at + len(chunks[index])]
                     verdicts = zip(chunk_keys, chunks[index], result.scores, strict=True)

@@ -176,7 +176,8 @@ class Sinks:
                 for r in rows
             ]
             self.tb.add_text("samples", "\n".join(lines), int(rows[0].get("step", 0)))
-        self.sample_rows += rows
+        if self.wandb is not None:
+            self.sample_rows += rows
 
     def hparams(self) -> dict[str, Any]:
         """The run's settings as flat TensorBoard hparams (numbers, strings, booleans)."""

@@ -380,7 +380,7 @@ def check_backend(
         prompts, n, max_new = example
         batch = generate(prompts, n, max_new, False)
         if batch.old_logprobs is None:
-            return
+            raise ContractViolation("returned old_logprobs for some calls and not for others")
         with torch.no_grad():
             forward, _ = policy_forward(actor, batch)
         mask = batch.response_mask.bool()
@@ -394,14 +394,13 @@ def check_backend(
 
     results = [CheckResult("instantiate", True, label)]
     legend = "example = (prompts, n, max_new_tokens)"
-    for name, prop in (
-        ("layout", layout),
-        ("greedy_deterministic", greedy_twice),
-        ("sampling_logprobs", sampling_logprobs),
-    ):
+    for name, prop in (("layout", layout), ("greedy_deterministic", greedy_twice)):
         results.append(_run(name, _prompts_and_n(), prop, max_examples, shrink_seconds, legend))
-    if generate(PROMPTS[:1], 1, 2, False).old_logprobs is None:
-        results[-1] = CheckResult("sampling_logprobs", True, "skipped: no sampling log-probs")
+    if generate(PROMPTS[:1], 1, 2, False).old_logprobs is None:  # optional: nothing to compare
+        results.append(CheckResult("sampling_logprobs", True, "skipped: no sampling log-probs"))
+    else:
+        results.append(_run("sampling_logprobs", _prompts_and_n(), sampling_logprobs,
+                            max_examples, shrink_seconds, legend))  # fmt: skip
     results.append(_sync_check(hook, actor, tokenizer, generate))
     return results
 
