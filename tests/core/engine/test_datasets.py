@@ -242,3 +242,21 @@ def test_missing_file_unknown_format_and_empty(tmp_path):
         load_split(_cfg(train=str(empty)), "train", "online")
     with pytest.raises(UserError, match="not a dataset folder"):
         load_split(_cfg(eval=str(tmp_path)), "eval", "online")
+
+
+def test_the_eval_split_of_a_datasetdict_is_eval_validation_or_test(tmp_path):
+    import datasets
+
+    def rows(tag):
+        return datasets.Dataset.from_list([{"prompt": f"{tag} {i}"} for i in range(2)])
+
+    folder = tmp_path / "dd"
+    datasets.DatasetDict({"train": rows("train"), "test": rows("test")}).save_to_disk(str(folder))
+    cfg = _cfg(train=str(folder), eval=str(folder))
+    assert load_split(cfg, "train", "online")["prompt"] == ["train 0", "train 1"]
+    assert load_split(cfg, "eval", "online")["prompt"] == ["test 0", "test 1"]
+    both = tmp_path / "both"
+    splits = {"train": rows("train"), "test": rows("test"), "validation": rows("validation")}
+    datasets.DatasetDict(splits).save_to_disk(str(both))
+    evaluation = load_split(_cfg(train=str(both), eval=str(both)), "eval", "online")
+    assert evaluation["prompt"] == ["validation 0", "validation 1"]  # preferred over test
