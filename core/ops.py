@@ -136,6 +136,16 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     return torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def logprobs_and_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` from one log-softmax."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    finite_logp = logp.clamp(min=torch.finfo(logp.dtype).min)
+    return chosen, -(logp.exp() * finite_logp).sum(-1)
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of softmax(logits): ``[B, R, V]`` -> ``[B, R]`` (fp32).
 

@@ -35,12 +35,18 @@ class AlgorithmRequirements:
         entropy: compute the current policy's per-token entropy with gradients in
             ``outputs.entropy`` (for an entropy term in the loss). The reported ``entropy``
             metric is computed by the engine for every arm either way.
+        old_logprobs_in_advantages: ``compute_advantages`` reads ``batch.old_logprobs`` (a KL
+            penalty in the reward, as PPO's). Otherwise, when a batch is trained on once in
+            one optimizer step, the engine takes the behaviour log-probs from the update's own
+            forward pass instead of a separate one, and ``old_logprobs`` is first set when
+            ``compute_loss`` is called.
     """
 
     reference: bool = False
     critic: bool = False
     data: DataMode = "online"
     entropy: bool = True
+    old_logprobs_in_advantages: bool = False
 
 
 @dataclass(frozen=True)

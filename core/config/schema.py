@@ -208,6 +208,13 @@ class TrainingConfig(_Strict):
     micro_batch_size: PositiveInt = Field(
         16, description="Samples per forward pass (gradient accumulation)."
     )
+    fuse_behaviour: bool = Field(
+        True,
+        description="When a batch is trained on once in one optimizer step (epochs 1, one "
+        "minibatch, dropout off, no batch transform), take the behaviour log-probs and entropy "
+        "from the update's own forward pass instead of a separate no-grad pass: the same "
+        "numbers, one forward pass fewer. false always runs the separate pass.",
+    )
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="Clip the gradient norm to this; null disables clipping."
     )

@@ -27,6 +27,7 @@ from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
 from alignzoo.engine.pipeline import LabelAhead
 from alignzoo.engine.sampler import PromptSampler
+from alignzoo.engine.update import fuses_behaviour
 from alignzoo.errors import UserError
 from alignzoo.plugin import Component
 from alignzoo.registry import build_plugin_manager
@@ -49,6 +50,7 @@ class Run:
     sampler: PromptSampler
     eval_rows: list[dict[str, Any]]
     ahead: LabelAhead | None = None  # labeling.overlap: the batch labeled in the background
+    fused_behaviour: bool = False  # the update's forward passes are the behaviour snapshot
 
     def stateful(self) -> dict[str, Any]:
         """What a checkpoint saves besides models and optimizer: the components, and the
@@ -208,6 +210,14 @@ def assemble(
     )
     if arm_spec.labeling.overlap:
         run.ahead = LabelAhead(run)
+    run.fused_behaviour = fuses_behaviour(
+        arm_spec.training,
+        req,
+        mode,
+        hooks,
+        dropout_off=mcfg.disable_dropout,
+        overlapping=run.ahead is not None,
+    )
     hooks.on_run_start(context)
     for slot in hooks.labeling.slots[1:]:  # the fallbacks live outside the run's manager
         if hasattr(slot.call, "hooks"):

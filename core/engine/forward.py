@@ -8,13 +8,14 @@ the critic's value of the state before token ``t``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from alignzoo.batch import RolloutBatch
-from alignzoo.ops import entropy_from_logits, logprobs_from_logits
+from alignzoo.ops import logprobs_and_entropy, logprobs_from_logits
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
@@ -37,19 +38,68 @@ def _device_of(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def policy_forward(
-    model: Any, batch: RolloutBatch, entropy: bool = False, autocast: AutocastFactory = no_autocast
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs ``[B, R]`` of ``batch.response_ids`` (and entropy ``[B, R]``)."""
+_TAKES_LOGITS_TO_KEEP: dict[type, bool] = {}
+
+
+def _keeps_logits(model: Any) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs do)."""
+    cls = type(_base_model(model))
+    if cls not in _TAKES_LOGITS_TO_KEEP:
+        try:
+            takes = "logits_to_keep" in inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError, AttributeError):
+            takes = False
+        _TAKES_LOGITS_TO_KEEP[cls] = takes
+    return _TAKES_LOGITS_TO_KEEP[cls]
+
+
+def _base_model(model: Any) -> Any:
+    get_base = getattr(model, "get_base_model", None)  # a peft model forwards its kwargs
+    return get_base() if callable(get_base) else model
+
+
+def response_logits(
+    model: Any, batch: RolloutBatch, autocast: AutocastFactory = no_autocast
+) -> torch.Tensor:
+    """The logits that predict each response token ``[B, R, V]`` (positions ``P - 1 .. P + R - 2``).
+
+    Where the model supports it, only the last ``R + 1`` positions go through the LM head, so
+    the prompt's logits (a large ``[B, P, V]`` for a real vocabulary) are never computed.
+    """
     device = _device_of(model)
     prompt_len = batch.prompt_ids.shape[1]
     resp_len = batch.response_ids.shape[1]
+    inputs = model_inputs(batch, device)
+    if _keeps_logits(model):
+        with autocast():
+            logits = model(**inputs, logits_to_keep=resp_len + 1).logits
+        return logits[:, :resp_len]
     with autocast():
-        logits = model(**model_inputs(batch, device)).logits
-    logits = logits[:, prompt_len - 1 : prompt_len + resp_len - 1]
-    logprobs = logprobs_from_logits(logits, batch.response_ids.to(device))
-    ent = entropy_from_logits(logits) if entropy else None
-    return logprobs, ent
+        logits = model(**inputs).logits
+    return logits[:, prompt_len - 1 : prompt_len + resp_len - 1]
+
+
+def policy_forward(
+    model: Any,
+    batch: RolloutBatch,
+    entropy: bool = False,
+    autocast: AutocastFactory = no_autocast,
+    detached_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs ``[B, R]`` of ``batch.response_ids`` (and entropy ``[B, R]``).
+
+    ``entropy`` returns the entropy with gradients; ``detached_entropy`` (when ``entropy`` is
+    False) returns it without, from the same log-softmax, for metrics only.
+    """
+    logits = response_logits(model, batch, autocast)
+    tokens = batch.response_ids.to(logits.device)
+    if entropy:
+        return logprobs_and_entropy(logits, tokens)
+    logprobs = logprobs_from_logits(logits, tokens)
+    if not detached_entropy:
+        return logprobs, None
+    with torch.no_grad():
+        return logprobs, logprobs_and_entropy(logits.detach(), tokens)[1]
 
 
 def critic_forward(

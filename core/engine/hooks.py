@@ -174,6 +174,11 @@ class Hooks:
         """Components set themselves up (models are loaded)."""
         self._call("on_run_start", run=run)
 
+    @property
+    def transforms_batch(self) -> bool:
+        """Whether any component implements ``transform_batch``."""
+        return bool(self.pm.hook.transform_batch.get_hookimpls())
+
     def transform_batch(self, batch: RolloutBatch, run: RunContext) -> RolloutBatch:
         """Every ``transform_batch`` implementation in turn, each on the previous output.
 

@@ -83,22 +83,75 @@ class Scorer:
             )
 
 
-def prepare(scorer: Scorer, batch: RolloutBatch, generated: bool) -> dict[str, float]:
+def behaviour_metrics(
+    logprobs: torch.Tensor, entropy: torch.Tensor, batch: RolloutBatch
+) -> dict[str, float]:
+    """The canonical ``entropy`` and ``kl/ref`` of a behaviour snapshot: one way for every arm."""
+    mask = batch.response_mask
+    metrics = {canonical.ENTROPY: float(masked_mean(entropy, mask))}
+    if batch.ref_logprobs is not None:
+        kl = masked_kl_penalty(logprobs, batch.ref_logprobs, mask, "k3")
+        metrics[canonical.KL_REF] = float(masked_mean(kl, mask))
+    return metrics
+
+
+def prepare(
+    scorer: Scorer, batch: RolloutBatch, generated: bool, behaviour: bool = True
+) -> dict[str, float]:
     """Fill the batch's frozen views; returns the canonical ``kl/ref`` and ``entropy``.
 
     ``generated``: the batch was sampled by the policy, so the behaviour log-probs become
     ``batch.old_logprobs``. For offline rows they are used for the metrics only.
+    ``behaviour=False`` leaves the actor's pass to the update (a :class:`FusedSnapshot`): the
+    reference log-probs and critic values are filled, ``old_logprobs`` is cleared (the
+    backend's sampling log-probs are not the trainer's) and no metric is returned yet.
     """
+    if scorer.models.reference is not None:
+        batch.ref_logprobs = scorer.reference_logprobs(batch)
+    if scorer.models.critic is not None:
+        batch.values = scorer.values(batch)
+    if not behaviour:
+        batch.old_logprobs = None
+        return {}
     logprobs, entropy = scorer.behaviour(batch)
     if generated:
         batch.old_logprobs = logprobs
     batch.entropy = entropy
-    mask = batch.response_mask
-    metrics = {canonical.ENTROPY: float(masked_mean(entropy, mask))}
-    if scorer.models.reference is not None:
-        batch.ref_logprobs = scorer.reference_logprobs(batch)
-        kl = masked_kl_penalty(logprobs, batch.ref_logprobs, mask, "k3")
-        metrics[canonical.KL_REF] = float(masked_mean(kl, mask))
-    if scorer.models.critic is not None:
-        batch.values = scorer.values(batch)
-    return metrics
+    return behaviour_metrics(logprobs, entropy, batch)
+
+
+class FusedSnapshot:
+    """The behaviour snapshot taken from the update's own forward passes.
+
+    When a batch is trained on once, in one optimizer step, every micro-batch's forward pass
+    runs on the weights before the update, with dropout off: its detached log-probs and entropy
+    *are* the behaviour snapshot, so the separate no-grad pass of :func:`prepare` is skipped
+    (one forward pass fewer per step, as TRL does with one iteration per generation). Each
+    micro-batch records its rows; :meth:`finish` fills ``old_logprobs`` / ``entropy`` of the
+    whole batch and returns the same canonical metrics :func:`prepare` would.
+    """
+
+    def __init__(self, batch: RolloutBatch, generated: bool) -> None:
+        shape = tuple(batch.response_ids.shape)
+        self.generated = generated
+        self.logprobs = torch.zeros(shape)
+        self.entropy = torch.zeros(shape)
+        self.seen = torch.zeros(shape[0], dtype=torch.bool)
+
+    def record(self, index: list[int], logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
+        """Keep micro-batch ``index``'s detached log-probs and entropy ``[b, R]``."""
+        rows = torch.as_tensor(index, dtype=torch.long)
+        if bool(self.seen[rows].any()):
+            raise RuntimeError("FusedSnapshot: a row was recorded twice (more than one pass)")
+        self.logprobs[rows] = logprobs.detach().float().cpu()
+        self.entropy[rows] = entropy.detach().float().cpu()
+        self.seen[rows] = True
+
+    def finish(self, batch: RolloutBatch) -> dict[str, float]:
+        """Fill the batch's behaviour fields; the canonical metrics of :func:`prepare`."""
+        if not bool(self.seen.all()):
+            raise RuntimeError("FusedSnapshot: some rows were never trained on")
+        if self.generated:
+            batch.old_logprobs = self.logprobs
+        batch.entropy = self.entropy
+        return behaviour_metrics(self.logprobs, self.entropy, batch)

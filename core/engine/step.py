@@ -13,7 +13,7 @@ import torch
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.modes import StepSource
-from alignzoo.engine.prepare import Scorer, prepare
+from alignzoo.engine.prepare import FusedSnapshot, Scorer, prepare
 from alignzoo.engine.update import update
 
 if TYPE_CHECKING:
@@ -72,15 +72,17 @@ def train_step(run: Run, step: int) -> StepResult:
         for row in collected.report.slowest:  # where labeling time went, call by call
             run.context.record(SLOWEST_STREAM, row)
     t = time.perf_counter()
+    fused = run.fused_behaviour
     if run.ahead is None:
-        m.update(prepare(scorer, collected.batch, generated=mode.online))
+        m.update(prepare(scorer, collected.batch, generated=mode.online, behaviour=not fused))
     batch = mode.select(collected.batch, m)
     if batch is not None:  # online pairs with no untied group have nothing to learn from
         batch = hooks.transform_batch(batch, run.context)
     if batch is not None and batch.size > 0:  # a transform may filter every sample out
         batch = mode.prepare(batch, scorer)
         batch = hooks.compute_advantages(batch)
-        m.update(update(run.learner, hooks, run.requirements, mode, batch, step))
+        snapshot = FusedSnapshot(batch, generated=mode.online) if fused else None
+        m.update(update(run.learner, hooks, run.requirements, mode, batch, step, snapshot))
         hooks.sync_weights(run.models.actor)
         m["timing/update"] = time.perf_counter() - t
     m[canonical.STEP_SECONDS] = time.perf_counter() - start

@@ -17,10 +17,12 @@ import torch
 
 from alignzoo import metrics as canonical
 from alignzoo.batch import PolicyOutputs, RolloutBatch
+from alignzoo.config.schema import TrainingConfig
 from alignzoo.engine.forward import critic_forward, policy_forward
 from alignzoo.engine.hooks import Hooks
 from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
+from alignzoo.engine.prepare import FusedSnapshot
 from alignzoo.errors import RunError
 from alignzoo.types import AlgorithmRequirements, LossContext
 
@@ -40,14 +42,27 @@ def micro_step(
     step_batch: RolloutBatch,
     index: list[int],
     context: LossContext,
+    snapshot: FusedSnapshot | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Forward one micro-batch with gradients and call ``compute_loss`` with the step's context."""
+    """Forward one micro-batch with gradients and call ``compute_loss`` with the step's context.
+
+    With a ``snapshot``, this forward pass is also the behaviour snapshot: its detached
+    log-probs become the micro-batch's ``old_logprobs`` (importance ratio exactly 1)."""
     models = learner.models
     mb = step_batch.select(index)
     logprobs, entropy = policy_forward(
-        models.actor, mb, entropy=requirements.entropy, autocast=models.autocast
+        models.actor,
+        mb,
+        entropy=requirements.entropy,
+        autocast=models.autocast,
+        detached_entropy=snapshot is not None,
     )
-    outputs = PolicyOutputs(logprobs=logprobs, entropy=entropy)
+    if snapshot is not None:
+        assert entropy is not None
+        snapshot.record(index, logprobs, entropy)
+        if snapshot.generated:
+            mb.old_logprobs = logprobs.detach().float()
+    outputs = PolicyOutputs(logprobs=logprobs, entropy=entropy if requirements.entropy else None)
     if models.critic is not None:
         values = critic_forward(models.critic, mb, autocast=models.autocast)
         outputs.values = values.to(logprobs.device)  # the critic may sit on another device
@@ -61,8 +76,13 @@ def update(
     mode: DataMode,
     batch: RolloutBatch,
     step: int,
+    snapshot: FusedSnapshot | None = None,
 ) -> dict[str, float]:
     """Train on one step's batch; returns its metrics.
+
+    ``snapshot``: take the behaviour snapshot from this update's forward passes (only valid
+    for one epoch and one optimizer step, see :func:`fuses_behaviour`); its canonical metrics
+    are returned with the rest.
 
     ``loss`` is each optimizer step's loss (the sum of its micro-batches' shares), averaged over
     the step's optimizer steps; the algorithm's metrics are averaged over micro-batches weighted
@@ -78,6 +98,8 @@ def update(
     actor_params, critic_params = learner.actor_parameters, learner.critic_parameters
     learner.models.actor.train()
     algorithm = hooks.algorithm
+    if snapshot is not None and (cfg.epochs > 1 or minibatch < batch.size):
+        raise RuntimeError("a fused behaviour snapshot needs one epoch and one optimizer step")
     for epoch in range(cfg.epochs):
         order = units
         if cfg.epochs > 1 or minibatch < batch.size:
@@ -90,7 +112,9 @@ def update(
             weighted: dict[str, float] = defaultdict(float)
             for micro in micros:
                 index = [mb_index[i] for i in micro]
-                loss, metrics = micro_step(learner, hooks, requirements, batch, index, context)
+                loss, metrics = micro_step(
+                    learner, hooks, requirements, batch, index, context, snapshot
+                )
                 if not torch.isfinite(loss.detach()).all():
                     raise RunError(
                         f"step {step}: algorithm {algorithm!r} returned a non-finite loss "
@@ -119,7 +143,40 @@ def update(
             sums[canonical.LR].append(learner.lr)
             learner.optimizer.step()
             learner.scheduler.step()
-    return {k: sum(v) / len(v) for k, v in sums.items()}
+    out = {k: sum(v) / len(v) for k, v in sums.items()}
+    if snapshot is not None:
+        out.update(snapshot.finish(batch))
+    return out
+
+
+def fuses_behaviour(
+    cfg: TrainingConfig,
+    requirements: AlgorithmRequirements,
+    mode: DataMode,
+    hooks: Hooks,
+    dropout_off: bool,
+    overlapping: bool,
+) -> bool:
+    """Whether an arm's update can be its own behaviour snapshot (:class:`FusedSnapshot`).
+
+    Only when that gives the very numbers of a separate pass: ``training.fuse_behaviour`` on;
+    one epoch and one optimizer step per batch (so no update happens before a micro-batch's
+    forward); dropout off (train and eval mode agree); the trained batch is the collected
+    one (no batch transform, a mode whose ``select`` keeps every sample); advantages that do
+    not read ``old_logprobs``; and no labeling overlap (which snapshots at generation time).
+    """
+    one_step = cfg.epochs == 1 and (
+        cfg.minibatch_size is None or cfg.minibatch_size >= mode.step_sizes(cfg)[1]
+    )
+    keeps_batch = type(mode).select is DataMode.select and not hooks.transforms_batch
+    return (
+        cfg.fuse_behaviour
+        and one_step
+        and dropout_off
+        and keeps_batch
+        and not requirements.old_logprobs_in_advantages
+        and not overlapping
+    )
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:

@@ -246,7 +246,9 @@ class PPO(Algorithm):
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:
         reference = self.kl_ctl.value > 0 or self.params.kl_loss_coef > 0
-        return AlgorithmRequirements(reference=reference, critic=True, data="online")
+        return AlgorithmRequirements(
+            reference=reference, critic=True, data="online", old_logprobs_in_advantages=True
+        )
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:

@@ -84,7 +84,8 @@ class ReinforcePlusPlus(Algorithm):
 
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:
-        return AlgorithmRequirements(reference=self.params.kl_coef > 0, critic=False)
+        kl = self.params.kl_coef > 0  # the KL penalty in the reward reads old_logprobs
+        return AlgorithmRequirements(reference=kl, critic=False, old_logprobs_in_advantages=kl)
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
