@@ -38,19 +38,24 @@ def _device_of(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-_TAKES_LOGITS_TO_KEEP: dict[type, bool] = {}
+_FORWARD_PARAMETERS: dict[type, frozenset[str]] = {}
 
 
-def _keeps_logits(model: Any) -> bool:
-    """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs do)."""
+def forward_parameters(model: Any) -> frozenset[str]:
+    """The keyword names the model's ``forward`` takes (a peft model's: its base model's)."""
     cls = type(_base_model(model))
-    if cls not in _TAKES_LOGITS_TO_KEEP:
+    if cls not in _FORWARD_PARAMETERS:
         try:
-            takes = "logits_to_keep" in inspect.signature(cls.forward).parameters
+            names = frozenset(inspect.signature(cls.forward).parameters)
         except (TypeError, ValueError, AttributeError):
-            takes = False
-        _TAKES_LOGITS_TO_KEEP[cls] = takes
-    return _TAKES_LOGITS_TO_KEEP[cls]
+            names = frozenset()
+        _FORWARD_PARAMETERS[cls] = names
+    return _FORWARD_PARAMETERS[cls]
+
+
+def takes_logits_to_keep(model: Any) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs do)."""
+    return "logits_to_keep" in forward_parameters(model)
 
 
 def _base_model(model: Any) -> Any:
@@ -70,7 +75,7 @@ def response_logits(
     prompt_len = batch.prompt_ids.shape[1]
     resp_len = batch.response_ids.shape[1]
     inputs = model_inputs(batch, device)
-    if _keeps_logits(model):
+    if takes_logits_to_keep(model):
         with autocast():
             logits = model(**inputs, logits_to_keep=resp_len + 1).logits
         return logits[:, :resp_len]

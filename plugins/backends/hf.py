@@ -1,26 +1,28 @@
-"""Rollout backend "hf": batched sampling with Hugging Face ``generate`` on the trainer's own module.
+"""Rollout backend "hf": batched sampling on the trainer's own Hugging Face module.
 
 The backend holds a reference to the actor (``sync_weights`` is just a pointer update, since it
-samples with the very module the trainer updates) and the run's tokenizer. One ``generate``
-call per chunk of prompts:
+samples with the very module the trainer updates) and the run's tokenizer. Per chunk of
+prompts:
 
-1. each prompt is encoded once, left-padded, and repeated ``n`` times (``repeat_interleave``,
-   so ``group_ids[i] == i // n``);
-2. ``model.generate`` samples with the KV cache; a logits processor of ours records, at every
-   step, the log-softmax of the *raw* logits (temperature 1, before any filtering) and then
-   applies temperature, top-k and top-p itself. The log-prob of the token sampled at step t is
-   read at step t + 1 (and after ``generate`` for the last step), so memory stays one
-   ``[B, V]`` tensor instead of one per generated token;
+1. each prompt is encoded once and left-padded;
+2. with ``decoder: loop`` (the default), a lean decode loop over the model's KV cache: one
+   prefill per *prompt* (its cache and last logits then repeated for the ``n`` samples, so
+   ``group_ids[i] == i // n``), then one forward per new token for the whole batch, stopping
+   when every row has reached EOS; the log-softmax of the *raw* logits (temperature 1, before
+   any filtering) gives each sampled token's log-prob, and temperature, top-k and top-p are
+   applied by transformers' own logits warpers before sampling. ``decoder: generate`` calls
+   ``model.generate`` instead (prompts repeated ``n`` times), with a logits processor of ours
+   that records the same log-probs, for models whose forward the loop cannot drive;
 3. everything after the first EOS becomes padding with mask 0.
 
-The checkpoint's own ``generation_config`` (a repetition penalty, top-k 20, ...) is set aside
-during the call: the backend samples exactly with the experiment's ``SamplingParams``, so the
-recorded ``old_logprobs`` and the training loss refer to the same distribution.
+The checkpoint's own ``generation_config`` (a repetition penalty, top-k 20, ...) is never used:
+the backend samples exactly with the experiment's ``SamplingParams``, so the recorded
+``old_logprobs`` and the training loss refer to the same distribution.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,6 +51,12 @@ class HFBackend(Backend):
         use_cache: bool = Field(True, description="Use the KV cache while decoding.")
         add_special_tokens: bool = Field(
             True, description="Let the tokenizer add its special tokens (e.g. BOS) to prompts."
+        )
+        decoder: Literal["loop", "generate"] = Field(
+            "loop",
+            description="'loop': alignzoo's decode loop over the KV cache (one prefill per "
+            "prompt for its n samples); 'generate': transformers' model.generate (always used "
+            "when use_cache is false).",
         )
 
     def __init__(self, params: BaseModel | dict[str, Any] | None = None) -> None:
@@ -103,9 +111,10 @@ class HFBackend(Backend):
         chunks = []
         with _eval_mode(self.model), torch.no_grad():
             for start in range(0, len(prompts), size):
-                chunks.append(
-                    self._generate_chunk(prompt_tokens[start : start + size], n, sampling)
-                )
+                part = prompt_tokens[start : start + size]
+                use_loop = self.params.decoder == "loop" and self.params.use_cache
+                sample = self._decode_chunk if use_loop else self._generate_chunk
+                chunks.append(sample(part, n, sampling))
         pad = self._pad_id()
         prompt_ids = _pad_rows([c[0] for c in chunks], pad, left=True)
         prompt_mask = _pad_rows([c[1] for c in chunks], 0, left=True)
@@ -132,6 +141,96 @@ class HFBackend(Backend):
             old_logprobs=old_logprobs,
         )
 
+    def _left_padded(self, prompt_tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt ids and attention mask ``[b, P]``, left-padded to the longest prompt."""
+        pad = self._pad_id()
+        width = max(len(ids) for ids in prompt_tokens)
+        ids = torch.full((len(prompt_tokens), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompt_tokens), width), dtype=torch.long)
+        for row, tokens in enumerate(prompt_tokens):
+            ids[row, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, width - len(tokens) :] = 1
+        return ids, mask
+
+    def _decode_chunk(
+        self, prompt_tokens: list[list[int]], n: int, sampling: SamplingParams
+    ) -> tuple[torch.Tensor, ...]:
+        """Sample n continuations of each prompt with the decode loop; tensors as
+        :meth:`_generate_chunk` returns them."""
+        from transformers import DynamicCache
+
+        from alignzoo.engine.forward import forward_parameters
+
+        model, pad, eos_ids = self.model, self._pad_id(), self._eos_ids()
+        device = _model_device(model)
+        prompt_ids, prompt_mask = self._left_padded(prompt_tokens)
+        mask = prompt_mask.to(device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        takes = forward_parameters(model)
+        cache = DynamicCache(config=model.config)  # filled in place by every forward
+        with_cache = {"cache" if "cache" in takes else "past_key_values": cache, "use_cache": True}
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
+        out = model(
+            input_ids=prompt_ids.to(device),
+            attention_mask=mask,
+            position_ids=positions,
+            **with_cache,
+            **keep,
+        )  # one prefill per prompt: its n samples share the cache
+        logits = out.logits[:, -1].float()
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            mask = mask.repeat_interleave(n, dim=0)
+            positions = positions.repeat_interleave(n, dim=0)
+        position = positions[:, -1:] + 1
+        rows = logits.shape[0]
+        warpers = _warpers(sampling)
+        eos = torch.tensor(eos_ids, device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        tokens: list[torch.Tensor] = []
+        logprobs: list[torch.Tensor] = []
+        for t in range(sampling.max_new_tokens):
+            raw_logp = torch.log_softmax(logits, dim=-1)  # the policy's own distribution
+            if sampling.temperature == 0:
+                token = logits.argmax(dim=-1)
+            else:
+                scores = logits
+                for warper in warpers:
+                    scores = warper(None, scores)
+                token = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+            token = token.masked_fill(finished, pad)
+            tokens.append(token)
+            logprobs.append(raw_logp.gather(1, token.unsqueeze(1)).squeeze(1))
+            finished = finished | torch.isin(token, eos)
+            if t + 1 == sampling.max_new_tokens or bool(finished.all()):
+                break
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+            out = model(
+                input_ids=token.unsqueeze(1),
+                attention_mask=mask,
+                position_ids=position,
+                **with_cache,
+            )
+            logits = out.logits[:, -1].float()
+            position = position + 1
+        if tokens:
+            response = torch.stack(tokens, dim=1)
+            response_logprobs = torch.stack(logprobs, dim=1)
+        else:
+            response = torch.zeros((rows, 0), dtype=torch.long, device=device)
+            response_logprobs = torch.zeros((rows, 0), device=device)
+        response, response_mask = _cut_after_eos(response, eos_ids, pad)
+        response_logprobs = response_logprobs.masked_fill(response_mask == 0, 0.0)
+        ids = prompt_ids.repeat_interleave(n, dim=0)
+        return (
+            ids,
+            prompt_mask.repeat_interleave(n, dim=0),
+            response.cpu(),
+            response_mask.cpu(),
+            response_logprobs.float().cpu(),
+        )
+
     def _generate_chunk(
         self, prompt_tokens: list[list[int]], n: int, sampling: SamplingParams
     ) -> tuple[torch.Tensor, ...]:
@@ -141,12 +240,8 @@ class HFBackend(Backend):
         pad = self._pad_id()
         eos_ids = self._eos_ids()
         device = _model_device(self.model)
-        width = max(len(ids) for ids in prompt_tokens)
-        ids = torch.full((len(prompt_tokens), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompt_tokens), width), dtype=torch.long)
-        for row, tokens in enumerate(prompt_tokens):  # left padding
-            ids[row, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
-            mask[row, width - len(tokens) :] = 1
+        ids, mask = self._left_padded(prompt_tokens)
+        width = ids.shape[1]
         ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
 
         greedy = sampling.temperature == 0
@@ -201,16 +296,7 @@ class _SamplingProcessor:
     """
 
     def __init__(self, sampling: SamplingParams) -> None:
-        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        self.warpers: list[Any] = []
-        if sampling.temperature > 0:
-            if sampling.temperature != 1.0:
-                self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
-            if sampling.top_k > 0:
-                self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
-            if sampling.top_p < 1.0:
-                self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+        self.warpers = _warpers(sampling)
         self.token_logprobs: list[torch.Tensor] = []  # [B] per generated token, in order
         self.last: torch.Tensor | None = None  # [B, V] log-softmax of the latest step
 
@@ -231,6 +317,21 @@ class _SamplingProcessor:
         if length == 0:
             return torch.zeros_like(response, dtype=torch.float32)
         return torch.stack(self.token_logprobs[:length], dim=1)
+
+
+def _warpers(sampling: SamplingParams) -> list[Any]:
+    """transformers' logits warpers for the sampling parameters: temperature, top-k, top-p."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers: list[Any] = []
+    if sampling.temperature > 0:
+        if sampling.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k > 0:
+            warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+    return warpers
 
 
 def _cut_after_eos(

@@ -222,6 +222,25 @@ def test_extra_eos_from_the_checkpoint_generation_config_stops(policy_dirs):
     assert after.response_mask[0].sum() == 3 and after.response_ids.shape[1] == 3
 
 
+@pytest.mark.parametrize("policy", ["plain", "stopping"])
+def test_the_decode_loop_and_generate_agree_on_the_same_weights(policy_dirs, policy):
+    loop, model, _ = make_backend(policy_dirs[policy], decoder="loop")
+    generate, _, _ = make_backend(policy_dirs[policy], decoder="generate")
+    generate.sync_weights(model)  # the very same module
+    greedy = SamplingParams(temperature=0, max_new_tokens=7)
+    a, b = loop.generate(PROMPTS, [], 3, greedy), generate.generate(PROMPTS, [], 3, greedy)
+    assert a.prompt_ids.equal(b.prompt_ids) and a.prompt_mask.equal(b.prompt_mask)
+    assert a.response_ids.equal(b.response_ids) and a.response_mask.equal(b.response_mask)
+    torch.testing.assert_close(a.old_logprobs, b.old_logprobs, atol=1e-5, rtol=0)
+    # Sampled: both record the temperature-1 log-probs of what they sampled.
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=7)
+    for backend in (loop, generate):
+        torch.manual_seed(3)
+        batch = backend.generate(PROMPTS, [], 3, sampling)
+        expected = full_forward_logprobs(model, batch) * batch.response_mask
+        torch.testing.assert_close(batch.old_logprobs, expected, atol=1e-4, rtol=0)
+
+
 def test_generates_through_the_hook_and_with_a_peft_model(policy_dirs):
     peft = pytest.importorskip("peft")
     backend, model, _ = make_backend(policy_dirs["plain"])
