@@ -111,7 +111,11 @@ class ModelConfig(_Strict):
         None, description="Train LoRA adapters instead of every weight (peft); null trains all."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="'auto': bf16 autocast on GPU, fp32 on CPU."
+        "auto",
+        description="Precision of forward passes (autocast; weights and optimizer state stay "
+        "fp32). 'auto': bf16 on GPU, fp32 on CPU; 'bfloat16': bf16 on GPU and CPU (fast on a "
+        "CPU with AVX512-BF16 or AMX, emulated and slower elsewhere); 'float32': no autocast; "
+        "'float16': GPU only.",
     )
     attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = Field(
         "auto",

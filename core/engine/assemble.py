@@ -190,6 +190,9 @@ def assemble(
     mcfg = arm_spec.model
     path = model_loading.policy_path(mcfg, spec.data.task, log)
     models = model_loading.load_models(path, mcfg, devices, req.reference, req.critic, seed)
+    note = model_loading.precision_note(mcfg, models.device("actor"))
+    if note is not None:
+        log(note)
     context.models = models
 
     kind = mode.kind if not mode.online else "online"

@@ -131,12 +131,46 @@ def _load_kwargs(cfg: ModelConfig, device: str) -> dict[str, Any]:
     return kwargs
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX), where bf16 autocast
+    is faster than fp32; elsewhere torch emulates it, more slowly."""
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        check = getattr(torch.cpu, probe, None)
+        if callable(check) and check():
+            return True
+    return False
+
+
 def autocast_factory(cfg: ModelConfig, device: str) -> Callable[[], Any]:
-    """bf16 (or the asked dtype) autocast on GPU; plain fp32 on CPU."""
-    if device.startswith("cuda") and cfg.dtype != "float32":
+    """The mixed-precision context of the run's forward passes, from ``model.dtype``.
+
+    GPU: bf16 (or the asked dtype) autocast unless ``float32``. CPU: bf16 autocast when asked
+    for with ``bfloat16``, else plain fp32 (``auto``, ``float32``); ``float16`` is refused there.
+    The weights and the optimizer state stay fp32 either way.
+    """
+    if device.startswith("cuda"):
+        if cfg.dtype == "float32":
+            return contextlib.nullcontext
         dtype = _DTYPES.get(cfg.dtype, torch.bfloat16)
         return lambda: torch.autocast("cuda", dtype=dtype)
+    if cfg.dtype == "float16":
+        raise UserError(
+            f"model.dtype: float16 autocast is for GPUs, and the actor is on {device}; use "
+            "bfloat16 (fast where the CPU has AVX512-BF16 or AMX) or float32"
+        )
+    if cfg.dtype == "bfloat16":
+        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext
+
+
+def precision_note(cfg: ModelConfig, device: str) -> str | None:
+    """A line for the run's log when bf16 on this CPU will be slower than fp32."""
+    if cfg.dtype == "bfloat16" and not device.startswith("cuda") and not cpu_has_native_bf16():
+        return (
+            "model.dtype bfloat16: this CPU has no AVX512-BF16 or AMX, so torch emulates bf16 "
+            "and the run will be slower than in float32 (the numbers are bf16's all the same)"
+        )
+    return None
 
 
 def _from_pretrained(auto_cls: Any, path: str, what: str, **kwargs: Any) -> Any:

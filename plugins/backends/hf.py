@@ -22,6 +22,7 @@ the backend samples exactly with the experiment's ``SamplingParams``, so the rec
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,6 +65,7 @@ class HFBackend(Backend):
         self.model: Any = None
         self.tokenizer: Any = None
         self.device: str = "cpu"
+        self.autocast: Any = contextlib.nullcontext  # the run's precision (model.dtype)
 
     # ------------------------------------------------------------------ lifecycle
     @hookimpl
@@ -77,6 +79,8 @@ class HFBackend(Backend):
             )
         self.tokenizer = run.tokenizer
         self.device = rollout
+        models = getattr(run, "models", None)
+        self.autocast = getattr(models, "autocast", None) or contextlib.nullcontext
         if self.model is None and getattr(run, "actor", None) is not None:
             self.model = run.actor
 
@@ -109,7 +113,7 @@ class HFBackend(Backend):
 
         size = self.params.max_batch_size
         chunks = []
-        with _eval_mode(self.model), torch.no_grad():
+        with _eval_mode(self.model), torch.no_grad(), self.autocast():
             for start in range(0, len(prompts), size):
                 part = prompt_tokens[start : start + size]
                 use_loop = self.params.decoder == "loop" and self.params.use_cache
