@@ -26,7 +26,11 @@ def build_optimizer(
         groups.append(
             {"params": critic_params, "lr": cfg.critic_lr if cfg.critic_lr is not None else cfg.lr}
         )
-    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    params = [*actor_params, *critic_params]
+    # torch's fused AdamW (one kernel over all tensors) where it exists for the parameters'
+    # devices and dtypes; the update is AdamW's either way.
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
 
 def lr_factor(step: int, warmup: int, total: int | None, schedule: str) -> float:

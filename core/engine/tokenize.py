@@ -14,7 +14,10 @@ from alignzoo.batch import RolloutBatch
 
 
 def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[list[int]]:
-    return [tokenizer(t, add_special_tokens=special)["input_ids"] for t in texts]
+    """Token ids of each text, in one batched tokenizer call (no padding, no truncation)."""
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=special)["input_ids"]]
 
 
 def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

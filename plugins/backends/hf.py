@@ -113,10 +113,14 @@ class HFBackend(Backend):
 
         size = self.params.max_batch_size
         chunks = []
-        with _eval_mode(self.model), torch.no_grad(), self.autocast():
+        # A subclass may bring its own Params and lifecycle: defaults for what it lacks.
+        autocast = getattr(self, "autocast", None) or contextlib.nullcontext
+        decoder = getattr(self.params, "decoder", "loop")
+        use_cache = getattr(self.params, "use_cache", True)
+        with _eval_mode(self.model), torch.no_grad(), autocast():
             for start in range(0, len(prompts), size):
                 part = prompt_tokens[start : start + size]
-                use_loop = self.params.decoder == "loop" and self.params.use_cache
+                use_loop = decoder == "loop" and use_cache
                 sample = self._decode_chunk if use_loop else self._generate_chunk
                 chunks.append(sample(part, n, sampling))
         pad = self._pad_id()

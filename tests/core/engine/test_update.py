@@ -182,9 +182,11 @@ def test_offline_prompts_are_encoded_like_the_backend_encodes_them() -> None:
     class Tok:
         eos_token_id, pad_token_id = 1, 0
 
-        def __call__(self, text, add_special_tokens=True):
-            calls.append((text, add_special_tokens))
-            return {"input_ids": ([7] if add_special_tokens else []) + [ord(c) for c in text]}
+        def __call__(self, texts, add_special_tokens=True):  # batched, as the engine calls it
+            assert isinstance(texts, list)
+            calls.extend((text, add_special_tokens) for text in texts)
+            bos = [7] if add_special_tokens else []
+            return {"input_ids": [bos + [ord(c) for c in text] for text in texts]}
 
     batch = tokenized_batch(Tok(), ["ab"], ["c"], [{}], max_new_tokens=8)
     assert ("ab", True) in calls and ("c", False) in calls  # BOS on prompts, not on responses

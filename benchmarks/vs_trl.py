@@ -1,0 +1,395 @@
+"""alignzoo against TRL on the same work: GRPO, RLOO, DPO and KTO, side by side.
+
+Both frameworks train the same model folder on the same data files with the same settings
+(fp32, no reference for GRPO/RLOO (beta 0), one update per generation, AdamW, lr 1e-5, grad-norm
+clip 1.0, 8 prompts x 8 samples of at most 6 new tokens at temperature 1; DPO and KTO offline,
+32 pairs / 32 rows a step, beta 0.1, a reference forward every step). Every run is a fresh
+process, and the frameworks alternate (alignzoo, TRL, alignzoo, TRL, ...) so that drift of the
+machine hits both. Reported per work item: median seconds per step (intervals between step ends
+from step 3 on), samples per second, peak RSS, and TRL / alignzoo; on the ~25M model also the
+share of the machine's fp32 matmul limit (a plain torch matmul, measured in the same run) that
+the step's useful arithmetic reaches.
+
+    .venv/bin/python benchmarks/vs_trl.py [--steps 25] [--repeats 2]
+        [--models embedded,25m] [--algorithms grpo,rloo,dpo,kto] [--json results.json]
+
+Needs the bench extra (TRL 1.16.0). Takes about 20 minutes on 2 CPU cores with the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+ONLINE = ("grpo", "rloo")
+PROMPTS, SAMPLES, NEW_TOKENS, PAIRS = 8, 8, 6, 32
+LR = 1e-5
+MODEL_25M = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "intermediate_size": 1408}
+
+
+# --------------------------------------------------------------------------- setup (parent)
+
+
+def prepare_models(root: Path, names: list[str]) -> dict[str, Path]:
+    """The model folders: the embedded warm start, and a ~25M-parameter Qwen2 (random init,
+    the same tokenizer) saved with save_pretrained."""
+    from alignzoo.config.schema import EmbeddedModelConfig, ModelConfig, TaskConfig
+    from alignzoo.world.model import build_model, save_policy
+    from alignzoo.world.tokenizer import build_tokenizer
+    from alignzoo.world.warmstart import ensure_policy
+
+    folders: dict[str, Path] = {}
+    if "embedded" in names:
+        folders["embedded"] = ensure_policy(ModelConfig(), TaskConfig(), log=lambda _: None)
+    if "25m" in names:
+        tokenizer = build_tokenizer()
+        model = build_model(EmbeddedModelConfig(**MODEL_25M, seed=0), tokenizer)
+        folders["25m"] = save_policy(model, tokenizer, root / "model-25m")
+    return folders
+
+
+def prepare_data(root: Path) -> dict[str, Path]:
+    """The embedded task's train rows as jsonl files, one per kind of data, read by both."""
+    from alignzoo.config.schema import DataConfig
+    from alignzoo.engine.datasets import load_split
+
+    files = {}
+    for kind in ("online", "preference", "unpaired"):
+        path = root / f"{kind}.jsonl"
+        rows = load_split(DataConfig(), "train", kind)
+        with path.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        files[kind] = path
+    return files
+
+
+def matmul_limit_gflops(size: int = 2048, repeats: int = 20) -> float:
+    """fp32 GFLOP/s of a plain square torch matmul on this machine's default threads."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e9
+
+
+def parameter_count(folder: Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+
+
+# --------------------------------------------------------------------------- workers (child)
+
+
+def reward_correct(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    """TRL's reward-function signature over the embedded task: 1 for the right answer."""
+    from alignzoo.world.task import is_correct
+
+    return [1.0 if is_correct(c, a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def run_alignzoo(algorithm: str, model: Path, data: dict[str, Path], steps: int, out: Path):
+    import yaml
+
+    from alignzoo.config.loader import load_experiment
+    from alignzoo.engine.loop import run_one
+
+    online = algorithm in ONLINE
+    params: dict[str, Any] = {"grpo": {"beta": 0.0}, "rloo": {"kl_coef": 0.0}}.get(algorithm, {})
+    if algorithm == "dpo":
+        params = {"beta": 0.1, "loss_type": "sigmoid"}
+    if algorithm == "kto":
+        params = {"beta": 0.1}
+    kind = "online" if online else {"dpo": "preference", "kto": "unpaired"}[algorithm]
+    spec = {
+        "name": "vs_trl",
+        "seeds": [0],
+        "budget": {"steps": steps},
+        "model": {"policy": str(model)},
+        "data": {"train": str(data[kind]), "eval": str(data["online"])},
+        "training": {
+            "lr": LR,
+            "prompts_per_step": PROMPTS if online else PAIRS,
+            "samples_per_prompt": SAMPLES if online else 1,
+            "micro_batch_size": 128,
+            "checkpoint_every": steps,
+            "sampling": {"temperature": 1.0, "max_new_tokens": NEW_TOKENS},
+        },
+        "evaluation": {"every": 10 * steps, "num_prompts": 1},
+        "logging": {"sinks": ["jsonl"]},
+        "arms": {
+            "a": {"algorithm": {"name": algorithm, "params": params}, "online": online}
+            if algorithm not in ONLINE
+            else {"algorithm": {"name": algorithm, "params": params}}
+        },
+    }
+    path = out / "experiment.yaml"
+    path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    summary = run_one(load_experiment(path), "a", 0, out / "run")
+    if summary.status != "finished":
+        raise SystemExit(f"alignzoo {algorithm} failed: {summary.error}")
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").open()]
+    lengths = [r.get("response_length/mean", 0.0) for r in rows]
+    return [r["time_s"] for r in rows], statistics.mean(lengths)
+
+
+def run_trl(algorithm: str, model_dir: Path, data: dict[str, Path], steps: int, out: Path):
+    import datasets
+    import transformers
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ends: list[float] = []
+
+    class StepEnds(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            ends.append(time.perf_counter())
+
+    common = dict(
+        output_dir=str(out / "trl"),
+        max_steps=steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        gradient_accumulation_steps=1,
+        logging_steps=10 * steps,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    online = algorithm in ONLINE
+    kind = "online" if online else {"dpo": "preference", "kto": "unpaired"}[algorithm]
+    dataset = datasets.load_dataset("json", data_files=str(data[kind]), split="train")
+    sampling = dict(
+        per_device_train_batch_size=PROMPTS * SAMPLES,
+        num_generations=SAMPLES,
+        max_completion_length=NEW_TOKENS,
+        temperature=1.0,
+        beta=0.0,
+        num_iterations=1,
+    )
+    if algorithm == "grpo":
+        args = trl.GRPOConfig(**common, **sampling, loss_type="grpo")
+        trainer: Any = trl.GRPOTrainer(
+            model=model,
+            reward_funcs=[reward_correct],
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    elif algorithm == "rloo":
+        args = trl.RLOOConfig(**common, **sampling)
+        trainer = trl.RLOOTrainer(
+            model=model,
+            reward_funcs=[reward_correct],
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    elif algorithm == "dpo":
+        args = trl.DPOConfig(
+            **common, per_device_train_batch_size=PAIRS, beta=0.1, loss_type=["sigmoid"]
+        )
+        trainer = trl.DPOTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
+    else:
+        args = trl.KTOConfig(**common, per_device_train_batch_size=PAIRS, beta=0.1)
+        trainer = trl.KTOTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
+    trainer.add_callback(StepEnds())
+    start = time.perf_counter()
+    trainer.train()
+    return [t - start for t in ends], float("nan")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss, not inherited from the
+    parent that forked it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker(argv: list[str]) -> None:
+    framework, algorithm, model, data_json, steps, out = argv
+    data = {k: Path(v) for k, v in json.loads(data_json).items()}
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runner = run_alignzoo if framework == "alignzoo" else run_trl
+    ends, response_length = runner(algorithm, Path(model), data, int(steps), out_dir)
+    peak = peak_rss_mb()
+    (out_dir / "result.json").write_text(
+        json.dumps({"ends": ends, "peak_rss_mb": peak, "response_length": response_length})
+    )
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def step_seconds(ends: list[float]) -> float:
+    """Median interval between step ends from step 3 on (the first steps pay one-off costs)."""
+    intervals = [b - a for a, b in itertools.pairwise(ends)][1:]
+    if not intervals:
+        raise SystemExit("too few steps to time: use --steps 5 or more")
+    return statistics.median(intervals)
+
+
+def measure(
+    framework: str, algorithm: str, model: Path, data: dict[str, Path], steps: int, tmp: Path
+):
+    out = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{framework}-{algorithm}-"))
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    env["ALIGNZOO_CACHE"] = os.environ.get("ALIGNZOO_CACHE", str(tmp / "cache"))
+    data_json = json.dumps({k: str(v) for k, v in data.items()})
+    cmd = [sys.executable, str(HERE), "_worker", framework, algorithm, str(model), data_json]
+    proc = subprocess.run([*cmd, str(steps), str(out)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{framework} {algorithm} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads((out / "result.json").read_text())
+    result["seconds"] = step_seconds(result["ends"])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--models", default="embedded,25m")
+    parser.add_argument("--algorithms", default="grpo,rloo,dpo,kto")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    models, algorithms = args.models.split(","), args.algorithms.split(",")
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        os.environ.setdefault("ALIGNZOO_CACHE", str(tmp / "cache"))
+        folders = prepare_models(tmp, models)
+        data = prepare_data(tmp)
+        limit = matmul_limit_gflops()
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; fp32 matmul "
+            f"limit {limit:.0f} GFLOP/s (2048^2, median of 20)"
+        )
+        results = []
+        for name in models:
+            params = parameter_count(folders[name])
+            for algorithm in algorithms:
+                before = matmul_limit_gflops()
+                runs: dict[str, list[dict]] = {"alignzoo": [], "trl": []}
+                for _ in range(args.repeats):
+                    for framework in ("alignzoo", "trl"):
+                        runs[framework].append(
+                            measure(framework, algorithm, folders[name], data, args.steps, tmp)
+                        )
+                # The limit this work item's share is taken of: the higher of the measurements
+                # just before and just after it (a slow moment of the machine makes it lower).
+                item_limit = max(before, matmul_limit_gflops())
+                row = summarise(name, params, algorithm, runs, item_limit, folders[name], data)
+                row["limit_gflops"] = item_limit
+                results.append(row)
+                print_row(row)
+        limit_after = matmul_limit_gflops()
+        print(f"fp32 matmul limit at the end: {limit_after:.0f} GFLOP/s")
+        if args.json is not None:
+            args.json.write_text(
+                json.dumps({"limit_gflops": [limit, limit_after], "rows": results}, indent=1)
+            )
+
+
+def useful_gflop(
+    params: int, algorithm: str, folder: Path, data: dict[str, Path], response: float
+) -> float:
+    """The arithmetic a step cannot avoid, 2 FLOP per parameter per token per forward pass
+    (backward twice that): online, one forward over prompt + response in generation and a
+    forward and backward in the update (8 N T); offline, the policy's forward and backward
+    and the reference's forward over both sequences (8 N T as well)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    kind = "online" if algorithm in ONLINE else {"dpo": "preference", "kto": "unpaired"}[algorithm]
+    rows = [json.loads(line) for line in data[kind].open()][:256]
+    prompt = statistics.mean(len(tokenizer(r["prompt"])["input_ids"]) for r in rows)
+    if algorithm in ONLINE:
+        tokens = PROMPTS * SAMPLES * (prompt + response)
+    else:
+        key = "chosen" if algorithm == "dpo" else "completion"
+        completion = statistics.mean(len(tokenizer(r[key])["input_ids"]) + 1 for r in rows)
+        sequences = 2 * PAIRS if algorithm == "dpo" else PAIRS
+        tokens = sequences * (prompt + completion)
+    return 8 * params * tokens / 1e9
+
+
+def summarise(name, params, algorithm, runs, limit, folder, data) -> dict[str, Any]:
+    samples = PROMPTS * SAMPLES if algorithm in ONLINE else PAIRS
+    row: dict[str, Any] = {"model": name, "params": params, "algorithm": algorithm}
+    for framework, results in runs.items():
+        seconds = statistics.median(r["seconds"] for r in results)
+        row[framework] = {
+            "s_per_step": seconds,
+            "samples_per_s": samples / seconds,
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+            "each_run_s": [r["seconds"] for r in results],
+        }
+    row["trl_over_alignzoo"] = row["trl"]["s_per_step"] / row["alignzoo"]["s_per_step"]
+    if name != "embedded":
+        response = statistics.mean(r["response_length"] for r in runs["alignzoo"])
+        gflop = useful_gflop(params, algorithm, folder, data, response)
+        row["useful_gflop"] = gflop
+        for framework in runs:
+            row[framework]["share_of_limit"] = gflop / row[framework]["s_per_step"] / limit
+    return row
+
+
+def print_row(row: dict[str, Any]) -> None:
+    a, t = row["alignzoo"], row["trl"]
+    share = ""
+    if "useful_gflop" in row:
+        share = (
+            f"  share of the {row['limit_gflops']:.0f} GFLOP/s limit "
+            f"{a['share_of_limit']:.0%} vs {t['share_of_limit']:.0%}"
+        )
+    print(
+        f"{row['model']:9s} {row['algorithm']:5s} alignzoo {a['s_per_step'] * 1000:7.1f} ms "
+        f"({a['samples_per_s']:6.0f}/s, {a['peak_rss_mb']:5.0f} MB)  TRL "
+        f"{t['s_per_step'] * 1000:7.1f} ms ({t['samples_per_s']:6.0f}/s, {t['peak_rss_mb']:5.0f} MB)"
+        f"  TRL/alignzoo {row['trl_over_alignzoo']:.2f}{share}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_worker":
+        worker(sys.argv[2:])
+    else:
+        main()
