@@ -12,6 +12,10 @@ the step's useful arithmetic reaches.
 
     .venv/bin/python benchmarks/vs_trl.py [--steps 25] [--repeats 2]
         [--models embedded,25m] [--algorithms grpo,rloo,dpo,kto] [--json results.json]
+        [--dtype float32|bfloat16] [--frameworks alignzoo,trl]
+
+``--dtype bfloat16`` runs both under bf16 autocast (alignzoo's ``model.dtype``, TRL's ``bf16``):
+fast only on a CPU with AVX512-BF16 or AMX.
 
 Needs the bench extra (TRL 1.16.0). Takes about 20 minutes on 2 CPU cores with the defaults.
 """
@@ -106,7 +110,9 @@ def reward_correct(completions: list[str], answer: list[str], **_: Any) -> list[
     return [1.0 if is_correct(c, a) else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
-def run_alignzoo(algorithm: str, model: Path, data: dict[str, Path], steps: int, out: Path):
+def run_alignzoo(
+    algorithm: str, model: Path, data: dict[str, Path], steps: int, out: Path, dtype: str
+):
     import yaml
 
     from alignzoo.config.loader import load_experiment
@@ -123,7 +129,7 @@ def run_alignzoo(algorithm: str, model: Path, data: dict[str, Path], steps: int,
         "name": "vs_trl",
         "seeds": [0],
         "budget": {"steps": steps},
-        "model": {"policy": str(model)},
+        "model": {"policy": str(model), "dtype": dtype},
         "data": {"train": str(data[kind]), "eval": str(data["online"])},
         "training": {
             "lr": LR,
@@ -151,7 +157,9 @@ def run_alignzoo(algorithm: str, model: Path, data: dict[str, Path], steps: int,
     return [r["time_s"] for r in rows], statistics.mean(lengths)
 
 
-def run_trl(algorithm: str, model_dir: Path, data: dict[str, Path], steps: int, out: Path):
+def run_trl(
+    algorithm: str, model_dir: Path, data: dict[str, Path], steps: int, out: Path, dtype: str
+):
     import datasets
     import transformers
     import trl
@@ -176,7 +184,7 @@ def run_trl(algorithm: str, model_dir: Path, data: dict[str, Path], steps: int, 
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=False,
+        bf16=dtype == "bfloat16",
         fp16=False,
         seed=0,
         dataloader_num_workers=0,
@@ -241,12 +249,12 @@ def peak_rss_mb() -> float:
 
 
 def worker(argv: list[str]) -> None:
-    framework, algorithm, model, data_json, steps, out = argv
+    framework, algorithm, model, data_json, steps, out, dtype = argv
     data = {k: Path(v) for k, v in json.loads(data_json).items()}
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = run_alignzoo if framework == "alignzoo" else run_trl
-    ends, response_length = runner(algorithm, Path(model), data, int(steps), out_dir)
+    ends, response_length = runner(algorithm, Path(model), data, int(steps), out_dir, dtype)
     peak = peak_rss_mb()
     (out_dir / "result.json").write_text(
         json.dumps({"ends": ends, "peak_rss_mb": peak, "response_length": response_length})
@@ -265,14 +273,22 @@ def step_seconds(ends: list[float]) -> float:
 
 
 def measure(
-    framework: str, algorithm: str, model: Path, data: dict[str, Path], steps: int, tmp: Path
-):
+    framework: str,
+    algorithm: str,
+    model: Path,
+    data: dict[str, Path],
+    steps: int,
+    tmp: Path,
+    dtype: str = "float32",
+) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{framework}-{algorithm}-"))
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
     env["ALIGNZOO_CACHE"] = os.environ.get("ALIGNZOO_CACHE", str(tmp / "cache"))
     data_json = json.dumps({k: str(v) for k, v in data.items()})
     cmd = [sys.executable, str(HERE), "_worker", framework, algorithm, str(model), data_json]
-    proc = subprocess.run([*cmd, str(steps), str(out)], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [*cmd, str(steps), str(out), dtype], env=env, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{framework} {algorithm} failed:\n{proc.stderr[-4000:]}")
     result = json.loads((out / "result.json").read_text())
@@ -287,6 +303,8 @@ def main() -> None:
     parser.add_argument("--models", default="embedded,25m")
     parser.add_argument("--algorithms", default="grpo,rloo,dpo,kto")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--frameworks", default="alignzoo,trl")
     args = parser.parse_args()
     models, algorithms = args.models.split(","), args.algorithms.split(",")
     import torch
@@ -306,11 +324,19 @@ def main() -> None:
             params = parameter_count(folders[name])
             for algorithm in algorithms:
                 before = matmul_limit_gflops()
-                runs: dict[str, list[dict]] = {"alignzoo": [], "trl": []}
+                runs: dict[str, list[dict]] = {f: [] for f in args.frameworks.split(",")}
                 for _ in range(args.repeats):
-                    for framework in ("alignzoo", "trl"):
+                    for framework in runs:
                         runs[framework].append(
-                            measure(framework, algorithm, folders[name], data, args.steps, tmp)
+                            measure(
+                                framework,
+                                algorithm,
+                                folders[name],
+                                data,
+                                args.steps,
+                                tmp,
+                                args.dtype,
+                            )
                         )
                 # The limit this work item's share is taken of: the higher of the measurements
                 # just before and just after it (a slow moment of the machine makes it lower).
@@ -361,8 +387,9 @@ def summarise(name, params, algorithm, runs, limit, folder, data) -> dict[str, A
             "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
             "each_run_s": [r["seconds"] for r in results],
         }
-    row["trl_over_alignzoo"] = row["trl"]["s_per_step"] / row["alignzoo"]["s_per_step"]
-    if name != "embedded":
+    if "trl" in runs and "alignzoo" in runs:
+        row["trl_over_alignzoo"] = row["trl"]["s_per_step"] / row["alignzoo"]["s_per_step"]
+    if name != "embedded" and "alignzoo" in runs:
         response = statistics.mean(r["response_length"] for r in runs["alignzoo"])
         gflop = useful_gflop(params, algorithm, folder, data, response)
         row["useful_gflop"] = gflop
@@ -372,20 +399,20 @@ def summarise(name, params, algorithm, runs, limit, folder, data) -> dict[str, A
 
 
 def print_row(row: dict[str, Any]) -> None:
-    a, t = row["alignzoo"], row["trl"]
-    share = ""
-    if "useful_gflop" in row:
-        share = (
-            f"  share of the {row['limit_gflops']:.0f} GFLOP/s limit "
-            f"{a['share_of_limit']:.0%} vs {t['share_of_limit']:.0%}"
-        )
-    print(
-        f"{row['model']:9s} {row['algorithm']:5s} alignzoo {a['s_per_step'] * 1000:7.1f} ms "
-        f"({a['samples_per_s']:6.0f}/s, {a['peak_rss_mb']:5.0f} MB)  TRL "
-        f"{t['s_per_step'] * 1000:7.1f} ms ({t['samples_per_s']:6.0f}/s, {t['peak_rss_mb']:5.0f} MB)"
-        f"  TRL/alignzoo {row['trl_over_alignzoo']:.2f}{share}",
-        flush=True,
-    )
+    cells = [f"{row['model']:9s} {row['algorithm']:5s}"]
+    for framework in ("alignzoo", "trl"):
+        if framework in row:
+            r = row[framework]
+            share = f", {r['share_of_limit']:.0%} of the limit" if "share_of_limit" in r else ""
+            cells.append(
+                f"{framework} {r['s_per_step'] * 1000:7.1f} ms ({r['samples_per_s']:6.0f}/s, "
+                f"{r['peak_rss_mb']:5.0f} MB{share})"
+            )
+    if "trl_over_alignzoo" in row:
+        cells.append(f"TRL/alignzoo {row['trl_over_alignzoo']:.2f}")
+    if "limit_gflops" in row and "useful_gflop" in row:
+        cells.append(f"limit {row['limit_gflops']:.0f} GFLOP/s")
+    print("  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

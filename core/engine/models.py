@@ -168,7 +168,8 @@ def precision_note(cfg: ModelConfig, device: str) -> str | None:
     if cfg.dtype == "bfloat16" and not device.startswith("cuda") and not cpu_has_native_bf16():
         return (
             "model.dtype bfloat16: this CPU has no AVX512-BF16 or AMX, so torch emulates bf16 "
-            "and the run will be slower than in float32 (the numbers are bf16's all the same)"
+            "and the run will be much slower than in float32 (about 30 times, measured on a "
+            "25.8M Qwen2 on an AVX2-only CPU); the numbers are bf16's all the same"
         )
     return None
 
