@@ -203,34 +203,27 @@ def run_trl(
         beta=0.0,
         num_iterations=1,
     )
-    if algorithm == "grpo":
-        args = trl.GRPOConfig(**common, **sampling, loss_type="grpo")
-        trainer: Any = trl.GRPOTrainer(
+    if online:  # GRPO (TRL's loss_type "grpo" is alignzoo's default aggregation) or RLOO
+        config_cls, trainer_cls = {
+            "grpo": (trl.GRPOConfig, trl.GRPOTrainer),
+            "rloo": (trl.RLOOConfig, trl.RLOOTrainer),
+        }[algorithm]
+        extra: dict[str, Any] = {"loss_type": "grpo"} if algorithm == "grpo" else {}
+        trainer: Any = trainer_cls(
             model=model,
             reward_funcs=[reward_correct],
-            args=args,
+            args=config_cls(**common, **sampling, **extra),
             train_dataset=dataset,
             processing_class=tokenizer,
         )
-    elif algorithm == "rloo":
-        args = trl.RLOOConfig(**common, **sampling)
-        trainer = trl.RLOOTrainer(
-            model=model,
-            reward_funcs=[reward_correct],
-            args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-        )
-    elif algorithm == "dpo":
-        args = trl.DPOConfig(
-            **common, per_device_train_batch_size=PAIRS, beta=0.1, loss_type=["sigmoid"]
-        )
-        trainer = trl.DPOTrainer(
-            model=model, args=args, train_dataset=dataset, processing_class=tokenizer
-        )
-    else:
-        args = trl.KTOConfig(**common, per_device_train_batch_size=PAIRS, beta=0.1)
-        trainer = trl.KTOTrainer(
+    else:  # DPO (sigmoid) or KTO, offline, PAIRS rows a step
+        config_cls, trainer_cls = {
+            "dpo": (trl.DPOConfig, trl.DPOTrainer),
+            "kto": (trl.KTOConfig, trl.KTOTrainer),
+        }[algorithm]
+        extra = {"loss_type": ["sigmoid"]} if algorithm == "dpo" else {}
+        args = config_cls(**common, per_device_train_batch_size=PAIRS, beta=0.1, **extra)
+        trainer = trainer_cls(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer
         )
     trainer.add_callback(StepEnds())
