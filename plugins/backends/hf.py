@@ -175,7 +175,10 @@ class HFBackend(Backend):
         mask = prompt_mask.to(device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         takes = forward_parameters(model)
-        cache = DynamicCache(config=model.config)  # filled in place by every forward
+        try:  # filled in place by every forward
+            cache = DynamicCache(config=model.config)
+        except TypeError:  # older transformers: the cache builds its layers lazily, no config
+            cache = DynamicCache()
         with_cache = {"cache" if "cache" in takes else "past_key_values": cache, "use_cache": True}
         keep = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
         out = model(
