@@ -119,11 +119,15 @@ def run_alignzoo(
     from alignzoo.engine.loop import run_one
 
     online = algorithm in ONLINE
-    params: dict[str, Any] = {"grpo": {"beta": 0.0}, "rloo": {"kl_coef": 0.0}}.get(algorithm, {})
-    if algorithm == "dpo":
-        params = {"beta": 0.1, "loss_type": "sigmoid"}
-    if algorithm == "kto":
-        params = {"beta": 0.1}
+    params = {
+        "grpo": {"beta": 0.0},
+        "rloo": {"kl_coef": 0.0},
+        "dpo": {"beta": 0.1, "loss_type": "sigmoid"},
+        "kto": {"beta": 0.1},
+    }[algorithm]
+    arm: dict[str, Any] = {"algorithm": {"name": algorithm, "params": params}}
+    if not online:
+        arm["online"] = False
     kind = "online" if online else {"dpo": "preference", "kto": "unpaired"}[algorithm]
     spec = {
         "name": "vs_trl",
@@ -141,11 +145,7 @@ def run_alignzoo(
         },
         "evaluation": {"every": 10 * steps, "num_prompts": 1},
         "logging": {"sinks": ["jsonl"]},
-        "arms": {
-            "a": {"algorithm": {"name": algorithm, "params": params}, "online": online}
-            if algorithm not in ONLINE
-            else {"algorithm": {"name": algorithm, "params": params}}
-        },
+        "arms": {"a": arm},
     }
     path = out / "experiment.yaml"
     path.write_text(yaml.safe_dump(spec), encoding="utf-8")

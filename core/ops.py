@@ -137,13 +137,16 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def logprobs_and_entropy(
-    logits: torch.Tensor, tokens: torch.Tensor
+    logits: torch.Tensor, tokens: torch.Tensor, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` from one log-softmax."""
+    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` from one log-softmax;
+    ``entropy_grad=False`` computes the entropy without gradients (for metrics only)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
-    finite_logp = logp.clamp(min=torch.finfo(logp.dtype).min)
-    return chosen, -(logp.exp() * finite_logp).sum(-1)
+    if entropy_grad:
+        return chosen, _entropy_of_logp(logp)
+    with torch.no_grad():
+        return chosen, _entropy_of_logp(logp.detach())
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -152,7 +155,11 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     Tokens with probability 0 (logit -inf: a masked vocabulary entry) contribute 0 (as
     ``0 log 0 = 0``), and so does their gradient, instead of ``0 * -inf = NaN``.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    return _entropy_of_logp(torch.log_softmax(logits.float(), dim=-1))
+
+
+def _entropy_of_logp(logp: torch.Tensor) -> torch.Tensor:
+    """``-sum p log p`` over the last dim of log-probs, with ``0 log 0 = 0``."""
     finite_logp = logp.clamp(min=torch.finfo(logp.dtype).min)
     return -(logp.exp() * finite_logp).sum(-1)
 

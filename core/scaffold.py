@@ -85,7 +85,7 @@ class ${cls}Labeler(Labeler):
         "Backend",
         '''"""$title: a rollout backend. Start here: generate and sync_weights."""
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from alignzoo import hookimpl
 from alignzoo.plugins.backends.hf import HFBackend
@@ -94,12 +94,8 @@ from alignzoo.plugins.backends.hf import HFBackend
 class ${cls}Backend(HFBackend):
     """Hugging Face generate with a cap on prompts per call (edit me: override generate)."""
 
-    class Params(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
+    class Params(HFBackend.Params):  # every hf setting (decoder, use_cache, ...), and:
         max_batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
-        use_cache: bool = Field(True, description="Use the KV cache while decoding.")
-        add_special_tokens: bool = Field(True, description="Let the tokenizer add BOS etc.")
 
     @hookimpl
     def generate(self, prompts, extras, n, sampling):

@@ -98,13 +98,9 @@ def policy_forward(
     """
     logits = response_logits(model, batch, autocast)
     tokens = batch.response_ids.to(logits.device)
-    if entropy:
-        return logprobs_and_entropy(logits, tokens)
-    logprobs = logprobs_from_logits(logits, tokens)
-    if not detached_entropy:
-        return logprobs, None
-    with torch.no_grad():
-        return logprobs, logprobs_and_entropy(logits.detach(), tokens)[1]
+    if entropy or detached_entropy:
+        return logprobs_and_entropy(logits, tokens, entropy_grad=entropy)
+    return logprobs_from_logits(logits, tokens), None
 
 
 def critic_forward(

@@ -113,11 +113,10 @@ class HFBackend(Backend):
 
         size = self.params.max_batch_size
         chunks = []
-        # A subclass may bring its own Params and lifecycle: defaults for what it lacks.
-        autocast = getattr(self, "autocast", None) or contextlib.nullcontext
+        # A subclass may bring Params of its own: defaults for the fields it lacks.
         decoder = getattr(self.params, "decoder", "loop")
         use_cache = getattr(self.params, "use_cache", True)
-        with _eval_mode(self.model), torch.no_grad(), autocast():
+        with _eval_mode(self.model), torch.no_grad(), self.autocast():
             for start in range(0, len(prompts), size):
                 part = prompt_tokens[start : start + size]
                 use_loop = decoder == "loop" and use_cache
