@@ -25,7 +25,13 @@ class RolloutBatch:
         group_ids ``[B]`` long: samples of one prompt share an id (GRPO groups, DPO pairs).
     Texts (lists of length B): prompts, responses, extras (dataset columns for the labeler).
     Filled by later stages (None until then):
-        old_logprobs ``[B, R]``: log-probs under the policy that sampled (behaviour policy).
+        old_logprobs ``[B, R]``: log-probs under the policy that sampled (behaviour policy),
+            computed by the trainer's own forward pass.
+        rollout_logprobs ``[B, R]``: the log-probs the rollout backend recorded while sampling
+            (its own numbers, which may differ from the trainer's: ``rollout/logprob_diff``).
+        rollout_is_weights ``[B, R]``: truncated importance weights of the trainer's behaviour
+            policy over the backend's (``training.rollout_correction``), applied by
+            policy-gradient algorithms to their surrogate; None when the correction is off.
         ref_logprobs ``[B, R]``: log-probs under the frozen reference policy.
         values ``[B, R]``: critic values at rollout time (PPO).
         scores ``[B]``: the labeler's sequence rewards; score_valid ``[B]`` bool.
@@ -50,6 +56,8 @@ class RolloutBatch:
     responses: list[str] = field(default_factory=list)
     extras: list[dict[str, Any]] = field(default_factory=list)
     old_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None

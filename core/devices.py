@@ -8,8 +8,12 @@ imported only inside the function, so importing this module stays cheap.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
 
 from alignzoo.errors import UserError
+from alignzoo.types import Placement
 
 
 def available_devices() -> list[str]:
@@ -48,3 +52,51 @@ def check_device(role: str, device: str, available: Sequence[str], where: str = 
             f"this machine; available devices: {', '.join(known) or 'none'}"
         )
     return name
+
+
+def check_placement(
+    role: str, placement: Any, available: Sequence[str], where: str = "devices"
+) -> Placement:
+    """Validate ``placement`` (a device string, a mapping or a :class:`Placement`) for ``role``.
+
+    Returns the canonical Placement: every device of its tensor-parallel group exists here, a
+    ``gpu_share`` or a ``tensor_parallel_size`` above 1 is only on a GPU. Raises UserError
+    naming ``where``, the role and what was expected.
+    """
+    if isinstance(placement, str):
+        placement = Placement(device=placement)
+    elif isinstance(placement, dict):
+        try:
+            placement = Placement.model_validate(placement)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'placement'}: {e['msg']}"
+                for e in exc.errors()
+            )
+            raise UserError(f"{where}: role '{role}': {problems}") from None
+    elif not isinstance(placement, Placement):
+        raise UserError(
+            f"{where}: role '{role}' was placed on {placement!r}; expected a device name or a "
+            "placement {device, gpu_share, tensor_parallel_size}"
+        )
+    device = check_device(role, placement.device, available, where)
+    on_gpu = device.startswith("cuda")
+    if not on_gpu and placement.gpu_share is not None:
+        raise UserError(
+            f"{where}: role '{role}' has gpu_share {placement.gpu_share} on {device}; a share "
+            "of memory applies to GPUs only (leave gpu_share unset)"
+        )
+    if not on_gpu and placement.tensor_parallel_size > 1:
+        raise UserError(
+            f"{where}: role '{role}' has tensor_parallel_size {placement.tensor_parallel_size} "
+            f"on {device}; tensor parallelism shards over GPUs only"
+        )
+    placement = placement.model_copy(update={"device": device})
+    for extra in placement.devices()[1:]:
+        check_device(
+            role,
+            extra,
+            available,
+            where=f"{where} (tensor_parallel_size {placement.tensor_parallel_size} from {device})",
+        )
+    return placement

@@ -60,9 +60,11 @@ if TYPE_CHECKING:
         LabelRequest,
         LossContext,
         LossOutput,
+        Placement,
         SamplingParams,
         Score,
     )
+    from alignzoo.weights import PolicyWeights
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 
@@ -158,21 +160,30 @@ def generate(
 
     Returns a :class:`RolloutBatch` of ``B = len(prompts) * n`` samples, grouped by prompt
     (``group_ids[i] == i // n``), with ``prompt_ids``, ``response_ids``, ``response_mask``,
-    the texts and ``extras`` repeated per sample; ``old_logprobs`` ``[B, R]`` may be set (the
-    engine recomputes them with the trainer's forward pass). ``sampling.temperature == 0``
-    decodes greedily (evaluation). Called by the engine at each training step of an online arm
-    and at each evaluation.
+    the texts and ``extras`` repeated per sample. ``rollout_logprobs`` ``[B, R]`` may be set:
+    the log-probs the backend's own engine gave the sampled tokens (raw logits, before
+    temperature and filtering). The engine then computes the behaviour log-probs with the
+    trainer's forward pass, logs ``rollout/logprob_diff`` between the two, and applies the arm's
+    ``training.rollout_correction`` (``old_logprobs``, the former name of this field, is
+    read as ``rollout_logprobs``). ``sampling.temperature == 0`` decodes greedily (evaluation).
+    Called by the engine at each training step of an online arm and at each evaluation.
     """
 
 
 @hookspec
-def sync_weights(model: Any) -> None:
-    """Make the backend sample from ``model``'s current weights (the actor module).
+def sync_weights(weights: PolicyWeights) -> None:
+    """Make the backend sample from the actor's current weights.
 
-    Called once when the run starts (after ``on_run_start``) and after each training step's
-    update (a step may hold several optimizer steps). A backend that shares the trainer's
-    module (Hugging Face ``generate``) keeps a reference; one with its own copy loads the
-    weights.
+    ``weights`` is a :class:`alignzoo.weights.PolicyWeights`: ``weights.version`` (the
+    optimizer steps applied so far: 0 at the start) and ``weights.named_tensors(dtype=...,
+    device=...)``, the ``(name, tensor)`` pairs of the policy's plain Hugging Face checkpoint
+    (LoRA merged, FSDP2 shards gathered), produced lazily. A backend with its own copy of the
+    policy loads them (``load_state_dict``, a vLLM engine's weight loader); one that samples
+    with the trainer's own module in this process notes the version and reads nothing.
+
+    Called once when the run starts (after ``on_run_start``), after a resumed run has loaded
+    its checkpoint, and after each training step's update (a step may hold several optimizer
+    steps).
     """
 
 
@@ -180,13 +191,16 @@ def sync_weights(model: Any) -> None:
 
 
 @hookspec(firstresult=True)
-def place_roles(roles: Sequence[str], available: Sequence[str]) -> dict[str, str]:
-    """Map each role (``actor``, ``ref``, ``critic``, ``reward``, ``rollout``, ``labeler``) to a device.
+def place_roles(roles: Sequence[str], available: Sequence[str]) -> dict[str, str | Placement]:
+    """Place each role (``actor``, ``ref``, ``critic``, ``reward``, ``rollout``, ``labeler``).
 
     ``roles`` lists the roles this run has; ``available`` the devices that exist (``"cpu"``,
-    ``"cuda:0"``, ...). Return a device for every role. Raise
-    :class:`alignzoo.errors.UserError` naming the role and device when a requested device does
-    not exist. Called once when a run is assembled, before any model is loaded.
+    ``"cuda:0"``, ...). Return, for every role, a device name or a
+    :class:`alignzoo.types.Placement` (a device plus, on GPUs, a memory share and a
+    tensor-parallel size). Validate with :func:`alignzoo.devices.check_placement`, which raises
+    :class:`alignzoo.errors.UserError` naming the role and device when a device does not exist
+    or a GPU setting is asked for elsewhere; the engine checks the result the same way. Called
+    once when a run is assembled, before any model is loaded.
     """
 
 

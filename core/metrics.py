@@ -60,6 +60,14 @@ EVAL_EXACT_MATCH = "eval/exact_match"
 EVAL_RESPONSE_LENGTH = "eval/response_length"
 """Mean number of tokens of the greedy held-out responses."""
 
+ROLLOUT_LOGPROB_DIFF = "rollout/logprob_diff"
+"""Mean over the step's response tokens of |log π_old − log π_rollout|: the trainer's behaviour
+log-probs against those the rollout backend recorded while sampling, on the same weights (the
+train/inference mismatch). Reported by arms whose backend returns sampling log-probs."""
+
+ROLLOUT_LOGPROB_DIFF_MAX = "rollout/logprob_diff_max"
+"""The largest |log π_old − log π_rollout| over the step's response tokens."""
+
 CANONICAL: dict[str, str] = {
     KL_REF: "KL to the reference (k3, behaviour snapshot)",
     ENTROPY: "policy entropy per token (behaviour snapshot)",
@@ -75,6 +83,8 @@ CANONICAL: dict[str, str] = {
     EVAL_SCORE: "held-out score",
     EVAL_EXACT_MATCH: "held-out exact match",
     EVAL_RESPONSE_LENGTH: "held-out response length",
+    ROLLOUT_LOGPROB_DIFF: "train/inference log-prob difference (mean)",
+    ROLLOUT_LOGPROB_DIFF_MAX: "train/inference log-prob difference (max)",
 }
 """Every canonical name with the label the report gives it."""
 

@@ -6,6 +6,7 @@ aggregation mode means the same thing in PPO, GRPO, RLOO and the rest.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -174,6 +175,40 @@ def weight_samples(loss_mat: torch.Tensor, weights: torch.Tensor | None) -> torc
     return loss_mat * weights.to(loss_mat.dtype).unsqueeze(-1)
 
 
+def weight_tokens(loss_mat: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Per-token loss ``[B, R]`` times per-token weights ``[B, R]`` (unchanged when None)."""
+    if weights is None:
+        return loss_mat
+    return loss_mat * weights.to(device=loss_mat.device, dtype=loss_mat.dtype)
+
+
+def rollout_is_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float,
+    level: Literal["token", "sequence"] = "token",
+) -> torch.Tensor:
+    """Truncated importance weights ``[B, R]`` correcting for a rollout engine's own numbers.
+
+    The backend samples with its own kernels (vLLM), so its probabilities ``pi_rollout`` differ
+    slightly from the trainer's ``pi_old`` on the same weights. Truncated importance sampling
+    (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training") reweights the policy-gradient surrogate by::
+
+        token:    w_t = min(pi_old(y_t) / pi_rollout(y_t), C)
+        sequence: w   = min(prod_t pi_old(y_t) / pi_rollout(y_t), C)  on every token
+
+    Detached (no gradient), zero on padding. ``cap`` is C.
+    """
+    mask_b = mask.bool()
+    log_ratio = torch.where(mask_b, old_logprobs.float() - rollout_logprobs.float(), 0.0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(mask_b)
+    weights = torch.exp(log_ratio.clamp(max=math.log(cap)))  # min(ratio, C), no overflow
+    return torch.where(mask_b, weights, 0.0).detach()
+
+
 def last_token_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Place each sequence's score ``[B]`` on its last unmasked token: ``[B, R]``, zero elsewhere.
 
@@ -319,11 +354,13 @@ def clipped_policy_loss(
     norm_constant: float | None = None,
     weights: torch.Tensor | None = None,
     context: LossContext | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy-gradient loss of critic-free methods (RLOO, REINFORCE++), aggregated.
 
     Per token ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (PPO eq. 7 with the
-    advantage given), padding ignored whatever it holds, per-sample ``weights`` applied, then
+    advantage given), padding ignored whatever it holds, per-token ``token_weights`` (the
+    rollout correction, :func:`rollout_is_weights`) and per-sample ``weights`` applied, then
     :func:`aggregate_loss` (over the optimizer step's counts when ``context`` is given).
     Returns the loss and detached metric tensors (this micro-batch's own mean pg loss, clip
     fractions, approximate KL to the sampling policy).
@@ -333,7 +370,7 @@ def clipped_policy_loss(
     pg_mat, clipped_low, clipped_high = clipped_surrogate(
         log_ratio, torch.where(mask_b, advantages, 0.0), clip_low, clip_high
     )
-    weighted = weight_samples(pg_mat, weights)
+    weighted = weight_samples(weight_tokens(pg_mat, token_weights), weights)
     loss = aggregate_loss(weighted, mask, aggregation, norm_constant, context)
     local = aggregate_loss(weighted.detach(), mask, aggregation, norm_constant)
     metrics = {"actor/pg_loss": local, **clip_fractions(clipped_low, clipped_high, mask)}

@@ -40,6 +40,10 @@ class AlgorithmRequirements:
             one optimizer step, the engine takes the behaviour log-probs from the update's own
             forward pass instead of a separate one, and ``old_logprobs`` is first set when
             ``compute_loss`` is called.
+        rollout_correction: ``compute_loss`` multiplies its policy-gradient surrogate by
+            ``batch.rollout_is_weights`` when they are set (truncated importance sampling
+            between the rollout backend's and the trainer's probabilities), so the arm may turn
+            on ``training.rollout_correction``.
     """
 
     reference: bool = False
@@ -47,6 +51,7 @@ class AlgorithmRequirements:
     data: DataMode = "online"
     entropy: bool = True
     old_logprobs_in_advantages: bool = False
+    rollout_correction: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,41 @@ class SamplingParams(BaseModel):
     )
     top_k: int = Field(0, ge=0, description="0 disables top-k filtering")
     max_new_tokens: int = Field(16, ge=1, description="Longest response in tokens (EOS included).")
+
+
+class Placement(BaseModel):
+    """Where one role runs: a device, and on GPUs a share of its memory and a tensor-parallel size.
+
+    ``device`` is the first (or only) device. ``tensor_parallel_size`` N > 1 shards the role over
+    N consecutive GPUs starting there (``cuda:2`` with N 2 means cuda:2 and cuda:3), for a
+    backend that shards (vLLM). ``gpu_share`` is the fraction of each of those GPUs' memory the
+    role may use, for a role that shares its GPU with another (a colocated vLLM engine's
+    ``gpu_memory_utilization``); None leaves it to the component. A device mapper returns a
+    Placement, or a plain device string, per role; :func:`alignzoo.devices.check_placement`
+    validates one against the devices that exist.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = Field(description="The role's (first) device: 'cpu', 'cuda:0', 'mps'.")
+    gpu_share: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of the GPU's memory this role may use (GPUs only); null: the "
+        "component decides.",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Consecutive GPUs the role is sharded over (GPUs only)."
+    )
+
+    def devices(self) -> list[str]:
+        """Every device the role occupies: ``device`` and the next GPUs of its tensor-parallel group."""
+        if self.tensor_parallel_size == 1:
+            return [self.device]
+        kind, _, index = self.device.partition(":")
+        first = int(index or 0)
+        return [f"{kind}:{first + i}" for i in range(self.tensor_parallel_size)]
 
 
 @dataclass

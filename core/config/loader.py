@@ -758,6 +758,23 @@ def _build_components(
                     "only to preference or unpaired-feedback algorithms (dpo, simpo, kto, ...)",
                 )
             )
+    correction = arm.training.rollout_correction.level
+    if correction != "off" and algorithm is not None:
+        from alignzoo.engine.hooks import Hooks
+
+        requirements = Hooks(build_plugin_manager([algorithm])).algorithm_requirements()
+        if not requirements.rollout_correction:
+            level_path: Path_ = ("arms", arm_name, "training", "rollout_correction", "level")
+            issues.append(
+                ConfigIssue(
+                    file,
+                    index.line_of(level_path),
+                    ".".join(map(str, level_path)),
+                    f"{correction!r} needs an online policy-gradient algorithm (grpo, ppo, rloo, "
+                    f"reinforce_pp); {arm.algorithm.name} applies no importance weights to a "
+                    "sampled surrogate; set level off",
+                )
+            )
     listed = {ref.name for ref in arm.modifiers}
     for entry in registry.load_all("modifier"):
         component = entry.component

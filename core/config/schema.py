@@ -194,6 +194,23 @@ class Budget(_Strict):
         return self
 
 
+class RolloutCorrection(_Strict):
+    """Truncated importance sampling (TIS) for the train/inference mismatch.
+
+    A rollout engine with its own kernels samples from probabilities slightly different from
+    the trainer's on the same weights. With ``level`` token or sequence, policy-gradient
+    algorithms weight their surrogate by ``min(pi_old / pi_rollout, cap)`` per token, or by the
+    product over the response per sequence (Yao et al. 2025; :func:`alignzoo.ops.rollout_is_weights`).
+    Needs a backend that returns its sampling log-probs; ``rollout/logprob_diff`` is logged
+    whenever it does, with the correction on or off.
+    """
+
+    level: Literal["off", "token", "sequence"] = Field(
+        "off", description="off, per-token weights, or one weight per sequence."
+    )
+    cap: float = Field(2.0, ge=1.0, description="C: weights above it are truncated to it.")
+
+
 class TrainingConfig(_Strict):
     """Optimisation settings shared by all arms (an arm's `training:` overrides single fields)."""
 
@@ -218,6 +235,11 @@ class TrainingConfig(_Strict):
         "minibatch, dropout off, no batch transform), take the behaviour log-probs and entropy "
         "from the update's own forward pass instead of a separate no-grad pass: the same "
         "numbers, one forward pass fewer. false always runs the separate pass.",
+    )
+    rollout_correction: RolloutCorrection = Field(
+        default_factory=RolloutCorrection,
+        description="Truncated importance sampling between the rollout backend's sampling "
+        "log-probs and the trainer's (for backends with their own kernels, such as vLLM).",
     )
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="Clip the gradient norm to this; null disables clipping."

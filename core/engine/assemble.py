@@ -31,7 +31,8 @@ from alignzoo.engine.update import fuses_behaviour
 from alignzoo.errors import UserError
 from alignzoo.plugin import Component
 from alignzoo.registry import build_plugin_manager
-from alignzoo.types import AlgorithmRequirements
+from alignzoo.types import AlgorithmRequirements, Placement
+from alignzoo.weights import PolicyWeights
 
 AHEAD_SLOT = "labeling.overlap"
 
@@ -58,6 +59,11 @@ class Run:
         if self.ahead is None:
             return dict(self.components)
         return {**self.components, AHEAD_SLOT: self.ahead}
+
+    def sync_weights(self) -> None:
+        """Stream the actor's current weights to the backend, versioned by optimizer steps."""
+        version = int(getattr(self.learner.scheduler, "last_epoch", 0))
+        self.hooks.sync_weights(PolicyWeights(self.models.actor, version))
 
     @property
     def models(self) -> Models:
@@ -145,6 +151,18 @@ def labeling_stage(
     return LabelingStage.build(arm_spec.labeling, chain, seed=seed, store=store)
 
 
+def placement_plan(loaded: LoadedExperiment, arm: str) -> dict[str, Placement]:
+    """Where ``arm``'s device mapper would place each of its roles on this machine, before
+    anything loads (what an executor asks a scheduler for)."""
+    from alignzoo.devices import available_devices
+
+    components = fresh_components(loaded, arm)
+    parts = [components[s] for s in ("algorithm", "devices") if s in components]
+    hooks = Hooks(build_plugin_manager(parts), loaded.spec.arms[arm].algorithm.name)
+    roles = needed_roles(hooks.algorithm_requirements(), loaded.spec.arms[arm])
+    return hooks.place_roles(roles, available_devices())
+
+
 def assemble(
     loaded: LoadedExperiment,
     arm: str,
@@ -170,6 +188,18 @@ def assemble(
             f"arms.{arm}.training.samples_per_prompt: online preference pairs need at least 2 "
             "samples per prompt"
         )
+    correction = arm_spec.training.rollout_correction.level
+    if correction != "off" and (not mode.online or not req.rollout_correction):
+        why = (
+            f"the arm reads its data offline ({mode.name}): nothing is sampled"
+            if not mode.online
+            else f"its algorithm {hooks.algorithm!r} applies no importance weights to a "
+            "sampled surrogate (AlgorithmRequirements.rollout_correction)"
+        )
+        raise UserError(
+            f"arms.{arm}.training.rollout_correction.level: {correction!r} needs an online "
+            f"policy-gradient algorithm (grpo, ppo, rloo, reinforce_pp), and {why}; set level off"
+        )
     if arm_spec.labeling.overlap and not mode.online:
         raise UserError(
             f"arms.{arm}.labeling.overlap: the arm reads its data offline ({mode.name}), so "
@@ -184,12 +214,14 @@ def assemble(
         arm_spec=arm_spec,
         console=console,
     )
-    devices = hooks.place_roles(needed_roles(req, arm_spec), available_devices())
+    placements = hooks.place_roles(needed_roles(req, arm_spec), available_devices())
+    devices = {role: placement.device for role, placement in placements.items()}
     seed_everything(seed)
 
     mcfg = arm_spec.model
     path = model_loading.policy_path(mcfg, spec.data.task, log)
     models = model_loading.load_models(path, mcfg, devices, req.reference, req.critic, seed)
+    models.placements = placements
     note = model_loading.precision_note(mcfg, models.device("actor"))
     if note is not None:
         log(note)
@@ -225,6 +257,6 @@ def assemble(
     for slot in hooks.labeling.slots[1:]:  # the fallbacks live outside the run's manager
         if hasattr(slot.call, "hooks"):
             slot.call.hooks.on_run_start(context)
-    hooks.sync_weights(models.actor)
+    run.sync_weights()
     seed_everything(seed)  # every arm enters the loop with the same RNG state for a seed
     return run

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
+from alignzoo.types import Placement
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,12 @@ class RunContext:
     def device(self, role: str) -> str:
         """The device placed for ``role`` (``cpu`` when the mapper did not place it)."""
         return self.models.device(role) if self.models is not None else "cpu"
+
+    def placement(self, role: str) -> Placement:
+        """The full placement of ``role``: device, GPU share, tensor-parallel size."""
+        if self.models is None:
+            return Placement(device="cpu")
+        return self.models.placement(role)
 
     def _models(self) -> Models:
         if self.models is None:

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pluggy
 
+from alignzoo.devices import check_placement
 from alignzoo.errors import RunError, UserError
 from alignzoo.metrics import owned_by_engine
-from alignzoo.types import AlgorithmRequirements, LossContext, LossOutput
+from alignzoo.types import AlgorithmRequirements, LossContext, LossOutput, Placement
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from alignzoo.batch import PolicyOutputs, RolloutBatch
     from alignzoo.engine.context import RunContext
     from alignzoo.types import SamplingParams
+    from alignzoo.weights import PolicyWeights
 
 T = TypeVar("T")
 
@@ -146,28 +148,35 @@ class Hooks:
             raise RunError(f"the backend returned {batch.size} samples for {len(prompts)} x {n}")
         if not batch.extras:
             batch.extras = [dict(e) for e in extras for _ in range(n)]
+        if batch.rollout_logprobs is None and batch.old_logprobs is not None:
+            batch.rollout_logprobs = batch.old_logprobs  # the contract's former name for them
+        batch.old_logprobs = None  # the trainer's own forward pass computes the behaviour's
         check_layout(batch, n)
         return batch
 
-    def sync_weights(self, model: Any) -> None:
-        """Hand the actor's current weights to the backend."""
-        self._call("sync_weights", model=model)
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Hand the actor's current weights (a stream of named tensors, with a version) to the backend."""
+        self._call("sync_weights", weights=weights)
 
     # ------------------------------------------------------------------ device mapper
-    def place_roles(self, roles: Sequence[str], available: Sequence[str]) -> dict[str, str]:
-        """A device for every role in ``roles``."""
+    def place_roles(self, roles: Sequence[str], available: Sequence[str]) -> dict[str, Placement]:
+        """A validated :class:`Placement` for every role in ``roles``."""
         placed = self._call("place_roles", roles=list(roles), available=list(available))
         if placed is None:
             raise UserError("the arm's device mapper placed no roles")
         if not isinstance(placed, dict):
             raise RunError(
                 f"place_roles of {implementers(self.pm, 'place_roles')} returned "
-                f"{type(placed).__name__}; expected a dict of role -> device"
+                f"{type(placed).__name__}; expected a dict of role -> device or Placement"
             )
         missing = [r for r in roles if r not in placed]
         if missing:
             raise UserError(f"the device mapper did not place role(s) {', '.join(missing)}")
-        return {str(k): str(v) for k, v in placed.items()}
+        where = f"devices ({implementers(self.pm, 'place_roles')})"
+        return {
+            str(role): check_placement(str(role), value, available, where=where)
+            for role, value in placed.items()
+        }
 
     # ------------------------------------------------------------------ lifecycle
     def on_run_start(self, run: RunContext) -> None:
@@ -223,6 +232,7 @@ def check_layout(batch: RolloutBatch, n: int) -> None:
         "prompt_mask": (batch.prompt_mask, tuple(batch.prompt_ids.shape)),
         "response_mask": (batch.response_mask, tuple(batch.response_ids.shape)),
         "old_logprobs": (batch.old_logprobs, tuple(batch.response_ids.shape)),
+        "rollout_logprobs": (batch.rollout_logprobs, tuple(batch.response_ids.shape)),
         "group_ids": (batch.group_ids, (b,)),
     }
     for name, (tensor, expected) in shapes.items():

@@ -189,6 +189,7 @@ def start_or_resume(
         run.stateful(),
         checked=True,  # find_resume_point read every file of it
     )
+    run.sync_weights()  # the backend samples from the checkpoint's weights
     run.sampler.load_state_dict(state.sampler)
     run.context.state = dict(state.run_state)
     labelswap.restore(run.hooks.labeling, run.context)  # the labeler in use at the checkpoint

@@ -17,6 +17,7 @@ import torch
 
 from alignzoo.config.schema import ModelConfig, TaskConfig
 from alignzoo.errors import UserError
+from alignzoo.types import Placement
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,7 +29,7 @@ class Models:
     ``actor`` is the trainable policy (a peft model under LoRA); ``reference`` the frozen
     starting policy (None when the algorithm needs none); ``critic`` the value model (PPO);
     ``devices`` maps each role (actor, ref, critic, reward, rollout, labeler) to the device the
-    device mapper placed it on; ``autocast`` is the mixed-precision context of forward passes.
+    device mapper placed it on, ``placements`` to its full :class:`~alignzoo.types.Placement`; ``autocast`` is the mixed-precision context of forward passes.
     Everything else (the learner, the stages, the hooks' ``run``) reads the models from here.
     """
 
@@ -36,6 +37,7 @@ class Models:
     actor: torch.nn.Module
     policy_path: str
     devices: dict[str, str] = field(default_factory=dict)
+    placements: dict[str, Placement] = field(default_factory=dict)
     reference: torch.nn.Module | None = None
     critic: torch.nn.Module | None = None
     autocast: Callable[[], Any] = contextlib.nullcontext
@@ -43,6 +45,10 @@ class Models:
     def device(self, role: str) -> str:
         """The device placed for ``role`` (``cpu`` when the mapper did not place it)."""
         return self.devices.get(role, "cpu")
+
+    def placement(self, role: str) -> Placement:
+        """The full placement of ``role`` (device, GPU share, tensor-parallel size)."""
+        return self.placements.get(role) or Placement(device=self.device(role))
 
 
 def load_models(

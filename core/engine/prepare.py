@@ -4,7 +4,9 @@ In micro-batches and in eval mode (no dropout), at the *behaviour snapshot* (the
 before the step's update): the actor's log-probs of the sampled tokens (``old_logprobs``, so
 the importance ratio of the first epoch is exactly 1) and its per-token entropy, the
 reference log-probs and the critic's values. The canonical ``kl/ref`` and ``entropy`` metrics
-(:mod:`alignzoo.metrics`) are computed here, one way for every arm.
+(:mod:`alignzoo.metrics`) are computed here, one way for every arm, and, when the backend
+returned its sampling log-probs, ``rollout/logprob_diff`` (the train/inference mismatch) and
+the rollout correction's importance weights.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
+from alignzoo.config.schema import RolloutCorrection
 from alignzoo.engine.forward import (
     chunks,
     critic_forward,
@@ -25,7 +28,8 @@ from alignzoo.engine.forward import (
     sequence_logprob,
 )
 from alignzoo.engine.models import Models
-from alignzoo.ops import masked_kl_penalty, masked_mean
+from alignzoo.errors import RunError
+from alignzoo.ops import masked_kl_penalty, masked_mean, rollout_is_weights
 
 
 @dataclass
@@ -92,7 +96,27 @@ def behaviour_metrics(
     if batch.ref_logprobs is not None:
         kl = masked_kl_penalty(logprobs, batch.ref_logprobs, mask, "k3")
         metrics[canonical.KL_REF] = float(masked_mean(kl, mask))
+    if batch.rollout_logprobs is not None:  # the train/inference mismatch
+        diff = (logprobs.float() - batch.rollout_logprobs.float()).abs() * mask
+        metrics[canonical.ROLLOUT_LOGPROB_DIFF] = float(masked_mean(diff, mask))
+        metrics[canonical.ROLLOUT_LOGPROB_DIFF_MAX] = float(diff.max()) if diff.numel() else 0.0
     return metrics
+
+
+def apply_rollout_correction(batch: RolloutBatch, cfg: RolloutCorrection, backend: str) -> None:
+    """Set ``batch.rollout_is_weights`` from its ``old_logprobs`` and ``rollout_logprobs``
+    (``training.rollout_correction``; nothing when its level is off)."""
+    if cfg.level == "off" or batch.old_logprobs is None:
+        return
+    if batch.rollout_logprobs is None:
+        raise RunError(
+            f"training.rollout_correction (level {cfg.level}) needs the sampling log-probs, and "
+            f"the backend {backend!r} returned none (batch.rollout_logprobs); turn the "
+            "correction off or use a backend that records them"
+        )
+    batch.rollout_is_weights = rollout_is_weights(
+        batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.cap, cfg.level
+    )
 
 
 def prepare(

@@ -12,8 +12,9 @@ import torch
 
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
+from alignzoo.engine.hooks import implementers
 from alignzoo.engine.modes import StepSource
-from alignzoo.engine.prepare import FusedSnapshot, Scorer, prepare
+from alignzoo.engine.prepare import FusedSnapshot, Scorer, apply_rollout_correction, prepare
 from alignzoo.engine.update import update
 
 if TYPE_CHECKING:
@@ -81,9 +82,12 @@ def train_step(run: Run, step: int) -> StepResult:
     if batch is not None and batch.size > 0:  # a transform may filter every sample out
         batch = mode.prepare(batch, scorer)
         batch = hooks.compute_advantages(batch)
+        if not fused:  # fused: each micro-batch's weights are set with its old_logprobs
+            backend = implementers(hooks.pm, "generate")
+            apply_rollout_correction(batch, cfg.rollout_correction, backend)
         snapshot = FusedSnapshot(batch, generated=mode.online) if fused else None
         m.update(update(run.learner, hooks, run.requirements, mode, batch, step, snapshot))
-        hooks.sync_weights(run.models.actor)
+        run.sync_weights()
         m["timing/update"] = time.perf_counter() - t
     m[canonical.STEP_SECONDS] = time.perf_counter() - start
     m["throughput/tokens_per_s"] = result.tokens / max(m[canonical.STEP_SECONDS], 1e-9)

@@ -19,10 +19,10 @@ from alignzoo import metrics as canonical
 from alignzoo.batch import PolicyOutputs, RolloutBatch
 from alignzoo.config.schema import TrainingConfig
 from alignzoo.engine.forward import critic_forward, policy_forward
-from alignzoo.engine.hooks import Hooks
+from alignzoo.engine.hooks import Hooks, implementers
 from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
-from alignzoo.engine.prepare import FusedSnapshot
+from alignzoo.engine.prepare import FusedSnapshot, apply_rollout_correction
 from alignzoo.errors import RunError
 from alignzoo.types import AlgorithmRequirements, LossContext
 
@@ -62,6 +62,8 @@ def micro_step(
         snapshot.record(index, logprobs, entropy)
         if snapshot.generated:
             mb.old_logprobs = logprobs.detach().float()
+            backend = implementers(hooks.pm, "generate")
+            apply_rollout_correction(mb, learner.cfg.rollout_correction, backend)
     outputs = PolicyOutputs(logprobs=logprobs, entropy=entropy if requirements.entropy else None)
     if models.critic is not None:
         values = critic_forward(models.critic, mb, autocast=models.autocast)

@@ -56,6 +56,7 @@ from alignzoo.errors import UserError
 from alignzoo.registry import build_plugin_manager, get_registry
 from alignzoo.testing.contract import CheckResult, ContractViolation, _run, check_algorithm
 from alignzoo.types import LabelRequest, Outcome, SamplingParams, Score
+from alignzoo.weights import PolicyWeights
 
 __all__ = [
     "ADVERSARIAL_RESPONSES",
@@ -276,6 +277,11 @@ class _BackendRun:
     def device(self, role: str) -> str:
         return "cpu"
 
+    def placement(self, role: str) -> Any:
+        from alignzoo.types import Placement
+
+        return Placement(device="cpu")
+
 
 def _small_policy() -> tuple[Any, Any]:
     from alignzoo.config.schema import EmbeddedModelConfig
@@ -353,7 +359,7 @@ def check_backend(
     hook = build_plugin_manager([instance]).hook
     try:
         hook.on_run_start(run=_BackendRun(actor, tokenizer))
-        hook.sync_weights(model=actor)
+        hook.sync_weights(weights=PolicyWeights(actor, 0))
     except Exception as exc:
         first = CheckResult("instantiate", False, f"{label}: {type(exc).__name__}: {exc}")
         return [first, *_not_run(names[1:], "the backend did not start")]
@@ -379,16 +385,17 @@ def check_backend(
     def sampling_logprobs(example: tuple[list[str], int, int]) -> None:
         prompts, n, max_new = example
         batch = generate(prompts, n, max_new, False)
-        if batch.old_logprobs is None:
-            raise ContractViolation("returned old_logprobs for some calls and not for others")
+        recorded = _sampling_logprobs(batch)
+        if recorded is None:
+            raise ContractViolation("returned rollout_logprobs for some calls and not for others")
         with torch.no_grad():
             forward, _ = policy_forward(actor, batch)
         mask = batch.response_mask.bool()
-        diff = (forward.float() - batch.old_logprobs.float()).abs().masked_fill(~mask, 0.0)
+        diff = (forward.float() - recorded.float()).abs().masked_fill(~mask, 0.0)
         if float(diff.max()) > 1e-3:
             row, col = divmod(int(diff.argmax()), diff.shape[1])
             raise ContractViolation(
-                f"sampling log-prob [{row}, {col}] is {float(batch.old_logprobs[row, col])!r}, "
+                f"sampling log-prob [{row}, {col}] is {float(recorded[row, col])!r}, "
                 f"a forward pass of the synced weights gives {float(forward[row, col])!r}"
             )
 
@@ -396,13 +403,19 @@ def check_backend(
     legend = "example = (prompts, n, max_new_tokens)"
     for name, prop in (("layout", layout), ("greedy_deterministic", greedy_twice)):
         results.append(_run(name, _prompts_and_n(), prop, max_examples, shrink_seconds, legend))
-    if generate(PROMPTS[:1], 1, 2, False).old_logprobs is None:  # optional: nothing to compare
+    if _sampling_logprobs(generate(PROMPTS[:1], 1, 2, False)) is None:  # optional
         results.append(CheckResult("sampling_logprobs", True, "skipped: no sampling log-probs"))
     else:
         results.append(_run("sampling_logprobs", _prompts_and_n(), sampling_logprobs,
                             max_examples, shrink_seconds, legend))  # fmt: skip
     results.append(_sync_check(hook, actor, tokenizer, generate))
     return results
+
+
+def _sampling_logprobs(batch: Any) -> Any:
+    """The backend's recorded sampling log-probs (``rollout_logprobs``, formerly ``old_logprobs``)."""
+    recorded = getattr(batch, "rollout_logprobs", None)
+    return recorded if recorded is not None else batch.old_logprobs
 
 
 def _sync_check(hook: Any, actor: Any, tokenizer: Any, generate: Callable[..., Any]) -> CheckResult:
@@ -413,17 +426,18 @@ def _sync_check(hook: Any, actor: Any, tokenizer: Any, generate: Callable[..., A
         first = {row[0] for row in before.response_ids.tolist()}
         special = set(tokenizer.all_special_ids)
         token = next(t for t in range(len(tokenizer)) if t not in first and t not in special)
-        favoured = copy.deepcopy(actor)
-        head = favoured.get_output_embeddings()
-        with torch.no_grad():
+        saved = copy.deepcopy(actor.state_dict())
+        head = actor.get_output_embeddings()
+        with torch.no_grad():  # the trainer's update, in place (a shared module sees it too)
             head.weight.zero_()
             if getattr(head, "bias", None) is not None:
                 head.bias.zero_()
             head.weight[token].fill_(1.0)
-            favoured.get_input_embeddings().weight.abs_()  # a positive hidden state favours it
-        hook.sync_weights(model=favoured)
+            actor.get_input_embeddings().weight.abs_()  # a positive hidden state favours it
+        hook.sync_weights(weights=PolicyWeights(actor, 1))
         after = generate(PROMPTS, 1, 3, True)
-        hook.sync_weights(model=actor)
+        actor.load_state_dict(saved)
+        hook.sync_weights(weights=PolicyWeights(actor, 2))
         back = generate(PROMPTS, 1, 3, True)
     except Exception as exc:
         return CheckResult("sync_changes_outputs", False, f"{type(exc).__name__}: {exc}")
@@ -455,6 +469,23 @@ def _placements() -> st.SearchStrategy[tuple[list[str], list[str]]]:
     return st.tuples(roles, available.filter(bool))
 
 
+def _placed_devices(value: Any) -> list[str]:
+    """The devices a mapper's value for one role occupies (a device name, Placement or mapping)."""
+    from alignzoo.devices import normalize_device
+    from alignzoo.types import Placement
+
+    if isinstance(value, dict):
+        try:
+            value = Placement.model_validate(value)
+        except Exception as exc:
+            raise ContractViolation(f"a placement {value!r} is not valid: {exc}") from None
+    if isinstance(value, Placement):
+        return [normalize_device(d) for d in value.devices()]
+    if isinstance(value, str):
+        return [normalize_device(value)]
+    raise ContractViolation(f"placed a role on {value!r}: not a device name or a Placement")
+
+
 def check_device_mapper(
     mapper: Any, params: Any = None, max_examples: int = 100, shrink_seconds: float = 10.0
 ) -> list[CheckResult]:
@@ -467,9 +498,10 @@ def check_device_mapper(
         return [instance, *_not_run(KIND_CHECKS["device_mapper"][1:], "it did not build")]
     hooks = Hooks(build_plugin_manager([instance]), label)
 
-    def place(roles: list[str], available: list[str]) -> dict[str, str] | None:
+    def place(roles: list[str], available: list[str]) -> dict[str, list[str]] | None:
+        """Role -> every device the mapper itself placed it on (before the engine's check)."""
         try:
-            return hooks.place_roles(roles, available)
+            placed = hooks.pm.hook.place_roles(roles=list(roles), available=list(available))
         except UserError:
             return None  # refused, with a message for the user
         except Exception as exc:
@@ -477,15 +509,22 @@ def check_device_mapper(
                 f"place_roles raised {type(exc).__name__}: {exc}; a placement it cannot make "
                 "must be refused with a UserError"
             ) from None
+        if not isinstance(placed, dict):
+            raise ContractViolation(f"place_roles returned {type(placed).__name__}, not a dict")
+        return {str(role): _placed_devices(value) for role, value in placed.items()}
 
     def every_role(example: tuple[list[str], list[str]]) -> None:
         roles, available = example
         placed = place(roles, available)
         if placed is None:
             return
-        wrong = {r: d for r, d in placed.items() if d not in available}
+        missing = [r for r in roles if r not in placed]
+        if missing:
+            raise ContractViolation(f"role(s) {missing} were not placed")
+        wrong = {r: d for r, d in placed.items() if any(x not in available for x in d)}
         if wrong:
             raise ContractViolation(f"placed on devices that are not available: {wrong}")
+        hooks.place_roles(roles, available)  # and the engine accepts the placement
 
     def stable(example: tuple[list[str], list[str]]) -> None:
         roles, available = example

@@ -133,10 +133,12 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     context: LossContext | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO objective (Shao et al. 2024, eq. 3), negated: the clipped surrogate plus beta * KL.
 
-    All inputs are ``[B, R]`` (``weights`` ``[B]``). The loss is aggregated over the optimizer
+    All inputs are ``[B, R]`` (``weights`` ``[B]``); ``is_weights`` are the rollout
+    correction's truncated importance weights on the surrogate (not on the KL term). The loss is aggregated over the optimizer
     step's counts in ``context`` (this batch's own without it). Returns the scalar loss and
     detached metric tensors (``grpo/kl_k3`` only when ``ref_logprobs`` is given).
     """
@@ -146,6 +148,7 @@ def grpo_loss(
     pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
         log_ratio, advantages, params.clip_eps_low, params.clip_eps_high
     )  # -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)  (GRPO eq. 3; DAPO clip-higher)
+    pg_mat = ops.weight_tokens(pg_mat, is_weights)  # TIS (training.rollout_correction)
     loss_mat = pg_mat
     metrics: dict[str, torch.Tensor] = {}
     if ref_logprobs is not None:
@@ -179,7 +182,9 @@ class GRPO(Algorithm):
 
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:
-        return AlgorithmRequirements(reference=self.params.beta > 0, critic=False, data="online")
+        return AlgorithmRequirements(
+            reference=self.params.beta > 0, critic=False, data="online", rollout_correction=True
+        )
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
@@ -209,5 +214,6 @@ class GRPO(Algorithm):
             ref_logprobs=batch.ref_logprobs,
             weights=batch.weights,
             context=context,
+            is_weights=batch.rollout_is_weights,
         )
         return LossOutput(loss, {k: float(v) for k, v in metrics.items()})

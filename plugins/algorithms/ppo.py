@@ -183,6 +183,7 @@ def ppo_loss(
     pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
         log_ratio, advantages, params.clip_eps, params.clip_eps, params.dual_clip
     )  # L_clip  (Schulman 2017, eq. 7; dual clip: Ye et al. 2020)
+    pg_mat = ops.weight_tokens(pg_mat, batch.rollout_is_weights)  # TIS (rollout_correction)
     loss = aggregate(pg_mat)
     metrics: dict[str, Any] = {"actor/pg_loss": aggregate(pg_mat.detach(), None)}
     metrics.update(ops.clip_fractions(clipped_low, clipped_high, mask))
@@ -247,7 +248,11 @@ class PPO(Algorithm):
     def algorithm_requirements(self) -> AlgorithmRequirements:
         reference = self.kl_ctl.value > 0 or self.params.kl_loss_coef > 0
         return AlgorithmRequirements(
-            reference=reference, critic=True, data="online", old_logprobs_in_advantages=True
+            reference=reference,
+            critic=True,
+            data="online",
+            old_logprobs_in_advantages=True,
+            rollout_correction=True,
         )
 
     @hookimpl

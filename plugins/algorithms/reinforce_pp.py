@@ -85,7 +85,9 @@ class ReinforcePlusPlus(Algorithm):
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:
         kl = self.params.kl_coef > 0  # the KL penalty in the reward reads old_logprobs
-        return AlgorithmRequirements(reference=kl, critic=False, old_logprobs_in_advantages=kl)
+        return AlgorithmRequirements(
+            reference=kl, critic=False, old_logprobs_in_advantages=kl, rollout_correction=True
+        )
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
@@ -129,6 +131,7 @@ class ReinforcePlusPlus(Algorithm):
             params.norm_constant,
             batch.weights,
             context,
+            token_weights=batch.rollout_is_weights,  # TIS, when training.rollout_correction is on
         )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated over the optimizer step
         if batch.ref_logprobs is not None:  # the estimator of the reward's KL penalty, now
             kl = ops.masked_kl_penalty(

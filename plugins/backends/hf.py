@@ -1,8 +1,10 @@
 """Rollout backend "hf": batched sampling on the trainer's own Hugging Face module.
 
-The backend holds a reference to the actor (``sync_weights`` is just a pointer update, since it
-samples with the very module the trainer updates) and the run's tokenizer. Per chunk of
-prompts:
+With ``weights: shared`` (the default) the backend samples with the very module the trainer
+updates, in this process: ``sync_weights`` notes the version and copies nothing. With
+``weights: copy`` it keeps its own plain copy of the policy on the ``rollout`` role's device
+(which may differ from the actor's) and loads the engine's weight stream into it after every
+update, LoRA merged: the path a backend with its own engine takes. Per chunk of prompts:
 
 1. each prompt is encoded once and left-padded;
 2. with ``decoder: loop`` (the default), a lean decode loop over the model's KV cache: one
@@ -15,14 +17,18 @@ prompts:
    that records the same log-probs, for models whose forward the loop cannot drive;
 3. everything after the first EOS becomes padding with mask 0.
 
+The sampled tokens' log-probs are returned as ``rollout_logprobs``; the engine compares them
+with the trainer's (``rollout/logprob_diff``).
+
 The checkpoint's own ``generation_config`` (a repetition penalty, top-k 20, ...) is never used:
 the backend samples exactly with the experiment's ``SamplingParams``, so the recorded
-``old_logprobs`` and the training loss refer to the same distribution.
+``rollout_logprobs`` and the training loss refer to the same distribution.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,6 +42,7 @@ if TYPE_CHECKING:
 
     from alignzoo.batch import RolloutBatch
     from alignzoo.types import SamplingParams
+    from alignzoo.weights import PolicyWeights
 else:
     torch = lazy_import("torch")
 
@@ -53,6 +60,12 @@ class HFBackend(Backend):
         add_special_tokens: bool = Field(
             True, description="Let the tokenizer add its special tokens (e.g. BOS) to prompts."
         )
+        weights: Literal["shared", "copy"] = Field(
+            "shared",
+            description="'shared': sample with the trainer's own module (no copy); 'copy': a "
+            "separate copy of the policy on the rollout device, loaded from the weight stream "
+            "after every update.",
+        )
         decoder: Literal["loop", "generate"] = Field(
             "loop",
             description="'loop': alignzoo's decode loop over the KV cache (one prefill per "
@@ -65,29 +78,45 @@ class HFBackend(Backend):
         self.model: Any = None
         self.tokenizer: Any = None
         self.device: str = "cpu"
+        self.version: int | None = None  # of the weights last synced
         self.autocast: Any = contextlib.nullcontext  # the run's precision (model.dtype)
 
     # ------------------------------------------------------------------ lifecycle
     @hookimpl
     def on_run_start(self, run: Any) -> None:
         rollout, actor = run.device("rollout"), run.device("actor")
-        if rollout != actor:
+        own_copy = getattr(self.params, "weights", "shared") == "copy"
+        placement = getattr(run, "placement", None)
+        placed = placement("rollout") if callable(placement) else None
+        if placed is not None and (placed.tensor_parallel_size > 1 or placed.gpu_share):
+            raise UserError(
+                "devices: the hf backend samples on one device with the whole of it; "
+                "tensor_parallel_size and gpu_share of role 'rollout' need a backend that "
+                "shards or shares (vllm); leave them unset"
+            )
+        if rollout != actor and not own_copy:
             raise UserError(
                 f"devices: the hf backend samples with the actor's own module, so role 'rollout' "
-                f"must be on the actor's device ({actor}), not {rollout}; leave rollout unset or "
-                f"set it to {actor}"
+                f"must be on the actor's device ({actor}), not {rollout}; leave rollout unset, "
+                f"set it to {actor}, or give the backend its own copy (backend params "
+                "weights: copy)"
             )
         self.tokenizer = run.tokenizer
         self.device = rollout
         models = getattr(run, "models", None)
         self.autocast = getattr(models, "autocast", None) or contextlib.nullcontext
-        if self.model is None and getattr(run, "actor", None) is not None:
-            self.model = run.actor
+        module = getattr(run, "actor", None)
+        if module is not None:
+            self.model = _plain_copy(module, rollout) if own_copy else module
 
     @hookimpl
-    def sync_weights(self, model: Any) -> None:
-        # generate runs on the trainer's module itself: nothing to copy.
-        self.model = model
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        self.version = weights.version
+        if getattr(self.params, "weights", "shared") == "shared":
+            return  # generate runs on the trainer's module itself: nothing to copy
+        if self.model is None:
+            raise RuntimeError("HFBackend.sync_weights called before on_run_start")
+        _load_stream(self.model, weights)
 
     # ------------------------------------------------------------------ sampling
     @hookimpl
@@ -99,7 +128,7 @@ class HFBackend(Backend):
         sampling: SamplingParams,
     ) -> RolloutBatch:
         if self.model is None or self.tokenizer is None:
-            raise RuntimeError("HFBackend.generate called before on_run_start / sync_weights")
+            raise RuntimeError("HFBackend.generate called before on_run_start")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         extras = list(extras) if extras else [{} for _ in prompts]
@@ -127,7 +156,7 @@ class HFBackend(Backend):
         prompt_mask = _pad_rows([c[1] for c in chunks], 0, left=True)
         response_ids = _pad_rows([c[2] for c in chunks], pad, left=False)
         response_mask = _pad_rows([c[3] for c in chunks], 0, left=False)
-        old_logprobs = _pad_rows([c[4] for c in chunks], 0, left=False)
+        rollout_logprobs = _pad_rows([c[4] for c in chunks], 0, left=False)
 
         lengths = response_mask.sum(dim=1).long().tolist()
         responses = self.tokenizer.batch_decode(
@@ -145,7 +174,7 @@ class HFBackend(Backend):
             prompts=[p for p in prompts for _ in range(n)],
             responses=responses,
             extras=[dict(e) for e in extras for _ in range(n)],
-            old_logprobs=old_logprobs,
+            rollout_logprobs=rollout_logprobs,
         )
 
     def _left_padded(self, prompt_tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,6 +391,61 @@ def _pad_rows(tensors: list[torch.Tensor], value: float, left: bool) -> torch.Te
         gap = width - t.shape[1]
         padded.append(torch.nn.functional.pad(t, (gap, 0) if left else (0, gap), value=value))
     return torch.cat(padded)
+
+
+def _plain_copy(module: Any, device: str) -> Any:
+    """A separate plain model with ``module``'s architecture (no adapters) on ``device``; its
+    weights arrive with the first ``sync_weights``."""
+    get_base = getattr(module, "get_base_model", None)
+    base = get_base() if callable(get_base) else module
+    config = copy.deepcopy(base.config)
+    dtype = next(base.parameters()).dtype
+    with _default_dtype(dtype):
+        model = type(base)(config)
+    model.generation_config = copy.deepcopy(getattr(base, "generation_config", None))
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _load_stream(model: Any, weights: PolicyWeights) -> None:
+    """Copy the stream's tensors into ``model`` by name, one at a time; every name must match."""
+    own = model.state_dict()
+    seen: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in weights.named_tensors():
+            target = own.get(name)
+            if target is None:
+                raise RuntimeError(
+                    f"hf backend (weights: copy): the weight stream has {name!r}, which the "
+                    "backend's copy of the policy lacks"
+                )
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise RuntimeError(
+                    f"hf backend (weights: copy): {name!r} has shape {list(tensor.shape)} in the "
+                    f"stream and {list(target.shape)} in the backend's copy"
+                )
+            target.copy_(tensor)  # converts dtype and device
+            seen.add(name)
+    missing = sorted(set(own) - seen)
+    if missing:
+        raise RuntimeError(
+            f"hf backend (weights: copy): the weight stream (version {weights.version}) lacks "
+            f"{len(missing)} tensor(s) of the policy, e.g. {missing[0]!r}"
+        )
+
+
+class _default_dtype:
+    """torch's default dtype set to ``dtype`` inside the block."""
+
+    def __init__(self, dtype: Any) -> None:
+        self.dtype = dtype
+        self.saved: Any = None
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_default_dtype(self.saved)
 
 
 def _model_device(model: Any) -> torch.device:

@@ -57,7 +57,7 @@ def test_training_logprobs_are_the_samplers_logprobs(world) -> None:
     with evaluating(model), torch.no_grad():
         logprobs, _ = policy_forward(model, batch)
     torch.testing.assert_close(
-        logprobs * batch.response_mask, batch.old_logprobs, atol=1e-4, rtol=0
+        logprobs * batch.response_mask, batch.rollout_logprobs, atol=1e-4, rtol=0
     )
 
 

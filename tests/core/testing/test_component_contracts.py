@@ -46,8 +46,9 @@ def test_builtin_labelers_meet_the_contract(name, params):
 def test_builtin_mappers_and_backend_meet_the_contract():
     for name in ("single", "split"):
         assert_contract("device_mapper", name, max_examples=30)
-    results = assert_contract("backend", "hf", max_examples=3)
-    assert [r.name for r in results] == list(KIND_CHECKS["backend"])
+    for params in (None, {"weights": "copy"}):
+        results = assert_contract("backend", "hf", params, max_examples=3)
+        assert [r.name for r in results] == list(KIND_CHECKS["backend"])
 
 
 # --------------------------------------------------------------------------- broken labelers
@@ -127,17 +128,22 @@ class PastEOS(HFBackend):
 
 
 class IgnoresSync(HFBackend):
+    """Samples with its own copy of the policy and loads only the first weights it is sent."""
+
+    def __init__(self, params=None):
+        super().__init__(params or {"weights": "copy"})
+
     @hookimpl
-    def sync_weights(self, model):
-        if self.model is None:
-            self.model = model
+    def sync_weights(self, weights):
+        if self.version is None:
+            HFBackend.sync_weights(self, weights)
 
 
 class StaleLogprobs(HFBackend):
     @hookimpl
     def generate(self, prompts, extras, n, sampling):
         batch = HFBackend.generate(self, prompts, extras, n, sampling)
-        batch.old_logprobs = batch.old_logprobs - 0.5 * batch.response_mask
+        batch.rollout_logprobs = batch.rollout_logprobs - 0.5 * batch.response_mask
         return batch
 
 

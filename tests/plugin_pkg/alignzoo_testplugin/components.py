@@ -85,7 +85,7 @@ class CannedBackend(Backend):
         self.tokenizer = run.tokenizer
 
     @hookimpl
-    def sync_weights(self, model: Any) -> None:
+    def sync_weights(self, weights: Any) -> None:
         return None
 
     @hookimpl

@@ -11,18 +11,24 @@ from alignzoo.errors import UserError
 from alignzoo.plugins.backends.hf import HFBackend
 from alignzoo.registry import build_plugin_manager
 from alignzoo.types import SamplingParams
+from alignzoo.weights import PolicyWeights
 
 from .conftest import load_policy
 
 PROMPTS = ["12+7=", "3+45=", "1+1=", "100+250="]  # different lengths: left padding matters
 
 
+def start(backend: HFBackend, model, tokenizer) -> None:
+    """What a run does: on_run_start with the run's actor, then the first weight sync."""
+    run = SimpleNamespace(tokenizer=tokenizer, device=lambda role: "cpu", actor=model)
+    backend.on_run_start(run)
+    backend.sync_weights(PolicyWeights(model, 0))
+
+
 def make_backend(folder, **params) -> tuple[HFBackend, object, object]:
     model, tokenizer = load_policy(folder)
     backend = HFBackend(params)
-    run = SimpleNamespace(tokenizer=tokenizer, device=lambda role: "cpu", actor=None)
-    backend.on_run_start(run)
-    backend.sync_weights(model)
+    start(backend, model, tokenizer)
     return backend, model, tokenizer
 
 
@@ -62,7 +68,7 @@ def test_layout_masks_and_padding_after_eos(policy_dirs):
     B = len(PROMPTS) * n
     R = batch.response_ids.shape[1]
     assert batch.size == B and batch.prompt_ids.shape[0] == B
-    assert batch.response_mask.shape == batch.old_logprobs.shape == (B, R)
+    assert batch.response_mask.shape == batch.rollout_logprobs.shape == (B, R)
     assert batch.response_mask.dtype == torch.float32 and batch.prompt_mask.dtype == torch.long
     lengths = batch.response_mask.sum(dim=1).long()
     # The fixture policy must give both stopped and unstopped samples, or this test tests little.
@@ -78,8 +84,8 @@ def test_layout_masks_and_padding_after_eos(policy_dirs):
             assert all(t == pad for t in row[first + 1 :])  # padded after it
         else:
             assert length == R == 10  # ran to max_new_tokens, which sets the width
-        assert batch.old_logprobs[i, length:].eq(0).all()
-        assert (batch.old_logprobs[i, :length] < 0).all()
+        assert batch.rollout_logprobs[i, length:].eq(0).all()
+        assert (batch.rollout_logprobs[i, :length] < 0).all()
         expected_text = tokenizer.decode(row[:length], skip_special_tokens=True)
         assert batch.responses[i] == expected_text and "<|endoftext|>" not in expected_text
     assert batch.prompts == [p for p in PROMPTS for _ in range(n)]
@@ -108,7 +114,7 @@ def test_group_layout_and_left_padded_prompts(policy_dirs):
 
 
 @pytest.mark.parametrize("policy", ["plain", "stopping"])
-def test_old_logprobs_equal_full_forward(policy_dirs, policy):
+def test_sampling_logprobs_equal_full_forward(policy_dirs, policy):
     backend, model, _ = make_backend(policy_dirs[policy], max_batch_size=2)
     # Filtering (temperature, top-k, top-p) shapes the sampling but the recorded log-probs are
     # those of the temperature-1 distribution of the weights.
@@ -116,7 +122,7 @@ def test_old_logprobs_equal_full_forward(policy_dirs, policy):
     torch.manual_seed(2)
     batch = backend.generate(PROMPTS, [], 3, sampling)
     expected = full_forward_logprobs(model, batch) * batch.response_mask
-    torch.testing.assert_close(batch.old_logprobs, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(batch.rollout_logprobs, expected, atol=1e-4, rtol=0)
 
 
 def test_greedy_is_deterministic_and_is_the_argmax_continuation(policy_dirs):
@@ -154,7 +160,7 @@ def test_seeded_sampling_is_reproducible(policy_dirs):
     b = backend.generate(PROMPTS, [], 2, sampling)
     torch.manual_seed(8)
     c = backend.generate(PROMPTS, [], 2, sampling)
-    assert a.response_ids.equal(b.response_ids) and a.old_logprobs.equal(b.old_logprobs)
+    assert a.response_ids.equal(b.response_ids) and a.rollout_logprobs.equal(b.rollout_logprobs)
     assert not a.response_ids.equal(c.response_ids)
 
 
@@ -164,8 +170,8 @@ def test_top_k_one_equals_greedy(policy_dirs):
     torch.manual_seed(5)
     top1 = backend.generate(PROMPTS, [], 3, SamplingParams(top_k=1, max_new_tokens=6))
     assert top1.response_ids.equal(greedy.response_ids.repeat_interleave(3, dim=0))
-    # old_logprobs stay the temperature-1 log-probs, not the filtered (log 1 = 0) ones.
-    assert (top1.old_logprobs[top1.response_mask > 0] < 0).all()
+    # the sampling log-probs stay the temperature-1 log-probs, not the filtered (log 1 = 0) ones.
+    assert (top1.rollout_logprobs[top1.response_mask > 0] < 0).all()
 
 
 def test_chunking_does_not_change_greedy_results(policy_dirs):
@@ -175,7 +181,7 @@ def test_chunking_does_not_change_greedy_results(policy_dirs):
     a, b = one.generate(PROMPTS, [], 2, greedy), many.generate(PROMPTS, [], 2, greedy)
     assert a.prompt_ids.equal(b.prompt_ids) and a.prompt_mask.equal(b.prompt_mask)
     assert a.response_ids.equal(b.response_ids) and a.response_mask.equal(b.response_mask)
-    torch.testing.assert_close(a.old_logprobs, b.old_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5, rtol=0)
 
 
 def test_training_modes_and_generation_config_are_restored(policy_dirs):
@@ -224,28 +230,28 @@ def test_extra_eos_from_the_checkpoint_generation_config_stops(policy_dirs):
 
 @pytest.mark.parametrize("policy", ["plain", "stopping"])
 def test_the_decode_loop_and_generate_agree_on_the_same_weights(policy_dirs, policy):
-    loop, model, _ = make_backend(policy_dirs[policy], decoder="loop")
-    generate, _, _ = make_backend(policy_dirs[policy], decoder="generate")
-    generate.sync_weights(model)  # the very same module
+    loop, model, tokenizer = make_backend(policy_dirs[policy], decoder="loop")
+    generate = HFBackend({"decoder": "generate"})
+    start(generate, model, tokenizer)  # the very same module
     greedy = SamplingParams(temperature=0, max_new_tokens=7)
     a, b = loop.generate(PROMPTS, [], 3, greedy), generate.generate(PROMPTS, [], 3, greedy)
     assert a.prompt_ids.equal(b.prompt_ids) and a.prompt_mask.equal(b.prompt_mask)
     assert a.response_ids.equal(b.response_ids) and a.response_mask.equal(b.response_mask)
-    torch.testing.assert_close(a.old_logprobs, b.old_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5, rtol=0)
     # Sampled: both record the temperature-1 log-probs of what they sampled.
     sampling = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=7)
     for backend in (loop, generate):
         torch.manual_seed(3)
         batch = backend.generate(PROMPTS, [], 3, sampling)
         expected = full_forward_logprobs(model, batch) * batch.response_mask
-        torch.testing.assert_close(batch.old_logprobs, expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(batch.rollout_logprobs, expected, atol=1e-4, rtol=0)
 
 
 def test_generates_through_the_hook_and_with_a_peft_model(policy_dirs):
     peft = pytest.importorskip("peft")
-    backend, model, _ = make_backend(policy_dirs["plain"])
+    backend, model, tokenizer = make_backend(policy_dirs["plain"])
     lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    backend.sync_weights(lora)
+    start(backend, lora, tokenizer)
     config = lora.get_base_model().generation_config
     pm = build_plugin_manager([backend])
     batch = pm.hook.generate(
@@ -254,7 +260,7 @@ def test_generates_through_the_hook_and_with_a_peft_model(policy_dirs):
     assert batch.size == 4 and batch.group_ids.tolist() == [0, 0, 1, 1]
     assert lora.get_base_model().generation_config is config
     torch.testing.assert_close(
-        batch.old_logprobs,
+        batch.rollout_logprobs,
         full_forward_logprobs(lora, batch) * batch.response_mask,
         atol=1e-4,
         rtol=0,
@@ -297,3 +303,76 @@ def test_recorder_reads_each_token_once_and_survives_undone_steps():
     torch.testing.assert_close(replay(3).finish(tokens), expected)
     # generate ran one more step and dropped it (deferred stop checks, as on mps)
     torch.testing.assert_close(replay(3).finish(tokens[:, :2]), expected[:, :2])
+
+
+# --------------------------------------------------------------------------- weights: copy
+
+
+def _agree(a, b) -> bool:
+    return a.response_ids.equal(b.response_ids) and torch.allclose(
+        a.rollout_logprobs, b.rollout_logprobs, atol=1e-5, rtol=0
+    )
+
+
+def test_a_backend_with_its_own_copy_follows_the_weight_stream(policy_dirs):
+    shared, model, tokenizer = make_backend(policy_dirs["plain"])
+    own = HFBackend({"weights": "copy"})
+    start(own, model, tokenizer)
+    assert own.model is not model and own.version == 0
+    assert not any(
+        p.data_ptr() == q.data_ptr() for p in own.model.parameters() for q in model.parameters()
+    )
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    before = own.generate(PROMPTS, [], 2, greedy)
+    assert _agree(shared.generate(PROMPTS, [], 2, greedy), before)
+    with torch.no_grad():  # the trainer's update, in place
+        for param in model.parameters():
+            param.mul_(-1.5)
+    assert not _agree(shared.generate(PROMPTS, [], 2, greedy), before), (
+        "premise: the update changes greedy outputs"
+    )
+    assert _agree(own.generate(PROMPTS, [], 2, greedy), before)  # nothing synced yet: the old copy
+    own.sync_weights(PolicyWeights(model, 1))
+    assert own.version == 1
+    assert _agree(shared.generate(PROMPTS, [], 2, greedy), own.generate(PROMPTS, [], 2, greedy))
+    torch.manual_seed(5)
+    a = shared.generate(PROMPTS, [], 3, SamplingParams(max_new_tokens=6))
+    torch.manual_seed(5)
+    assert _agree(a, own.generate(PROMPTS, [], 3, SamplingParams(max_new_tokens=6)))
+
+
+def test_a_copy_of_a_lora_policy_samples_with_the_merged_weights(policy_dirs):
+    peft = pytest.importorskip("peft")
+    model, tokenizer = load_policy(policy_dirs["plain"])
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=2.0)
+    shared, own = HFBackend(), HFBackend({"weights": "copy"})
+    start(shared, lora, tokenizer)
+    start(own, lora, tokenizer)
+    assert not hasattr(own.model, "peft_config")  # a plain model
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    assert _agree(shared.generate(PROMPTS, [], 2, greedy), own.generate(PROMPTS, [], 2, greedy))
+
+
+def test_a_stream_that_does_not_fit_the_copy_is_refused(policy_dirs):
+    model, tokenizer = load_policy(policy_dirs["plain"])
+    own = HFBackend({"weights": "copy"})
+    start(own, model, tokenizer)
+
+    class Missing(PolicyWeights):
+        def named_tensors(self, dtype=None, device=None):
+            yield from list(super().named_tensors(dtype, device))[1:]
+
+    with pytest.raises(RuntimeError, match=r"version 3\) lacks 1 tensor"):
+        own.sync_weights(Missing(model, 3))
+    with pytest.raises(UserError, match=r"weights: copy"):  # shared mode needs rollout == actor
+        HFBackend().on_run_start(
+            SimpleNamespace(
+                tokenizer=tokenizer,
+                device=lambda r: "cuda:1" if r == "rollout" else "cpu",
+                actor=model,
+            )
+        )
