@@ -9,13 +9,13 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast lint bench clean
 
-# alignzoo and its extras only (bench: TRL, for the parity tests): the tests install their plugin package (tests/plugin_pkg)
+# alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor tests): the tests install their plugin package (tests/plugin_pkg)
 # into .test-plugins/ themselves, so `alignzoo plugins` never lists test doubles.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev,tensorboard,bench]'
+	$(PY) -m pip install -q -e '.[dev,tensorboard,bench,ray]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -38,6 +39,14 @@ new_app = typer.Typer(
     help="Create a ready package: `alignzoo new plugin NAME`.", no_args_is_help=True
 )
 app.add_typer(new_app, name="new")
+
+
+class Executors(str, Enum):
+    """Where `alignzoo run` trains the arm x seed runs."""
+
+    local = "local"
+    ray = "ray"
+
 
 console = Console(soft_wrap=True)  # long paths and messages stay on one line in logs
 err_console = Console(stderr=True, soft_wrap=True)
@@ -121,13 +130,41 @@ def run(
         bool, typer.Option(help="Skip finished runs and continue unfinished ones.")
     ] = False,
     jobs: Annotated[
-        int, typer.Option(min=1, help="Arm x seed runs in parallel worker processes.")
+        int,
+        typer.Option(
+            min=1,
+            help="Arm x seed runs in parallel worker processes (each gets cpu_count / jobs "
+            "threads; with --executor ray, the CPUs each task asks for).",
+        ),
+    ] = 1,
+    executor: Annotated[
+        Executors,
+        typer.Option(help="Where runs train: local processes, or Ray tasks (the ray extra)."),
+    ] = Executors.local,
+    address: Annotated[
+        str | None,
+        typer.Option(
+            help="Ray cluster address for --executor ray ('auto': the one on this machine; "
+            "default: start a local Ray for this experiment)."
+        ),
+    ] = None,
+    retries: Annotated[
+        int,
+        typer.Option(
+            min=0, help="--executor ray: reruns of a task whose worker died (it resumes)."
+        ),
     ] = 1,
     overrides: SetOption = None,
 ) -> None:
     """Train every arm x seed of an experiment and write the comparison report."""
     from alignzoo.config.loader import load_experiment
+    from alignzoo.experiment.executors import LocalExecutor, RayExecutor, import_ray
     from alignzoo.experiment.runner import run_experiment
+
+    if executor is Executors.local and address is not None:
+        raise UserError("--address is for --executor ray; add --executor ray or drop --address")
+    if executor is Executors.ray:
+        import_ray()  # before anything is written: say how to install it
 
     loaded = load_experiment(
         experiment, arms=_parse_list(arms, str, "--arms"), overrides=overrides or ()
@@ -150,7 +187,14 @@ def run(
                 "and torch both accept)"
             )
         loaded.spec = loaded.spec.model_copy(update={"seeds": seed_list})
-    result = run_experiment(loaded, out_dir=out, resume=resume, jobs=jobs, console=console)
+    chosen = (
+        RayExecutor(address=address, retries=retries)
+        if executor is Executors.ray
+        else LocalExecutor(jobs, console)
+    )
+    result = run_experiment(
+        loaded, out_dir=out, resume=resume, jobs=jobs, console=console, executor=chosen
+    )
     if result.failed:
         raise typer.Exit(1)
 

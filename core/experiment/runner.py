@@ -18,14 +18,9 @@ the others go on; the result's ``failed`` is then True.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import pickle
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +30,7 @@ from alignzoo import provenance
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
+from alignzoo.experiment.executors import Executor, LocalExecutor, RunJob
 from alignzoo.experiment.progress import ProgressView, print_summary
 from alignzoo.experiment.runfiles import EXPERIMENT_FILE, read_status, write_atomic
 
@@ -230,52 +226,6 @@ def _execute(
     )
 
 
-@dataclass
-class _Job:
-    """What a worker process needs for one run (picklable)."""
-
-    arm: str
-    seed: int
-    run_dir: Path
-    resume: bool
-    threads: int
-    run_fn: RunFn
-    loaded: LoadedExperiment | None
-    source: str
-    spec: ExperimentSpec
-
-
-def _init_worker(threads: int) -> None:
-    """Worker start-up: cap BLAS / torch threads so that parallel runs do not oversubscribe."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = str(threads)
-    if "torch" in sys.modules:  # pragma: no cover - torch is normally imported later
-        sys.modules["torch"].set_num_threads(threads)
-
-
-def _worker(job: _Job) -> RunResult:
-    """Run one job in a worker process."""
-    loaded = job.loaded
-    if loaded is None:
-        from alignzoo.config.loader import load_experiment
-
-        loaded = load_experiment(job.source, arms=[job.arm], overrides=job.spec.overrides)
-        loaded.spec = job.spec
-    return _execute(job.run_fn, loaded, job.arm, job.seed, job.run_dir, job.resume, None)
-
-
-def _for_arm(loaded: LoadedExperiment, arm: str) -> LoadedExperiment | None:
-    """The experiment restricted to one arm's components, if it can be pickled (else None)."""
-    one = LoadedExperiment(
-        spec=loaded.spec, source=loaded.source, components={arm: loaded.components.get(arm, {})}
-    )
-    try:
-        pickle.dumps(one)
-    except Exception:
-        return None
-    return one
-
-
 # --------------------------------------------------------------------------- experiment
 
 
@@ -286,12 +236,18 @@ def run_experiment(
     jobs: int = 1,
     console: Any = None,
     run_fn: RunFn | None = None,
+    executor: Executor | None = None,
 ) -> ExperimentResult:
     """Train every arm x seed of ``loaded`` and write the report.
 
-    ``jobs > 1`` runs that many worker processes ("spawn" start method), each with
-    ``max(1, cpu_count // jobs)`` BLAS/torch threads. ``run_fn`` replaces the engine's
-    ``run_one`` (same signature; it must be a module-level function when ``jobs > 1``).
+    Each run is a :class:`~alignzoo.experiment.executors.RunJob` (experiment file, arm, seed,
+    resources) handed to ``executor``: by default a
+    :class:`~alignzoo.experiment.executors.LocalExecutor`, which runs them here one by one or,
+    with ``jobs > 1``, in that many spawned worker processes; a
+    :class:`~alignzoo.experiment.executors.RayExecutor` runs them as Ray tasks. Every job caps
+    BLAS/torch threads at ``max(1, cpu_count // jobs)`` in a worker. ``run_fn`` replaces the
+    engine's ``run_one`` (same signature; a module-level function when it runs in workers,
+    where it receives the spec without components).
     """
     from alignzoo.report.sections import write_report
 
@@ -334,21 +290,38 @@ def run_experiment(
         f"into {out}" + (f" ({len(results)} finished runs kept)" if results else ""),
         highlight=False,
     )
+    runner = executor if executor is not None else LocalExecutor(jobs, console)
+    in_workers = not isinstance(runner, LocalExecutor) or (jobs > 1 and len(todo) > 1)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    work = [
+        RunJob(
+            source=str(loaded.source),
+            spec=spec,
+            arm=arm,
+            seed=seed,
+            run_dir=run_dir,
+            resume=again,
+            threads=threads,
+            resources=run_resources(loaded, arm, threads, fn is _run_one and in_workers),
+        )
+        for arm, seed, run_dir, again in todo
+    ]
     view = ProgressView(console, spec, planned)
-    view.announce_evals = jobs > 1 and len(todo) > 1  # the workers' own consoles are off
+    view.announce_evals = in_workers  # the workers' own consoles are off
+
+    def done(result: RunResult) -> None:
+        results[(result.arm, result.seed)] = result
+        view.done(result)
+        _say_result(say, result)
+
     try:
         with view:
             for result in results.values():
                 view.done(result)
-            if jobs == 1 or len(todo) <= 1:
-                for arm, seed, run_dir, again in todo:
-                    view.start(arm, seed)
-                    result = _execute(fn, loaded, arm, seed, run_dir, again, console)
-                    results[(arm, seed)] = result
-                    view.done(result)
-                    _say_result(say, result)
-            else:
-                _run_parallel(loaded, todo, jobs, fn, view, results, say)
+            if in_workers:
+                for job in work:
+                    view.queue(job.arm, job.seed)
+            runner.run(loaded, work, fn, view.start, done)
     except KeyboardInterrupt:
         say(f"[yellow]interrupted[/yellow]: rerun with --resume --out {out} to continue")
         raise
@@ -379,87 +352,29 @@ def run_experiment(
     return ExperimentResult(out_dir=out, runs=ordered, failed=failed, report_paths=report_paths)
 
 
+def run_resources(
+    loaded: LoadedExperiment, arm: str, threads: int, placed: bool
+) -> dict[str, float]:
+    """What one run of ``arm`` asks a scheduler for: ``threads`` CPUs and, when ``placed``, one
+    GPU per distinct GPU its device mapper places a role on (tensor-parallel groups included),
+    on this machine's devices."""
+    resources = {"cpus": float(threads), "gpus": 0.0}
+    if not placed:
+        return resources
+    from alignzoo.engine.assemble import placement_plan
+
+    gpus = {
+        device
+        for placement in placement_plan(loaded, arm).values()
+        for device in placement.devices()
+        if device.startswith("cuda")
+    }
+    resources["gpus"] = float(len(gpus))
+    return resources
+
+
 def _say_result(say: Callable[..., Any], result: RunResult) -> None:
     if result.status == "finished":
         say(f"[green]finished[/green] {result.name}", highlight=False)
     else:
         say(f"[red]failed[/red] {result.name}: {result.error}", highlight=False)
-
-
-def _process_main(job: _Job, conn: Connection) -> None:
-    """Body of one run's worker process: run it and send the result back to the parent."""
-    _init_worker(job.threads)
-    try:
-        result = _worker(job)
-    except BaseException as exc:  # tell the parent why, instead of dying silently
-        result = RunResult(
-            job.arm, job.seed, job.run_dir, "failed", f"worker process failed: {_error_text(exc)}"
-        )
-    conn.send(result)
-    conn.close()
-
-
-def _collect(arm: str, seed: int, proc: Any, receive: Connection, run_dir: Path) -> RunResult:
-    """The result a finished worker sent, or a failure naming how the process died."""
-    try:
-        result: RunResult = receive.recv()
-    except (EOFError, OSError):  # the process ended without a word: killed, out of memory, ...
-        proc.join()
-        error = f"worker process died (exit code {proc.exitcode}) before the run finished"
-        _record_failure(run_dir, error)
-        result = RunResult(arm, seed, run_dir, "failed", error)
-    proc.join()
-    receive.close()
-    return result
-
-
-def _run_parallel(
-    loaded: LoadedExperiment,
-    todo: list[tuple[str, int, Path, bool]],
-    jobs: int,
-    fn: RunFn,
-    view: ProgressView,
-    results: dict[tuple[str, int], RunResult],
-    say: Callable[..., Any],
-) -> None:
-    """At most ``jobs`` runs at a time, each in its own spawned process.
-
-    One process per run (not a pool): a worker killed by the OS fails only its own run, and
-    the others go on. Each process gets ``max(1, cpu_count // jobs)`` BLAS/torch threads.
-    """
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    per_arm = {arm: _for_arm(loaded, arm) for arm in {t[0] for t in todo}}
-    ctx = multiprocessing.get_context("spawn")
-    waiting = list(todo)
-    running: dict[tuple[str, int], tuple[Any, Connection, Path]] = {}
-    for arm, seed, _, _ in todo:
-        view.queue(arm, seed)
-    try:
-        while waiting or running:
-            while waiting and len(running) < jobs:
-                arm, seed, run_dir, again = waiting.pop(0)
-                job = _Job(
-                    arm, seed, run_dir, again, threads, fn, per_arm[arm], loaded.source, loaded.spec
-                )
-                receive, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(
-                    target=_process_main, args=(job, send), name=f"alignzoo {arm} seed-{seed}"
-                )
-                proc.start()
-                send.close()  # the child holds the only writer: its exit means EOF here
-                running[(arm, seed)] = (proc, receive, run_dir)
-                view.start(arm, seed)
-            handles = [h for proc, receive, _ in running.values() for h in (receive, proc.sentinel)]
-            wait_for(handles, timeout=1.0)
-            for (arm, seed), (proc, receive, run_dir) in list(running.items()):
-                if proc.is_alive() and not receive.poll():
-                    continue
-                result = _collect(arm, seed, proc, receive, run_dir)
-                del running[(arm, seed)]
-                results[(arm, seed)] = result
-                view.done(result)
-                _say_result(say, result)
-    except KeyboardInterrupt:
-        for proc, _, _ in running.values():
-            proc.terminate()
-        raise

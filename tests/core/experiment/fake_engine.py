@@ -24,6 +24,7 @@ from alignzoo.errors import RunError
 KILL_ENV = "ALIGNZOO_FAKE_KILL"  # "arm:seed:step": raise KeyboardInterrupt there
 DIE_ENV = "ALIGNZOO_FAKE_DIE"  # "arm:seed:step": the process kills itself (SIGKILL) there
 LOG_ENV = "ALIGNZOO_FAKE_LOG"  # a file each call appends "arm seed resume threads" to
+DIE_ONCE_ENV = "ALIGNZOO_FAKE_DIE_ONCE"  # "arm:seed:step:FLAG": SIGKILL there while FLAG exists
 
 
 @dataclass
@@ -117,6 +118,10 @@ def write_run(spec: ExperimentSpec, arm: str, seed: int, out_dir: Path, resume: 
             raise KeyboardInterrupt
         if os.environ.get(DIE_ENV) == f"{arm}:{seed}:{step}":
             os.kill(os.getpid(), signal.SIGKILL)  # as the OS does to a process out of memory
+        where, _, flag = os.environ.get(DIE_ONCE_ENV, "").rpartition(":")
+        if where == f"{arm}:{seed}:{step}" and Path(flag).exists():
+            Path(flag).unlink()  # the next attempt gets past this step
+            os.kill(os.getpid(), signal.SIGKILL)
         row = {"step": step, "time_s": step * 0.5, "samples": step * 32}
         row.update(train_metrics(lr, seed, step))
         _append(metrics, row)
