@@ -4,7 +4,8 @@ Importing ``alignzoo`` is light (no torch). The public API::
 
     from alignzoo import hookimpl, Algorithm, Labeler, Backend, DeviceMapper, Modifier, Stateful
     from alignzoo import LabelRequest, Score, LossContext, LossOutput, AlgorithmRequirements
-    from alignzoo import RolloutBatch, PolicyOutputs, LossOutput      # tensors (imports torch)
+    from alignzoo import Placement, SamplingParams
+    from alignzoo import RolloutBatch, PolicyOutputs, PolicyWeights   # tensors (imports torch)
     from alignzoo import load_experiment, get_registry
 """
 
@@ -42,12 +43,14 @@ from alignzoo.types import (
     LossContext,
     LossOutput,
     Outcome,
+    Placement,
     SamplingParams,
     Score,
 )
 
 if TYPE_CHECKING:
     from alignzoo.batch import PolicyOutputs, RolloutBatch
+    from alignzoo.weights import PolicyWeights
 
 try:
     __version__ = version("alignzoo")
@@ -73,7 +76,9 @@ __all__ = [
     "Modifier",
     "NoParams",
     "Outcome",
+    "Placement",
     "PolicyOutputs",
+    "PolicyWeights",
     "Registry",
     "RolloutBatch",
     "RunError",
@@ -95,4 +100,8 @@ def __getattr__(name: str) -> Any:
         from alignzoo import batch
 
         return getattr(batch, name)
+    if name == "PolicyWeights":
+        from alignzoo import weights
+
+        return weights.PolicyWeights
     raise AttributeError(f"module 'alignzoo' has no attribute {name!r}")

@@ -325,6 +325,21 @@ CLI_CASES = [
     cli_case("jobs-zero", ["run", "{tmp}/exp.yaml", "--jobs", "0", "--out", "{out}"], "--jobs"),
     cli_case("jobs-text", ["run", "{tmp}/exp.yaml", "--jobs", "many", "--out", "{out}"], "--jobs"),
     cli_case(
+        "executor-unknown",
+        ["run", "{tmp}/exp.yaml", "--executor", "slurm", "--out", "{out}"],
+        "--executor",
+    ),
+    cli_case(
+        "address-without-ray",
+        ["run", "{tmp}/exp.yaml", "--address", "auto", "--out", "{out}"],
+        "--address is for --executor ray",
+    ),
+    cli_case(
+        "retries-negative",
+        ["run", "{tmp}/exp.yaml", "--executor", "ray", "--retries", "-1", "--out", "{out}"],
+        "--retries",
+    ),
+    cli_case(
         "out-below-file",
         ["run", "{tmp}/exp.yaml", "--out", "{tmp}/exp.yaml/sub"],
         "cannot create the output folder",

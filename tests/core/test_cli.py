@@ -235,3 +235,13 @@ def test_the_user_environment_holds_no_test_doubles():
     assert "alignzoo-testplugin" not in providers
     names = {r["name"] for r in json.loads(alignzoo("plugins", "--json").stdout)}
     assert {"canned", "keyword", "loss_scale"} <= names  # the tests still see them
+
+
+def test_the_ray_executor_without_ray_says_how_to_install_it(exp, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    out = tmp_path / "o"
+    code = cli.main(["run", str(exp()), "--executor", "ray", "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "pip install 'alignzoo[ray]'" in err and "Traceback" not in err
+    assert not out.exists()  # refused before anything was written
