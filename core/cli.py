@@ -157,10 +157,12 @@ def run(
     overrides: SetOption = None,
 ) -> None:
     """Train every arm x seed of an experiment and write the comparison report."""
+    from alignzoo import distributed
     from alignzoo.config.loader import load_experiment
     from alignzoo.experiment.executors import LocalExecutor, RayExecutor, import_ray
     from alignzoo.experiment.runner import run_experiment
 
+    distributed.init_from_env()  # under torchrun: join the process group (data parallel)
     if executor is Executors.local and address is not None:
         raise UserError("--address is for --executor ray; add --executor ray or drop --address")
     if executor is Executors.ray:

@@ -154,9 +154,19 @@ def score_batch(requests: list[LabelRequest]) -> list[Score]:
 
 @hookspec(firstresult=True)
 def generate(
-    prompts: list[str], extras: list[dict[str, Any]], n: int, sampling: SamplingParams
+    prompts: list[str],
+    extras: list[dict[str, Any]],
+    n: int,
+    sampling: SamplingParams,
+    seeds: list[int] | None,
 ) -> RolloutBatch:
     """Sample ``n`` responses for each prompt.
+
+    ``seeds`` (training steps; None at evaluation) holds one seed per prompt: a backend that
+    honours it samples each prompt's ``n`` responses from a generator of their own seeded so,
+    which makes the samples independent of how prompts are batched or spread over processes
+    (data-parallel training then samples exactly what one process would). A backend may
+    ignore it (and omit the argument) and use the global RNG.
 
     Returns a :class:`RolloutBatch` of ``B = len(prompts) * n`` samples, grouped by prompt
     (``group_ids[i] == i // n``), with ``prompt_ids``, ``response_ids``, ``response_mask``,

@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from alignzoo import distributed
 from alignzoo.types import LossAggregation, LossContext
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -38,12 +39,62 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return var
 
 
+def global_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`masked_mean` over the unmasked entries of every data-parallel rank."""
+    if not distributed.active():
+        return masked_mean(values, mask)
+    local = torch.stack([masked_sum(values.detach(), mask), mask.to(values.dtype).sum()])
+    total = distributed.all_sum(local)
+    return total[0] / total[1].clamp(min=1.0)
+
+
+def global_mean(values: torch.Tensor) -> torch.Tensor:
+    """The mean of every element of ``values`` over all data-parallel ranks (a batch
+    statistic: no gradient flows through it under several processes)."""
+    if not distributed.active():
+        return values.mean()
+    total = distributed.all_sum(torch.stack([values.sum(), values.new_tensor(values.numel())]))
+    return total[0] / total[1].clamp(min=1.0)
+
+
+def global_std(values: torch.Tensor) -> torch.Tensor:
+    """The (Bessel-corrected) standard deviation of every element of ``values`` over all
+    data-parallel ranks; 0 for a single element."""
+    if not distributed.active():
+        return values.std() if values.numel() > 1 else values.new_zeros(())
+    values = values.detach()
+    total = distributed.all_sum(torch.stack([values.sum(), values.new_tensor(values.numel())]))
+    count = total[1]
+    mean = total[0] / count.clamp(min=1.0)
+    squares = distributed.all_sum(((values - mean) ** 2).sum())
+    return torch.sqrt(squares / (count - 1).clamp(min=1.0))
+
+
 def masked_whiten(
     values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
 ) -> torch.Tensor:
-    """(x - mean) / std over unmasked entries; masked entries are set to 0."""
+    """(x - mean) / std over unmasked entries (of every data-parallel rank: the statistics of
+    the global batch); masked entries are set to 0."""
+    if distributed.active():
+        return _global_whiten(values, mask, shift_mean, eps)
     mean = masked_mean(values, mask)
     std = torch.sqrt(masked_var(values, mask) + eps)
+    whitened = (values - mean) / std if shift_mean else values / std
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def _global_whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float
+) -> torch.Tensor:
+    """:func:`masked_whiten` with the mean and (Bessel-corrected) variance of all ranks."""
+    values = values.detach()
+    count_local = mask.to(values.dtype).sum()
+    total = distributed.all_sum(torch.stack([masked_sum(values, mask), count_local]))
+    count = total[1]
+    mean = total[0] / count.clamp(min=1.0)
+    squares = distributed.all_sum(masked_sum((values - mean) ** 2, mask))
+    var = squares / count.clamp(min=1.0) * count / (count - 1).clamp(min=1.0)
+    std = torch.sqrt(var + eps)
     whitened = (values - mean) / std if shift_mean else values / std
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from alignzoo import distributed
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
 from alignzoo.engine import models as model_loading
@@ -200,6 +201,18 @@ def assemble(
             f"arms.{arm}.training.rollout_correction.level: {correction!r} needs an online "
             f"policy-gradient algorithm (grpo, ppo, rloo, reinforce_pp), and {why}; set level off"
         )
+    if distributed.active():
+        world = distributed.world_size()
+        if arm_spec.training.prompts_per_step % world:
+            raise UserError(
+                f"arms.{arm}.training.prompts_per_step: {arm_spec.training.prompts_per_step} "
+                f"does not split evenly over {world} processes; use a multiple of {world}"
+            )
+        if arm_spec.labeling.overlap:
+            raise UserError(
+                f"arms.{arm}.labeling.overlap: not supported with {world} processes yet; "
+                "leave overlap unset"
+            )
     if arm_spec.labeling.overlap and not mode.online:
         raise UserError(
             f"arms.{arm}.labeling.overlap: the arm reads its data offline ({mode.name}), so "

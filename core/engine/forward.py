@@ -59,6 +59,8 @@ def takes_logits_to_keep(model: Any) -> bool:
 
 
 def _base_model(model: Any) -> Any:
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module  # DDP forwards its kwargs to the module it wraps
     get_base = getattr(model, "get_base_model", None)  # a peft model forwards its kwargs
     return get_base() if callable(get_base) else model
 

@@ -134,12 +134,21 @@ class Hooks:
 
     # ------------------------------------------------------------------ backend
     def generate(
-        self, prompts: list[str], extras: list[dict[str, Any]], n: int, sampling: SamplingParams
+        self,
+        prompts: list[str],
+        extras: list[dict[str, Any]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: list[int] | None = None,
     ) -> RolloutBatch:
         """``n`` responses per prompt, checked against ``generate``'s layout contract."""
         from alignzoo.batch import RolloutBatch
 
-        batch = self._call("generate", prompts=prompts, extras=extras, n=n, sampling=sampling)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise RunError(f"{len(seeds)} sampling seeds for {len(prompts)} prompts")
+        batch = self._call(
+            "generate", prompts=prompts, extras=extras, n=n, sampling=sampling, seeds=seeds
+        )
         if not isinstance(batch, RolloutBatch):
             raise RunError(
                 f"the backend's generate returned {type(batch).__name__}, not a RolloutBatch"

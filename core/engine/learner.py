@@ -1,6 +1,7 @@
 """The learner: what trains the models. It owns the optimizer (AdamW, one parameter group for
-the actor and one for the critic), the learning-rate schedule and, later, the module wrapping of
-data-parallel training (DDP / FSDP2); the models themselves stay in :class:`Models`.
+the actor and one for the critic), the learning-rate schedule and, under torch.distributed, the
+DistributedDataParallel wrappers the update's forward passes run through; the models themselves
+stay in :class:`Models`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from alignzoo import distributed
 from alignzoo.config.schema import TrainingConfig
 from alignzoo.engine.models import Models, trainable_parameters
 
@@ -64,6 +66,19 @@ class Learner:
     scheduler: Any
     cfg: TrainingConfig
     seed: int
+    actor_wrapper: Any = None  # DistributedDataParallel around the actor, under several processes
+    critic_wrapper: Any = None
+    gradient_scale: float = 1.0  # the world size under DDP (which averages the ranks' gradients)
+
+    @property
+    def actor_module(self) -> Any:
+        """What the update's forward passes run: the actor, or its DDP wrapper."""
+        return self.actor_wrapper if self.actor_wrapper is not None else self.models.actor
+
+    @property
+    def critic_module(self) -> Any:
+        """The critic, or its DDP wrapper (None without a critic)."""
+        return self.critic_wrapper if self.critic_wrapper is not None else self.models.critic
 
     @property
     def actor_parameters(self) -> list[torch.nn.Parameter]:
@@ -92,10 +107,24 @@ def build_learner(
         trainable_parameters(models.critic) if models.critic is not None else [],
         cfg,
     )
-    return Learner(
+    learner = Learner(
         models=models,
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, cfg, total_steps),
         cfg=cfg,
         seed=seed,
     )
+    if distributed.active():
+        learner.actor_wrapper = _data_parallel(models.actor)
+        if models.critic is not None:
+            learner.critic_wrapper = _data_parallel(models.critic)
+        learner.gradient_scale = float(distributed.world_size())
+    return learner
+
+
+def _data_parallel(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` wrapped in DistributedDataParallel (its weights broadcast from rank 0); the
+    engine keeps the plain module for everything but the update's forward passes."""
+    device = next(module.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)

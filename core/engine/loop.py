@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from alignzoo import provenance
+from alignzoo import distributed, provenance
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import Budget
 from alignzoo.engine import labelswap
@@ -215,6 +215,9 @@ class _Loop:
         self.state.time_s = self.base_time + (time.monotonic() - self.clock_start)
 
     def evaluate(self) -> None:
+        if not distributed.is_main():  # rank 0 evaluates for the group
+            self.last_eval = self.state.step
+            return
         cfg = self.run.spec.evaluation
         sampling = self.run.arm.training.sampling
         max_new = cfg.max_new_tokens or sampling.max_new_tokens
@@ -227,6 +230,9 @@ class _Loop:
     def checkpoint(self) -> None:
         run = self.run
         self.tick()
+        if not distributed.is_main():  # the weights are the same on every rank: rank 0 saves
+            self.last_ckpt = self.state.step
+            return
         self.state.sampler = run.sampler.state_dict()
         self.state.run_state = dict(run.context.state)
         save_checkpoint(
@@ -308,10 +314,11 @@ def run_one(
         recorded = True
         state = start_or_resume(run, resume, log, point)
         write_status(out_dir, "running", state, None, device)
+        main = distributed.is_main()  # the other ranks keep a jsonl copy in their scratch
         sinks = Sinks(
             out_dir,
-            spec.logging.sinks,
-            console,
+            spec.logging.sinks if main else ["jsonl"],
+            console if main else None,
             run.context.name,
             spec.logging.wandb,
             spec.name,

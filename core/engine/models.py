@@ -80,9 +80,15 @@ def load_models(
 def policy_path(model_cfg: ModelConfig, task_cfg: TaskConfig, log: Callable[[str], None]) -> str:
     """The folder the policy loads from: the cached embedded warm start, or the user's path."""
     if model_cfg.policy == "embedded":
+        from alignzoo import distributed
         from alignzoo.world.warmstart import ensure_policy
 
-        return str(ensure_policy(model_cfg, task_cfg, log=log))
+        if not distributed.is_main():  # rank 0 builds the cached warm start, the others read it
+            distributed.barrier()
+        path = str(ensure_policy(model_cfg, task_cfg, log=log))
+        if distributed.is_main():
+            distributed.barrier()
+        return path
     return model_cfg.policy
 
 

@@ -74,8 +74,8 @@ class LabelAhead:
         now (on this thread: the models are never used from the labeling thread)."""
         run = self.run
         cfg = run.arm.training
-        rows = run.sampler.next(cfg.prompts_per_step)
-        batch, m = sample(rows, StepSource(run.hooks, run.models.tokenizer, cfg))
+        rows, seeds = run.sampler.next_seeded(cfg.prompts_per_step)
+        batch, m = sample(rows, StepSource(run.hooks, run.models.tokenizer, cfg, seeds))
         m.update(prepare(scorer, batch, generated=True))
         return self._start(_Ahead(batch, m))
 

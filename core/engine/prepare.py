@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 
+from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.config.schema import RolloutCorrection
@@ -29,7 +30,7 @@ from alignzoo.engine.forward import (
 )
 from alignzoo.engine.models import Models
 from alignzoo.errors import RunError
-from alignzoo.ops import masked_kl_penalty, masked_mean, rollout_is_weights
+from alignzoo.ops import global_masked_mean, masked_kl_penalty, rollout_is_weights
 
 
 @dataclass
@@ -91,15 +92,16 @@ def behaviour_metrics(
     logprobs: torch.Tensor, entropy: torch.Tensor, batch: RolloutBatch
 ) -> dict[str, float]:
     """The canonical ``entropy`` and ``kl/ref`` of a behaviour snapshot: one way for every arm."""
-    mask = batch.response_mask
-    metrics = {canonical.ENTROPY: float(masked_mean(entropy, mask))}
+    mask = batch.response_mask  # means over the tokens of the global batch (every rank's)
+    metrics = {canonical.ENTROPY: float(global_masked_mean(entropy, mask))}
     if batch.ref_logprobs is not None:
         kl = masked_kl_penalty(logprobs, batch.ref_logprobs, mask, "k3")
-        metrics[canonical.KL_REF] = float(masked_mean(kl, mask))
+        metrics[canonical.KL_REF] = float(global_masked_mean(kl, mask))
     if batch.rollout_logprobs is not None:  # the train/inference mismatch
         diff = (logprobs.float() - batch.rollout_logprobs.float()).abs() * mask
-        metrics[canonical.ROLLOUT_LOGPROB_DIFF] = float(masked_mean(diff, mask))
-        metrics[canonical.ROLLOUT_LOGPROB_DIFF_MAX] = float(diff.max()) if diff.numel() else 0.0
+        metrics[canonical.ROLLOUT_LOGPROB_DIFF] = float(global_masked_mean(diff, mask))
+        largest = float(diff.max()) if diff.numel() else 0.0
+        metrics[canonical.ROLLOUT_LOGPROB_DIFF_MAX] = distributed.all_max(largest)
     return metrics
 
 

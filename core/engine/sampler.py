@@ -30,16 +30,26 @@ class PromptSampler:
 
     def next(self, k: int) -> list[dict[str, Any]]:
         """The next ``k`` rows (dicts of column -> value), wrapping to a new epoch when needed."""
+        return self.next_seeded(k)[0]
+
+    def next_seeded(self, k: int) -> tuple[list[dict[str, Any]], list[int]]:
+        """The next ``k`` rows and, for each, a sampling seed of its own, drawn from the run
+        seed and the row's place in the stream (epoch, position): a prompt's samples then come
+        from its own generator, the same whatever the batch or the process that samples it."""
         indices: list[int] = []
+        seeds: list[int] = []
         while len(indices) < k:
             if self.position >= len(self._order):
                 self.epoch += 1
                 self.position = 0
                 self._order = self._permutation(self.epoch)
             indices.append(self._order[self.position])
+            sequence = [abs(self.seed), int(self.seed < 0), self.epoch, self.position, 0x5EED]
+            seeds.append(int(np.random.SeedSequence(sequence).generate_state(1, np.uint64)[0] >> 1))
             self.position += 1
         columns = self.dataset.select(indices).to_dict()
-        return [{name: values[i] for name, values in columns.items()} for i in range(k)]
+        rows = [{name: values[i] for name, values in columns.items()} for i in range(k)]
+        return rows, seeds
 
     def state_dict(self) -> dict[str, int]:
         """The cursor: enough to continue the exact sequence."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.hooks import implementers
@@ -60,8 +61,9 @@ def train_step(run: Run, step: int) -> StepResult:
     if run.ahead is not None:  # labeled in the background, behaviour snapshot taken already
         collected = run.ahead.collect(scorer)
     else:
-        rows = run.sampler.next(cfg.prompts_per_step)
-        collected = mode.collect(rows, StepSource(hooks, run.models.tokenizer, cfg))
+        rows, seeds = run.sampler.next_seeded(cfg.prompts_per_step)
+        rows, seeds = distributed.shard(rows), distributed.shard(seeds)  # this rank's share
+        collected = mode.collect(rows, StepSource(hooks, run.models.tokenizer, cfg, seeds))
     result = StepResult(
         metrics=collected.metrics,
         sample_rows=sample_rows(collected.batch, step),
@@ -79,6 +81,7 @@ def train_step(run: Run, step: int) -> StepResult:
     batch = mode.select(collected.batch, m)
     if batch is not None:  # online pairs with no untied group have nothing to learn from
         batch = hooks.transform_batch(batch, run.context)
+    distributed.all_equal(batch.size if batch is not None else 0, f"step {step}'s batch size")
     if batch is not None and batch.size > 0:  # a transform may filter every sample out
         batch = mode.prepare(batch, scorer)
         batch = hooks.compute_advantages(batch)
@@ -90,6 +93,11 @@ def train_step(run: Run, step: int) -> StepResult:
         run.sync_weights()
         m["timing/update"] = time.perf_counter() - t
     m[canonical.STEP_SECONDS] = time.perf_counter() - start
+    if distributed.active():  # the whole global batch's numbers, on every rank
+        counts = torch.tensor([result.samples, result.tokens], dtype=torch.float64)
+        samples, tokens = distributed.all_sum(counts).tolist()
+        result.samples, result.tokens = int(samples), int(tokens)
+        result.metrics = m = distributed.reduce_metrics(m)
     m["throughput/tokens_per_s"] = result.tokens / max(m[canonical.STEP_SECONDS], 1e-9)
     return result
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
+from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import PolicyOutputs, RolloutBatch
 from alignzoo.config.schema import TrainingConfig
@@ -25,6 +27,15 @@ from alignzoo.engine.modes import DataMode
 from alignzoo.engine.prepare import FusedSnapshot, apply_rollout_correction
 from alignzoo.errors import RunError
 from alignzoo.types import AlgorithmRequirements, LossContext
+
+
+def global_context(context: LossContext) -> LossContext:
+    """The optimizer step's counts over every rank (this rank's own in one process)."""
+    if not distributed.active():
+        return context
+    local = torch.tensor([context.tokens, context.sequences, context.groups], dtype=torch.float64)
+    tokens, sequences, groups = distributed.all_sum(local).tolist()
+    return replace(context, tokens=tokens, sequences=int(sequences), groups=int(groups))
 
 
 def split_units(units: list[list[int]], size: int) -> list[list[int]]:
@@ -51,7 +62,7 @@ def micro_step(
     models = learner.models
     mb = step_batch.select(index)
     logprobs, entropy = policy_forward(
-        models.actor,
+        learner.actor_module,
         mb,
         entropy=requirements.entropy,
         autocast=models.autocast,
@@ -66,7 +77,7 @@ def micro_step(
             apply_rollout_correction(mb, learner.cfg.rollout_correction, backend)
     outputs = PolicyOutputs(logprobs=logprobs, entropy=entropy if requirements.entropy else None)
     if models.critic is not None:
-        values = critic_forward(models.critic, mb, autocast=models.autocast)
+        values = critic_forward(learner.critic_module, mb, autocast=models.autocast)
         outputs.values = values.to(logprobs.device)  # the critic may sit on another device
     return hooks.compute_loss(mb.to(logprobs.device), outputs, context)
 
@@ -93,6 +104,7 @@ def update(
     """
     cfg = learner.cfg
     mode.check(batch, step)
+    distributed.all_equal(batch.size, f"the samples of step {step}'s batch")
     units = mode.units(batch.size)
     minibatch = cfg.minibatch_size or batch.size
     sums: dict[str, list[float]] = defaultdict(list)
@@ -109,7 +121,8 @@ def update(
         for mb_index in split_units(order, minibatch):
             learner.optimizer.zero_grad(set_to_none=True)
             micros = split_units(mode.units(len(mb_index)), cfg.micro_batch_size)
-            context = batch.select(mb_index).loss_context(micro_batches=len(micros))
+            distributed.all_equal(len(micros), f"the micro-batches of step {step}")
+            context = global_context(batch.select(mb_index).loss_context(len(micros)))
             step_loss = 0.0
             weighted: dict[str, float] = defaultdict(float)
             for micro in micros:
@@ -123,7 +136,9 @@ def update(
                         f"({float(loss.detach())}) in epoch {epoch}; stopping (the last "
                         "checkpoint is kept)"
                     )
-                loss.backward()
+                # DDP averages the ranks' gradients; each rank's loss is its share of the
+                # global batch's, so the sum of the shares is what the step must follow.
+                (loss * learner.gradient_scale).backward()
                 step_loss += float(loss.detach())
                 share = len(index) / len(mb_index)
                 for k, v in metrics.items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from alignzoo import provenance
+from alignzoo import distributed, provenance
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
@@ -253,6 +254,8 @@ def run_experiment(
 
     if jobs < 1:
         raise UserError(f"--jobs must be at least 1, got {jobs}")
+    if distributed.active():
+        return _run_data_parallel(loaded, out_dir, resume, jobs, console, run_fn, executor)
     spec = loaded.spec
     out = experiment_dir(spec, out_dir)
     if run_fn is None:  # the data every run will read, checked once before anything is written
@@ -371,6 +374,79 @@ def run_resources(
     }
     resources["gpus"] = float(len(gpus))
     return resources
+
+
+def _run_data_parallel(
+    loaded: LoadedExperiment,
+    out_dir: Path | None,
+    resume: bool,
+    jobs: int,
+    console: Any,
+    run_fn: RunFn | None,
+    executor: Executor | None,
+) -> ExperimentResult:
+    """Every arm x seed trained by all the processes of a torch.distributed group together,
+    one run after the other (:mod:`alignzoo.distributed`). Rank 0 writes the experiment folder
+    and the report; the other ranks keep their scratch files in ``<out>/.ranks/rank-<r>/``,
+    removed at the end."""
+    from alignzoo.report.sections import write_report
+
+    world = distributed.world_size()
+    if resume:
+        raise UserError(f"--resume is not supported with {world} processes yet")
+    if jobs > 1 or (executor is not None and not isinstance(executor, LocalExecutor)):
+        raise UserError(
+            f"{world} processes already train each run together: leave --jobs and --executor unset"
+        )
+    if loaded.spec.budget.wall_clock_s is not None:
+        raise UserError(
+            f"budget.wall_clock_s: with {world} processes the ranks could stop at different "
+            "steps; give the budget in steps or samples"
+        )
+    spec = loaded.spec
+    out = experiment_dir(spec, out_dir)
+    main = distributed.is_main()
+    fn: RunFn = run_fn if run_fn is not None else _run_one
+    if main:
+        if run_fn is None:
+            from alignzoo.engine.datacheck import check_data
+
+            check_data(loaded)
+        prepare_folder(spec, out, resume=False)
+        provenance.record(out, provenance.collect(loaded.source), False)
+    distributed.barrier()  # the folder exists, checked and empty, before any rank writes to it
+    say = console.print if console is not None and main else (lambda *a, **k: None)
+    say(
+        f"experiment [bold]{spec.name}[/bold]: {len(spec.arms)} arms x {len(spec.seeds)} seeds "
+        f"into {out}, each run on {world} processes",
+        highlight=False,
+    )
+    scratch = out / ".ranks" / f"rank-{distributed.rank()}"
+    results = []
+    for arm in spec.arms:
+        for seed in spec.seeds:
+            run_dir = (out if main else scratch) / arm / f"seed-{seed}"
+            result = _execute(fn, loaded, arm, seed, run_dir, False, console if main else None)
+            if main:
+                _say_result(say, result)
+            results.append(result)
+            distributed.barrier()
+    if not main:
+        shutil.rmtree(scratch, ignore_errors=True)
+    distributed.barrier()
+    failed = any(r.status != "finished" for r in results)
+    report_paths: list[Path] = []
+    if main:
+        shutil.rmtree(out / ".ranks", ignore_errors=True)
+        try:
+            report_paths = write_report(out)
+        except Exception as exc:
+            failed = True
+            say(f"[red]could not write the report[/red]: {_error_text(exc)}", highlight=False)
+        if report_paths and console is not None:
+            print_summary(console, out)
+            say(f"report: {' and '.join(str(p) for p in report_paths)}", highlight=False)
+    return ExperimentResult(out_dir=out, runs=results, failed=failed, report_paths=report_paths)
 
 
 def _say_result(say: Callable[..., Any], result: RunResult) -> None:

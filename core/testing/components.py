@@ -369,7 +369,9 @@ def check_backend(
         sampling = SamplingParams(
             max_new_tokens=max_new, temperature=0.0 if greedy else 1.0, top_p=1.0, top_k=0
         )
-        return hook.generate(prompts=prompts, extras=[{} for _ in prompts], n=n, sampling=sampling)
+        return hook.generate(
+            prompts=prompts, extras=[{} for _ in prompts], n=n, sampling=sampling, seeds=None
+        )
 
     def layout(example: tuple[list[str], int, int]) -> None:
         prompts, n, max_new = example

@@ -99,7 +99,7 @@ def group_advantages(
         # ... / std(r)  (outcome supervision, Shao et al.)
         return torch.where(flat, 0.0, centred / (group_std + eps).clamp(min=1e-12))
     if scale == "batch":
-        batch_std = scores.std() if scores.numel() > 1 else scores.new_zeros(())
+        batch_std = ops.global_std(scores)  # over the whole (global) batch
         return centred / (batch_std + eps).clamp(min=1e-12)
     return centred  # Dr. GRPO: no std normalisation (Liu et al. 2025)
 

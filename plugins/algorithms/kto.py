@@ -86,7 +86,8 @@ def kto_reference_point(
     mismatched_logps: torch.Tensor, mismatched_ref_logps: torch.Tensor
 ) -> torch.Tensor:
     """z0 = max(0, mean_i [log π(y_j|x_i) - log π_ref(y_j|x_i)]), detached (a scalar)."""
-    kl = (mismatched_logps - mismatched_ref_logps).detach().mean()  # KL(π || π_ref), mismatched
+    # KL(π || π_ref) over the mismatched pairs of the whole (global) batch
+    kl = ops.global_mean((mismatched_logps - mismatched_ref_logps).detach())
     return kl.clamp(min=0.0)  # z0 = max(0, KL), no gradient
 
 

@@ -278,7 +278,7 @@ class PPO(Algorithm):
             advantages = ops.masked_whiten(advantages, mask)
         batch.advantages, batch.returns = advantages, returns
         if kl is not None:  # observed KL per sequence, then adapt (Ziegler et al. 2019, sec. 2.2)
-            observed = ops.masked_sum(kl, mask, dim=-1).mean()
+            observed = ops.global_mean(ops.masked_sum(kl, mask, dim=-1))
             self.kl_ctl.update(float(observed), n_steps=batch.size)
         return batch
 

@@ -126,6 +126,7 @@ class HFBackend(Backend):
         extras: list[dict[str, Any]],
         n: int,
         sampling: SamplingParams,
+        seeds: list[int] | None = None,
     ) -> RolloutBatch:
         if self.model is None or self.tokenizer is None:
             raise RuntimeError("HFBackend.generate called before on_run_start")
@@ -149,8 +150,11 @@ class HFBackend(Backend):
             for start in range(0, len(prompts), size):
                 part = prompt_tokens[start : start + size]
                 use_loop = decoder == "loop" and use_cache
-                sample = self._decode_chunk if use_loop else self._generate_chunk
-                chunks.append(sample(part, n, sampling))
+                if use_loop:
+                    part_seeds = seeds[start : start + size] if seeds is not None else None
+                    chunks.append(self._decode_chunk(part, n, sampling, part_seeds))
+                else:  # transformers' generate samples from the global RNG
+                    chunks.append(self._generate_chunk(part, n, sampling))
         pad = self._pad_id()
         prompt_ids = _pad_rows([c[0] for c in chunks], pad, left=True)
         prompt_mask = _pad_rows([c[1] for c in chunks], 0, left=True)
@@ -189,10 +193,15 @@ class HFBackend(Backend):
         return ids, mask
 
     def _decode_chunk(
-        self, prompt_tokens: list[list[int]], n: int, sampling: SamplingParams
+        self,
+        prompt_tokens: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: list[int] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Sample n continuations of each prompt with the decode loop; tensors as
-        :meth:`_generate_chunk` returns them."""
+        :meth:`_generate_chunk` returns them. With ``seeds``, prompt i's rows draw from a
+        generator seeded ``seeds[i]`` (the same tokens whatever else is in the batch)."""
         from transformers import DynamicCache
 
         from alignzoo.engine.forward import forward_parameters
@@ -225,6 +234,9 @@ class HFBackend(Backend):
         position = positions[:, -1:] + 1
         rows = logits.shape[0]
         warpers = _warpers(sampling)
+        generators = None
+        if seeds is not None and sampling.temperature > 0:
+            generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         eos = torch.tensor(eos_ids, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         tokens: list[torch.Tensor] = []
@@ -237,7 +249,7 @@ class HFBackend(Backend):
                 scores = logits
                 for warper in warpers:
                     scores = warper(None, scores)
-                token = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+                token = _draw(torch.softmax(scores, dim=-1), generators, n)
             token = token.masked_fill(finished, pad)
             tokens.append(token)
             logprobs.append(raw_logp.gather(1, token.unsqueeze(1)).squeeze(1))
@@ -356,6 +368,18 @@ class _SamplingProcessor:
         if length == 0:
             return torch.zeros_like(response, dtype=torch.float32)
         return torch.stack(self.token_logprobs[:length], dim=1)
+
+
+def _draw(probs: torch.Tensor, generators: list[Any] | None, n: int) -> torch.Tensor:
+    """One token per row from ``probs`` ``[rows, V]``: from the global RNG, or each prompt's n
+    rows from that prompt's own generator."""
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(1)
+    parts = [
+        torch.multinomial(probs[i * n : (i + 1) * n], 1, generator=g)
+        for i, g in enumerate(generators)
+    ]
+    return torch.cat(parts).squeeze(1)
 
 
 def _warpers(sampling: SamplingParams) -> list[Any]:

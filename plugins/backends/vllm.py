@@ -183,6 +183,7 @@ class VLLMBackend(Backend):
         extras: list[dict[str, Any]],
         n: int,
         sampling: SamplingParams,
+        seeds: list[int] | None = None,
     ) -> RolloutBatch:
         from vllm import SamplingParams as VLLMSampling
 
@@ -201,16 +202,20 @@ class VLLMBackend(Backend):
                 raise UserError(f"prompt {i} encodes to no tokens: {prompts[i]!r}")
         eos = self.eos
         greedy = sampling.temperature == 0
-        params = VLLMSampling(
-            n=n,
-            temperature=sampling.temperature,
-            top_p=1.0 if greedy else sampling.top_p,
-            top_k=0 if greedy else sampling.top_k,
-            max_tokens=sampling.max_new_tokens,
-            logprobs=0,  # the sampled token's own log-prob
-            stop_token_ids=eos,
-            detokenize=False,
-        )
+        shared = {
+            "n": n,
+            "temperature": sampling.temperature,
+            "top_p": 1.0 if greedy else sampling.top_p,
+            "top_k": 0 if greedy else sampling.top_k,
+            "max_tokens": sampling.max_new_tokens,
+            "logprobs": 0,  # the sampled token's own log-prob
+            "stop_token_ids": eos,
+            "detokenize": False,
+        }
+        if seeds is None or greedy:
+            params: Any = VLLMSampling(**shared)
+        else:  # each prompt's n samples from a generator of its own (vLLM's per-request seed)
+            params = [VLLMSampling(**shared, seed=int(s) % 2**63) for s in seeds]
         self._wake()
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids} for ids in prompt_tokens], params, use_tqdm=False

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.labeling import LabelReport, label
@@ -49,11 +50,12 @@ OFFLINE_MAX_TOKENS = 512
 @dataclass
 class StepSource:
     """What a mode may use to build a step's batch: the hooks (backend, labeler), the
-    tokenizer (offline rows) and the arm's training settings."""
+    tokenizer (offline rows), the arm's training settings and, per row, its sampling seed."""
 
     hooks: Hooks
     tokenizer: Any
     training: TrainingConfig
+    seeds: list[int] | None = None
 
 
 @dataclass
@@ -110,7 +112,9 @@ def sample(rows: list[dict[str, Any]], source: StepSource) -> tuple[RolloutBatch
     cfg = source.training
     prompts, extras = split_rows(rows)
     start = time.perf_counter()
-    batch = source.hooks.generate(prompts, extras, cfg.samples_per_prompt, cfg.sampling)
+    batch = source.hooks.generate(
+        prompts, extras, cfg.samples_per_prompt, cfg.sampling, seeds=source.seeds
+    )
     m = {"timing/generate": time.perf_counter() - start, canonical.BATCH_PROMPTS: float(len(rows))}
     return batch, m
 
@@ -123,18 +127,46 @@ def labeled(batch: RolloutBatch, report: LabelReport, m: dict[str, float]) -> Co
     if len(report.keep) < batch.size:  # samples without a value never reach the loss
         batch = batch.select(report.keep)
     assert batch.scores is not None and batch.score_valid is not None
-    if batch.size:
+    if distributed.active():
+        m.update(_global_sample_metrics(batch))
+    elif batch.size:
         m[canonical.REWARD_MEAN] = float(batch.scores.mean())
         m[canonical.REWARD_STD] = float(batch.scores.std(unbiased=False))
         m[canonical.REWARD_VALID_FRAC] = float(batch.score_valid.float().mean())
-    m[canonical.BATCH_RESPONSES] = float(batch.size)
-    if batch.size:
         m[canonical.RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
+    m[canonical.BATCH_RESPONSES] = float(batch.size)
     m.update(part_rewards(batch.label_info))
     # The budget counts what was generated, labeled or not.
     return Collected(
         batch, samples=generated, tokens=int(batch.response_mask.sum()), metrics=m, report=report
     )
+
+
+def _global_sample_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """The reward and length metrics over the samples of every data-parallel rank."""
+    import torch
+
+    assert batch.scores is not None and batch.score_valid is not None
+    scores = batch.scores.double()
+    local = torch.stack(
+        [
+            torch.tensor(float(batch.size), dtype=torch.float64),
+            scores.sum(),
+            (scores**2).sum(),
+            batch.score_valid.double().sum(),
+            batch.response_mask.double().sum(),
+        ]
+    )
+    count, total, squares, valid, tokens = distributed.all_sum(local).tolist()
+    if count == 0:
+        return {}
+    mean = total / count
+    return {
+        canonical.REWARD_MEAN: mean,
+        canonical.REWARD_STD: max(squares / count - mean * mean, 0.0) ** 0.5,
+        canonical.REWARD_VALID_FRAC: valid / count,
+        canonical.RESPONSE_LENGTH: tokens / count,
+    }
 
 
 def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collected:

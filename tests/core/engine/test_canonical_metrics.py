@@ -20,8 +20,12 @@ from alignzoo.engine.loop import run_one
 from .conftest import read_jsonl, tiny_experiment
 
 ENGINE = Path(__file__).resolve().parents[3] / "core" / "engine"
+# Rewards that vary within groups from step 1 (the tiny warm start is rarely right), so every
+# arm moves away from its reference (named for grpo too: the base experiment's grpo arm says
+# arithmetic).
+ODD = {"name": "regex", "params": {"pattern": "[13579]"}}
 ARMS = {
-    "grpo": {"algorithm": "grpo"},
+    "grpo": {"algorithm": "grpo", "labeler": ODD},
     "ppo": {"algorithm": "ppo"},
     "dpo_online": {"algorithm": "dpo"},
     "kto_online": {"algorithm": "kto"},
@@ -38,7 +42,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, engine_cache: Path) -> dict[s
         budget={"steps": 3},
         training={"lr": 1e-3, "checkpoint_every": 3},
         evaluation={"every": 3, "num_prompts": 4},
-        defaults={"labeler": "arithmetic"},
+        defaults={"labeler": ODD},
         arms=ARMS,
     )
     path = root / "exp.yaml"

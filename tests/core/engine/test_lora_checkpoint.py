@@ -18,8 +18,12 @@ def _stable(rows):
 
 
 def test_lora_checkpoints_hold_adapters_only_and_resume_exactly(write_experiment, tmp_path):
+    odd = {"name": "regex", "params": {"pattern": "[13579]"}}  # rewards that vary from step 1
     spec = tiny_experiment(
-        budget={"steps": 4}, model={"lora": {"r": 2, "alpha": 4}}, training={"lr": 1e-2}
+        budget={"steps": 4},
+        model={"lora": {"r": 2, "alpha": 4}},
+        training={"lr": 1e-2},
+        arms={"grpo": {"algorithm": "grpo", "labeler": odd}},
     )
     loaded = load_experiment(write_experiment(spec))
     out = tmp_path / "run"

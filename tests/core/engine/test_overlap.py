@@ -33,10 +33,10 @@ def test_labeling_runs_while_the_next_step_generates(write_experiment, tmp_path,
     original = HFBackend.generate
 
     @functools.wraps(original)  # keeps the hookimpl marker
-    def counted(self, prompts, extras, n, sampling):
+    def counted(self, prompts, extras, n, sampling, seeds=None):
         if len(prompts) == 4 and n == 4:  # a training batch (evaluation asks for 8 prompts)
             _labelers.generation_began()
-        return original(self, prompts, extras, n, sampling)
+        return original(self, prompts, extras, n, sampling, seeds)
 
     monkeypatch.setattr(HFBackend, "generate", counted)
     _labelers.WAITS.clear()

@@ -214,7 +214,7 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_whole(
 def test_evaluation_is_greedy_and_pass_at_k_samples(monkeypatch) -> None:
     calls: list[tuple[int, float, int]] = []
 
-    def generate(prompts, extras, n, sampling):
+    def generate(prompts, extras, n, sampling, seeds=None):
         calls.append((n, sampling.temperature, sampling.max_new_tokens))
         b = len(prompts) * n
         return RolloutBatch(
@@ -252,7 +252,7 @@ def test_evaluation_is_greedy_and_pass_at_k_samples(monkeypatch) -> None:
 
 
 def test_evaluation_reports_raw_scores_of_a_normalising_labeler() -> None:
-    def generate(prompts, extras, n, sampling):
+    def generate(prompts, extras, n, sampling, seeds=None):
         b = len(prompts) * n
         return RolloutBatch(
             prompt_ids=torch.ones(b, 1, dtype=torch.long),

@@ -255,7 +255,11 @@ def test_generates_through_the_hook_and_with_a_peft_model(policy_dirs):
     config = lora.get_base_model().generation_config
     pm = build_plugin_manager([backend])
     batch = pm.hook.generate(
-        prompts=PROMPTS[:2], extras=[{}, {}], n=2, sampling=SamplingParams(max_new_tokens=3)
+        prompts=PROMPTS[:2],
+        extras=[{}, {}],
+        n=2,
+        sampling=SamplingParams(max_new_tokens=3),
+        seeds=None,
     )
     assert batch.size == 4 and batch.group_ids.tolist() == [0, 0, 1, 1]
     assert lora.get_base_model().generation_config is config

@@ -1,0 +1,156 @@
+"""Data parallelism over torch.distributed: which process this is, and the reductions the engine
+needs so that N processes train exactly as one process with the same global batch.
+
+Launched by ``torchrun --nproc-per-node N -m alignzoo run EXP.yaml`` (or any launcher that sets
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``): :func:`init_from_env` joins the
+process group (gloo on CPU, NCCL on GPUs). Every rank then runs the same runs in the same order:
+
+- each training step's prompts (or offline rows) are split into contiguous shards, one per rank
+  (:func:`shard`); every prompt's samples come from its own seeded generator, so a prompt gets
+  the same responses whichever rank samples it;
+- the loss is normalised by the optimizer step's *global* token, sequence and group counts, and
+  the actor (and critic) are wrapped in ``DistributedDataParallel``, whose averaged gradients are
+  scaled back to the sum of the ranks' shares: the gradient of the whole global batch;
+- batch statistics (advantage whitening, KTO's reference point, PPO's observed KL) are reduced
+  over ranks (:func:`all_sum`), and the step's metrics too (:func:`reduce_metrics`);
+- only rank 0 writes the run's files, evaluates and talks to the sinks; the other ranks keep
+  their scratch files in ``<run>/.rank-<r>/``, removed when the run ends.
+
+In one process every function here is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# Step metrics that are counts: summed over ranks (everything else is averaged).
+SUMMED_PREFIXES = ("label/", "batch/")
+SUMMED_KEYS = ("loss",)
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def active() -> bool:
+    """True when this process is one of several in an initialised process group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank (0 in a single process)."""
+    return _dist().get_rank() if active() else 0
+
+
+def world_size() -> int:
+    """The number of processes (1 in a single process)."""
+    return _dist().get_world_size() if active() else 1
+
+
+def is_main() -> bool:
+    """Rank 0: the process that writes files, evaluates and talks to the sinks."""
+    return rank() == 0
+
+
+def launched() -> bool:
+    """The environment asks for several processes (``WORLD_SIZE`` > 1, as torchrun sets it)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_from_env() -> bool:
+    """Join the process group torchrun describes (gloo on CPU, NCCL when this rank has a GPU);
+    returns True when this is one of several processes."""
+    if not launched():
+        return False
+    dist = _dist()
+    if not dist.is_initialized():
+        import torch
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        gpu = torch.cuda.is_available() and torch.cuda.device_count() > local
+        if gpu:
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend="nccl" if gpu else "gloo")
+    return active()
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in one process)."""
+    if active():
+        _dist().barrier()
+
+
+def shard(items: Sequence[T]) -> list[T]:
+    """This rank's contiguous share of ``items`` (all of them in one process).
+
+    The global batch must divide evenly (checked when the run is assembled), so every rank
+    trains on the same number of rows and the shards, concatenated in rank order, are ``items``.
+    """
+    items = list(items)
+    size = world_size()
+    if size == 1:
+        return items
+    if len(items) % size:
+        raise ValueError(f"{len(items)} items do not split evenly over {size} processes")
+    per = len(items) // size
+    start = rank() * per
+    return items[start : start + per]
+
+
+def all_sum(tensor: Any) -> Any:
+    """The element-wise sum of ``tensor`` over ranks (``tensor`` itself in one process)."""
+    if not active():
+        return tensor
+    out = tensor.detach().clone()
+    _dist().all_reduce(out)
+    return out
+
+
+def all_max(value: float) -> float:
+    """The largest ``value`` over ranks (``value`` itself in one process)."""
+    if not active():
+        return value
+    import torch
+
+    out = torch.tensor([float(value)], dtype=torch.float64)
+    _dist().all_reduce(out, op=_dist().ReduceOp.MAX)
+    return float(out[0])
+
+
+def all_equal(value: int, what: str) -> None:
+    """Raise a RuntimeError naming ``what`` when ranks disagree on ``value`` (which would make
+    their collective calls mismatch and hang)."""
+    if not active():
+        return
+    import torch
+
+    pair = torch.tensor([value, -value], dtype=torch.long)
+    _dist().all_reduce(pair, op=_dist().ReduceOp.MAX)
+    if int(pair[0]) != -int(pair[1]):
+        raise RuntimeError(
+            f"the {world_size()} processes disagree on {what} ({-int(pair[1])} to {int(pair[0])}); "
+            "data parallel training needs the same on every rank"
+        )
+
+
+def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """One step's metrics over all ranks: counts summed, everything else averaged."""
+    if not active():
+        return metrics
+    gathered: list[dict[str, float] | None] = [None] * world_size()
+    _dist().all_gather_object(gathered, metrics)
+    keys = sorted({key for part in gathered if part for key in part})
+    out: dict[str, float] = {}
+    for key in keys:
+        values = [float(part[key]) for part in gathered if part and key in part]
+        summed = key in SUMMED_KEYS or key.startswith(SUMMED_PREFIXES)
+        out[key] = sum(values) if summed else sum(values) / len(values)
+    return out
