@@ -380,3 +380,17 @@ def test_a_stream_that_does_not_fit_the_copy_is_refused(policy_dirs):
                 actor=model,
             )
         )
+
+
+def test_seeded_samples_do_not_depend_on_the_rest_of_the_batch(policy_dirs):
+    backend, _, _ = make_backend(policy_dirs["stopping"], max_batch_size=2)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=7)
+    whole = backend.generate(PROMPTS, [], 3, sampling, seeds=[11, 12, 13, 14])
+    alone = backend.generate(PROMPTS[2:3], [], 3, sampling, seeds=[13])
+    width = alone.response_ids.shape[1]
+    assert whole.response_ids[6:9, :width].tolist() == alone.response_ids.tolist()
+    assert whole.response_mask[6:9].sum().item() == alone.response_mask.sum().item()
+    again = backend.generate(PROMPTS, [], 3, sampling, seeds=[11, 12, 13, 14])
+    assert again.response_ids.tolist() == whole.response_ids.tolist()
+    other = backend.generate(PROMPTS, [], 3, sampling, seeds=[21, 22, 23, 24])
+    assert other.response_ids.tolist() != whole.response_ids.tolist(), "premise: seeds matter"
