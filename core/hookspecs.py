@@ -22,7 +22,8 @@ Shapes: ``B`` samples in a batch, ``P`` prompt tokens (left-padded), ``R`` respo
 (right-padded). See :class:`alignzoo.batch.RolloutBatch` and :class:`alignzoo.batch.PolicyOutputs`.
 
 Order of the calls in a run (tests/core/engine/test_hook_order.py pins it):
-``algorithm_requirements``, ``place_roles``, ``on_run_start``, ``sync_weights``; an evaluation
+``algorithm_requirements``, ``place_roles``, ``on_run_start``, ``sync_weights`` (and again once
+a resumed run has loaded its checkpoint); an evaluation
 (``generate``, ``score_batch``, per 128 prompts, and again for ``evaluation.pass_at_k``); then
 per training step: [``generate``, ``score_batch``] (online arms), ``transform_batch`` once per
 implementation (no call when no component implements it), ``compute_advantages``,

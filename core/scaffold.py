@@ -98,8 +98,8 @@ class ${cls}Backend(HFBackend):
         max_batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
 
     @hookimpl
-    def generate(self, prompts, extras, n, sampling):
-        return HFBackend.generate(self, prompts, extras, n, sampling)
+    def generate(self, prompts, extras, n, sampling, seeds=None):
+        return HFBackend.generate(self, prompts, extras, n, sampling, seeds)
 ''',
     ),
     "device_mapper": (

@@ -132,14 +132,9 @@ class HFBackend(Backend):
             raise RuntimeError("HFBackend.generate called before on_run_start")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        extras = list(extras) if extras else [{} for _ in prompts]
-        if len(extras) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(extras)} extras")
-        encoded = self.tokenizer(list(prompts), add_special_tokens=self.params.add_special_tokens)
-        prompt_tokens: list[list[int]] = encoded["input_ids"]
-        for i, ids in enumerate(prompt_tokens):
-            if not ids:
-                raise UserError(f"prompt {i} encodes to no tokens: {prompts[i]!r}")
+        prompt_tokens, extras = encode_prompts(
+            self.tokenizer, prompts, extras, self.params.add_special_tokens
+        )
 
         size = self.params.max_batch_size
         chunks = []
@@ -328,16 +323,41 @@ class HFBackend(Backend):
 
     def _eos_ids(self) -> list[int]:
         """The tokenizer's EOS plus any EOS the checkpoint's generation config lists."""
-        ids: list[int] = []
-        if self.tokenizer.eos_token_id is not None:
-            ids.append(int(self.tokenizer.eos_token_id))
-        extra = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        for token in [extra] if isinstance(extra, int) else list(extra or []):
-            if int(token) not in ids:
-                ids.append(int(token))
+        return eos_token_ids(self.tokenizer, self.model)
+
+
+def encode_prompts(
+    tokenizer: Any, prompts: list[str], extras: list[dict[str, Any]], add_special_tokens: bool
+) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Each prompt's token ids (a UserError for one that encodes to none), and the extras (one
+    empty dict per prompt when none were given)."""
+    extras = list(extras) if extras else [{} for _ in prompts]
+    if len(extras) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(extras)} extras")
+    prompt_tokens: list[list[int]] = tokenizer(
+        list(prompts), add_special_tokens=add_special_tokens
+    )["input_ids"]
+    for i, ids in enumerate(prompt_tokens):
         if not ids:
-            raise UserError("the tokenizer has no eos_token: generation could never stop")
-        return ids
+            raise UserError(f"prompt {i} encodes to no tokens: {prompts[i]!r}")
+    return prompt_tokens, extras
+
+
+def eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """The tokenizer's EOS plus any EOS ``model``'s generation config lists (a peft model's:
+    its base model's)."""
+    get_base = getattr(model, "get_base_model", None)
+    owner = get_base() if callable(get_base) else model
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    extra = getattr(getattr(owner, "generation_config", None), "eos_token_id", None)
+    for token in [extra] if isinstance(extra, int) else list(extra or []):
+        if int(token) not in ids:
+            ids.append(int(token))
+    if not ids:
+        raise UserError("the tokenizer has no eos_token: generation could never stop")
+    return ids
 
 
 class _SamplingProcessor:

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
 from alignzoo.plugin import Backend, hookimpl
+from alignzoo.plugins.backends.hf import eos_token_ids
 
 if TYPE_CHECKING:
     import torch
@@ -113,7 +114,7 @@ class VLLMBackend(Backend):
         placement = run.placement("rollout")
         on_gpu = placement.device.startswith("cuda")
         self.tokenizer = run.tokenizer
-        self.eos = _eos_ids(self.tokenizer, run.actor)
+        self.eos = eos_token_ids(self.tokenizer, run.actor)
         actor_dtype = next(run.actor.parameters()).dtype
         dtype = self.params.dtype
         self.dtype = actor_dtype if dtype == "auto" else getattr(torch, _DTYPES[dtype])
@@ -188,18 +189,13 @@ class VLLMBackend(Backend):
         from vllm import SamplingParams as VLLMSampling
 
         from alignzoo.batch import RolloutBatch
-        from alignzoo.plugins.backends.hf import _cut_after_eos
+        from alignzoo.plugins.backends.hf import _cut_after_eos, encode_prompts
 
         if self.llm is None or self.tokenizer is None:
             raise RuntimeError("VLLMBackend.generate called before on_run_start")
-        extras = list(extras) if extras else [{} for _ in prompts]
-        if len(extras) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(extras)} extras")
-        encoded = self.tokenizer(list(prompts), add_special_tokens=self.params.add_special_tokens)
-        prompt_tokens: list[list[int]] = encoded["input_ids"]
-        for i, ids in enumerate(prompt_tokens):
-            if not ids:
-                raise UserError(f"prompt {i} encodes to no tokens: {prompts[i]!r}")
+        prompt_tokens, extras = encode_prompts(
+            self.tokenizer, prompts, extras, self.params.add_special_tokens
+        )
         eos = self.eos
         greedy = sampling.temperature == 0
         shared = {
@@ -278,22 +274,6 @@ class VLLMBackend(Backend):
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return int(pad) if pad is not None else self.eos[0]
-
-
-def _eos_ids(tokenizer: Any, actor: Any) -> list[int]:
-    """The tokenizer's EOS plus any the checkpoint's generation config lists (as the hf backend)."""
-    get_base = getattr(actor, "get_base_model", None)
-    model = get_base() if callable(get_base) else actor
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for token in [extra] if isinstance(extra, int) else list(extra or []):
-        if int(token) not in ids:
-            ids.append(int(token))
-    if not ids:
-        raise UserError("the tokenizer has no eos_token: generation could never stop")
-    return ids
 
 
 def _blobs(weights: PolicyWeights, dtype: Any, limit: int) -> Any:
