@@ -33,15 +33,17 @@ SUMMED_KEYS = ("loss",)
 
 
 def _dist() -> Any:
-    import torch.distributed as dist
+    # ``import torch`` first: torch may sit in sys.modules as a lazily loaded module
+    # (alignzoo.lazy_import), and importing a submodule of a lazy parent runs the submodule
+    # twice (torch's own import loads torch.distributed too), which aborts the process.
+    import torch
 
-    return dist
+    return torch.distributed
 
 
 def active() -> bool:
     """True when this process is one of several in an initialised process group."""
-    import torch.distributed as dist
-
+    dist = _dist()
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
