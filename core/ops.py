@@ -53,8 +53,7 @@ def global_mean(values: torch.Tensor) -> torch.Tensor:
     statistic: no gradient flows through it under several processes)."""
     if not distributed.active():
         return values.mean()
-    total = distributed.all_sum(torch.stack([values.sum(), values.new_tensor(values.numel())]))
-    return total[0] / total[1].clamp(min=1.0)
+    return global_masked_mean(values, torch.ones_like(values))
 
 
 def global_std(values: torch.Tensor) -> torch.Tensor:
@@ -62,12 +61,17 @@ def global_std(values: torch.Tensor) -> torch.Tensor:
     data-parallel ranks; 0 for a single element."""
     if not distributed.active():
         return values.std() if values.numel() > 1 else values.new_zeros(())
+    return torch.sqrt(_global_mean_var(values, torch.ones_like(values))[1])
+
+
+def _global_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and Bessel-corrected variance over the unmasked entries of every rank (detached)."""
     values = values.detach()
-    total = distributed.all_sum(torch.stack([values.sum(), values.new_tensor(values.numel())]))
-    count = total[1]
-    mean = total[0] / count.clamp(min=1.0)
-    squares = distributed.all_sum(((values - mean) ** 2).sum())
-    return torch.sqrt(squares / (count - 1).clamp(min=1.0))
+    local = torch.stack([masked_sum(values, mask), mask.to(values.dtype).sum()])
+    total, count = distributed.all_sum(local)
+    mean = total / count.clamp(min=1.0)
+    squares = distributed.all_sum(masked_sum((values - mean) ** 2, mask))
+    return mean, squares / (count - 1).clamp(min=1.0)
 
 
 def masked_whiten(
@@ -87,15 +91,9 @@ def _global_whiten(
     values: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float
 ) -> torch.Tensor:
     """:func:`masked_whiten` with the mean and (Bessel-corrected) variance of all ranks."""
-    values = values.detach()
-    count_local = mask.to(values.dtype).sum()
-    total = distributed.all_sum(torch.stack([masked_sum(values, mask), count_local]))
-    count = total[1]
-    mean = total[0] / count.clamp(min=1.0)
-    squares = distributed.all_sum(masked_sum((values - mean) ** 2, mask))
-    var = squares / count.clamp(min=1.0) * count / (count - 1).clamp(min=1.0)
+    mean, var = _global_mean_var(values, mask)
     std = torch.sqrt(var + eps)
-    whitened = (values - mean) / std if shift_mean else values / std
+    whitened = (values.detach() - mean) / std if shift_mean else values.detach() / std
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 

@@ -189,18 +189,6 @@ def assemble(
             f"arms.{arm}.training.samples_per_prompt: online preference pairs need at least 2 "
             "samples per prompt"
         )
-    correction = arm_spec.training.rollout_correction.level
-    if correction != "off" and (not mode.online or not req.rollout_correction):
-        why = (
-            f"the arm reads its data offline ({mode.name}): nothing is sampled"
-            if not mode.online
-            else f"its algorithm {hooks.algorithm!r} applies no importance weights to a "
-            "sampled surrogate (AlgorithmRequirements.rollout_correction)"
-        )
-        raise UserError(
-            f"arms.{arm}.training.rollout_correction.level: {correction!r} needs an online "
-            f"policy-gradient algorithm (grpo, ppo, rloo, reinforce_pp), and {why}; set level off"
-        )
     if distributed.active():
         world = distributed.world_size()
         if arm_spec.training.prompts_per_step % world:

@@ -28,6 +28,7 @@ from alignzoo.engine.forward import (
     policy_forward,
     sequence_logprob,
 )
+from alignzoo.engine.hooks import Hooks, implementers
 from alignzoo.engine.models import Models
 from alignzoo.errors import RunError
 from alignzoo.ops import global_masked_mean, masked_kl_penalty, rollout_is_weights
@@ -105,12 +106,13 @@ def behaviour_metrics(
     return metrics
 
 
-def apply_rollout_correction(batch: RolloutBatch, cfg: RolloutCorrection, backend: str) -> None:
+def apply_rollout_correction(batch: RolloutBatch, cfg: RolloutCorrection, hooks: Hooks) -> None:
     """Set ``batch.rollout_is_weights`` from its ``old_logprobs`` and ``rollout_logprobs``
     (``training.rollout_correction``; nothing when its level is off)."""
     if cfg.level == "off" or batch.old_logprobs is None:
         return
     if batch.rollout_logprobs is None:
+        backend = implementers(hooks.pm, "generate")
         raise RunError(
             f"training.rollout_correction (level {cfg.level}) needs the sampling log-probs, and "
             f"the backend {backend!r} returned none (batch.rollout_logprobs); turn the "

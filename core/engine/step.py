@@ -13,7 +13,6 @@ import torch
 from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.hooks import implementers
 from alignzoo.engine.modes import StepSource
 from alignzoo.engine.prepare import FusedSnapshot, Scorer, apply_rollout_correction, prepare
 from alignzoo.engine.update import update
@@ -81,13 +80,13 @@ def train_step(run: Run, step: int) -> StepResult:
     batch = mode.select(collected.batch, m)
     if batch is not None:  # online pairs with no untied group have nothing to learn from
         batch = hooks.transform_batch(batch, run.context)
+    # Every rank must train on as many samples (their collectives would mismatch and hang).
     distributed.all_equal(batch.size if batch is not None else 0, f"step {step}'s batch size")
     if batch is not None and batch.size > 0:  # a transform may filter every sample out
         batch = mode.prepare(batch, scorer)
         batch = hooks.compute_advantages(batch)
         if not fused:  # fused: each micro-batch's weights are set with its old_logprobs
-            backend = implementers(hooks.pm, "generate")
-            apply_rollout_correction(batch, cfg.rollout_correction, backend)
+            apply_rollout_correction(batch, cfg.rollout_correction, hooks)
         snapshot = FusedSnapshot(batch, generated=mode.online) if fused else None
         m.update(update(run.learner, hooks, run.requirements, mode, batch, step, snapshot))
         run.sync_weights()

@@ -21,7 +21,7 @@ from alignzoo import metrics as canonical
 from alignzoo.batch import PolicyOutputs, RolloutBatch
 from alignzoo.config.schema import TrainingConfig
 from alignzoo.engine.forward import critic_forward, policy_forward
-from alignzoo.engine.hooks import Hooks, implementers
+from alignzoo.engine.hooks import Hooks
 from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
 from alignzoo.engine.prepare import FusedSnapshot, apply_rollout_correction
@@ -73,8 +73,7 @@ def micro_step(
         snapshot.record(index, logprobs, entropy)
         if snapshot.generated:
             mb.old_logprobs = logprobs.detach().float()
-            backend = implementers(hooks.pm, "generate")
-            apply_rollout_correction(mb, learner.cfg.rollout_correction, backend)
+            apply_rollout_correction(mb, learner.cfg.rollout_correction, hooks)
     outputs = PolicyOutputs(logprobs=logprobs, entropy=entropy if requirements.entropy else None)
     if models.critic is not None:
         values = critic_forward(learner.critic_module, mb, autocast=models.autocast)
@@ -104,7 +103,6 @@ def update(
     """
     cfg = learner.cfg
     mode.check(batch, step)
-    distributed.all_equal(batch.size, f"the samples of step {step}'s batch")
     units = mode.units(batch.size)
     minibatch = cfg.minibatch_size or batch.size
     sums: dict[str, list[float]] = defaultdict(list)

@@ -250,7 +250,6 @@ def run_experiment(
     engine's ``run_one`` (same signature; a module-level function when it runs in workers,
     where it receives the spec without components).
     """
-    from alignzoo.report.sections import write_report
 
     if jobs < 1:
         raise UserError(f"--jobs must be at least 1, got {jobs}")
@@ -294,8 +293,13 @@ def run_experiment(
         highlight=False,
     )
     runner = executor if executor is not None else LocalExecutor(jobs, console)
-    in_workers = not isinstance(runner, LocalExecutor) or (jobs > 1 and len(todo) > 1)
+    scheduled = not isinstance(runner, LocalExecutor)  # a scheduler reads the resources
+    in_workers = scheduled or (jobs > 1 and len(todo) > 1)
     threads = max(1, (os.cpu_count() or 1) // jobs)
+    resources = {
+        arm: run_resources(loaded, arm, threads, placed=scheduled and fn is _run_one)
+        for arm in {arm for arm, _, _, _ in todo}
+    }
     work = [
         RunJob(
             source=str(loaded.source),
@@ -305,7 +309,7 @@ def run_experiment(
             run_dir=run_dir,
             resume=again,
             threads=threads,
-            resources=run_resources(loaded, arm, threads, fn is _run_one and in_workers),
+            resources=resources[arm],
         )
         for arm, seed, run_dir, again in todo
     ]
@@ -330,6 +334,15 @@ def run_experiment(
         raise
 
     ordered = [results[(arm, seed)] for arm, seed, _ in planned]
+    return _report(out, ordered, say, console)
+
+
+def _report(
+    out: Path, ordered: list[RunResult], say: Callable[..., Any], console: Any
+) -> ExperimentResult:
+    """Write the report of the finished runs and say how the experiment ended."""
+    from alignzoo.report.sections import write_report
+
     failed = any(r.status != "finished" for r in ordered)
     report_paths: list[Path] = []
     try:
@@ -389,7 +402,6 @@ def _run_data_parallel(
     one run after the other (:mod:`alignzoo.distributed`). Rank 0 writes the experiment folder
     and the report; the other ranks keep their scratch files in ``<out>/.ranks/rank-<r>/``,
     removed at the end."""
-    from alignzoo.report.sections import write_report
 
     world = distributed.world_size()
     if resume:
@@ -434,19 +446,11 @@ def _run_data_parallel(
     if not main:
         shutil.rmtree(scratch, ignore_errors=True)
     distributed.barrier()
-    failed = any(r.status != "finished" for r in results)
-    report_paths: list[Path] = []
-    if main:
-        shutil.rmtree(out / ".ranks", ignore_errors=True)
-        try:
-            report_paths = write_report(out)
-        except Exception as exc:
-            failed = True
-            say(f"[red]could not write the report[/red]: {_error_text(exc)}", highlight=False)
-        if report_paths and console is not None:
-            print_summary(console, out)
-            say(f"report: {' and '.join(str(p) for p in report_paths)}", highlight=False)
-    return ExperimentResult(out_dir=out, runs=results, failed=failed, report_paths=report_paths)
+    if not main:
+        failed = any(r.status != "finished" for r in results)
+        return ExperimentResult(out_dir=out, runs=results, failed=failed)
+    shutil.rmtree(out / ".ranks", ignore_errors=True)
+    return _report(out, results, say, console)
 
 
 def _say_result(say: Callable[..., Any], result: RunResult) -> None:
