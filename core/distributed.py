@@ -9,12 +9,15 @@ process group (gloo on CPU, NCCL on GPUs). Every rank then runs the same runs in
   (:func:`shard`); every prompt's samples come from its own seeded generator, so a prompt gets
   the same responses whichever rank samples it;
 - the loss is normalised by the optimizer step's *global* token, sequence and group counts, and
-  the actor (and critic) are wrapped in ``DistributedDataParallel``, whose averaged gradients are
-  scaled back to the sum of the ranks' shares: the gradient of the whole global batch;
+  the actor (and critic) are wrapped in ``DistributedDataParallel`` or, with
+  ``training.parallel: fsdp2``, sharded with ``fully_shard``; either averages the gradients,
+  which are scaled back to the sum of the ranks' shares: the gradient of the whole global batch;
 - batch statistics (advantage whitening, KTO's reference point, PPO's observed KL) are reduced
   over ranks (:func:`all_sum`), and the step's metrics too (:func:`reduce_metrics`);
 - only rank 0 writes the run's files, evaluates and talks to the sinks; the other ranks keep
-  their scratch files in ``<run>/.rank-<r>/``, removed when the run ends.
+  their scratch files in ``<out>/.ranks/rank-<r>/``, removed when the experiment ends;
+- decisions every rank must take alike (which runs to resume, whether a wall-clock budget is
+  spent) are rank 0's, broadcast (:func:`broadcast_object`).
 
 In one process every function here is the identity.
 """
@@ -141,6 +144,16 @@ def all_equal(value: int, what: str) -> None:
             f"the {world_size()} processes disagree on {what} ({-int(pair[1])} to {int(pair[0])}); "
             "data parallel training needs the same on every rank"
         )
+
+
+def broadcast_object(value: T) -> T:
+    """Rank 0's ``value`` on every rank (``value`` itself in one process): for decisions every
+    rank must take alike, such as which runs to resume or whether a wall-clock budget is spent."""
+    if not active():
+        return value
+    box = [value]
+    _dist().broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:

@@ -101,6 +101,17 @@ def _checkpoint_items(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
         yield name, tensor
 
 
+def is_sharded(module: Any) -> bool:
+    """Whether ``module`` (or the model inside its DDP/compile wrappers) is FSDP2-sharded
+    (``training.parallel: fsdp2``): each rank then holds a slice of every parameter, and a
+    forward pass is a collective of all ranks."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(_unwrap(module), FSDPModule)
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The model inside DDP (``.module``) or ``torch.compile`` (``._orig_mod``) wrappers."""
     while True:

@@ -7,8 +7,10 @@ import fcntl
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,3 +65,17 @@ def pytest_configure(config):
     except ImportError:  # pragma: no cover
         return
     torch.set_num_threads(int(os.environ.get("ALIGNZOO_TEST_THREADS", "1")))
+
+
+@pytest.fixture
+def one_process_group(tmp_path: Path) -> Iterator[None]:
+    """A torch.distributed (gloo) group of this process alone: what FSDP2 needs to shard a
+    model in a test, with the sharding code paths and a world of one."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "process-group-store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -775,6 +775,17 @@ def _build_components(
                     "sampled surrogate; set level off",
                 )
             )
+    if arm.training.parallel == "fsdp2" and arm.model.lora is not None:
+        parallel_path: Path_ = ("arms", arm_name, "training", "parallel")
+        issues.append(
+            ConfigIssue(
+                file,
+                index.line_of(parallel_path),
+                ".".join(map(str, parallel_path)),
+                "fsdp2 does not shard LoRA adapters yet; use parallel: ddp for a LoRA arm "
+                "(its adapters are small), or drop model.lora",
+            )
+        )
     listed = {ref.name for ref in arm.modifiers}
     for entry in registry.load_all("modifier"):
         component = entry.component

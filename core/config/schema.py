@@ -241,6 +241,13 @@ class TrainingConfig(_Strict):
         description="Truncated importance sampling between the rollout backend's sampling "
         "log-probs and the trainer's (for backends with their own kernels, such as vLLM).",
     )
+    parallel: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="How several torch.distributed processes (torchrun) train the actor and "
+        "critic: 'ddp' keeps a full copy on every rank and averages gradients; 'fsdp2' shards "
+        "parameters, gradients and optimizer state over the ranks (fully_shard, one unit per "
+        "transformer block). Ignored in one process.",
+    )
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="Clip the gradient norm to this; null disables clipping."
     )

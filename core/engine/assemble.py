@@ -23,7 +23,7 @@ from alignzoo.engine.evaluate import eval_rows
 from alignzoo.engine.hooks import Hooks
 from alignzoo.engine.labeling import LabelingStage
 from alignzoo.engine.labelstore import STORE_FILE, LabelStore
-from alignzoo.engine.learner import Learner, build_learner
+from alignzoo.engine.learner import Learner, build_learner, shard_units
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
 from alignzoo.engine.pipeline import LabelAhead
@@ -234,6 +234,12 @@ def assemble(
     learner = build_learner(
         models, arm_spec.training, total_optimizer_steps(spec, arm_spec, mode), seed
     )
+    if learner.sharded:
+        units = len(shard_units(models.actor))
+        log(
+            f"training.parallel fsdp2: the actor{' and the critic' if models.critic else ''} "
+            f"sharded over {distributed.world_size()} processes ({units} blocks + the model)"
+        )
     run = Run(
         context=context,
         hooks=hooks,

@@ -10,6 +10,11 @@ Layout of ``checkpoints/step-000010/``:
 ``checkpoints/latest`` names the newest complete folder. A folder is written under a temporary
 name and renamed into place; ``latest`` is written to a temporary file and renamed too, so a
 kill at any moment leaves the previous checkpoint readable.
+
+FSDP2-sharded models (``training.parallel: fsdp2``) are gathered into the same files through
+torch.distributed.checkpoint's state-dict API (:func:`gather_sharded`, every rank takes part,
+rank 0 writes), and loaded back by every rank into its shards: one layout for every
+strategy, so a checkpoint resumes with any number of processes and exports like any other.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 
 from alignzoo.plugin import Stateful
+from alignzoo.weights import is_sharded
 
 KEEP = 2
 LATEST = "latest"
@@ -89,19 +95,28 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     components: dict[str, Any],
+    gathered: GatheredState | None = None,
 ) -> Path:
-    """Write checkpoint ``step-<n>`` atomically, point ``latest`` at it, keep the last two."""
+    """Write checkpoint ``step-<n>`` atomically, point ``latest`` at it, keep the last two.
+
+    ``gathered``: the full weights and optimizer state of sharded models (from
+    :func:`gather_sharded`), written in place of the modules' own."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.step:06d}"
     final = ckpt_dir / name
     tmp = ckpt_dir / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_actor(actor, tmp / "actor.safetensors")
-    if critic is not None:
-        save_model(critic, str(tmp / "critic.safetensors"))
+    if gathered is not None:
+        save_file(gathered.actor, str(tmp / "actor.safetensors"), metadata={"format": "pt"})
+        if gathered.critic is not None:
+            save_file(gathered.critic, str(tmp / "critic.safetensors"), metadata={"format": "pt"})
+    else:
+        save_actor(actor, tmp / "actor.safetensors")
+        if critic is not None:
+            save_model(critic, str(tmp / "critic.safetensors"))
     trainer = {
-        "optimizer": optimizer.state_dict(),
+        "optimizer": gathered.optimizer if gathered is not None else optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "components": {
@@ -280,10 +295,13 @@ def load_checkpoint(
         check_checkpoint(folder, critic is not None)
     meta = _read_state(folder)
     trainer = _read_trainer(folder)
-    load_actor_weights(actor, folder / "actor.safetensors")
-    if critic is not None:
-        load_model(critic, str(folder / "critic.safetensors"), device=str(_device(critic)))
-    optimizer.load_state_dict(trainer["optimizer"])
+    if is_sharded(actor):
+        _load_sharded(folder, actor, critic, optimizer, trainer["optimizer"])
+    else:
+        load_actor_weights(actor, folder / "actor.safetensors")
+        if critic is not None:
+            load_model(critic, str(folder / "critic.safetensors"), device=str(_device(critic)))
+        optimizer.load_state_dict(trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     for slot, c in components.items():
         if slot in trainer["components"] and isinstance(c, Stateful):
@@ -302,6 +320,131 @@ def load_checkpoint(
     )
 
 
+# --------------------------------------------------------------------------- sharded models
+
+
+@dataclass
+class GatheredState:
+    """Sharded models' full state, as a one-process run would save it."""
+
+    actor: dict[str, torch.Tensor]
+    critic: dict[str, torch.Tensor] | None
+    optimizer: dict[str, Any]  # torch's own layout: states and groups by parameter index
+
+
+def _trained(actor: Any, critic: Any | None) -> torch.nn.Module:
+    """One module over the trained models, for the optimizer's parameter names."""
+    return torch.nn.ModuleDict(
+        {"actor": actor} if critic is None else {"actor": actor, "critic": critic}
+    )
+
+
+def _parameter_names(actor: Any, critic: Any | None, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each optimizer parameter, in the optimizer's order (the order of its
+    indices in ``optimizer.state_dict()``); a tied parameter has its first name."""
+    names: dict[int, str] = {}
+    for name, param in _trained(actor, critic).named_parameters():
+        names.setdefault(id(param), name)
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _tied_groups(module: Any) -> list[list[str]]:
+    """Names that share one tensor (tied embeddings), sorted; one list per shared tensor."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    return [sorted(names) for names in by_tensor.values() if len(names) > 1]
+
+
+def _untied(module: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with one name per tied tensor (the first, as safetensors' save_model keeps)."""
+    dropped = {name for names in _tied_groups(module) for name in names[1:]}
+    return {name: t.contiguous() for name, t in tensors.items() if name not in dropped}
+
+
+def _retied(module: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every name of a tied tensor (a file keeps one of them)."""
+    out = dict(tensors)
+    for names in _tied_groups(module):
+        present = [n for n in names if n in out]
+        for name in names:
+            if present and name not in out:
+                out[name] = out[present[0]]
+    return out
+
+
+def gather_sharded(
+    actor: Any, critic: Any | None, optimizer: torch.optim.Optimizer
+) -> GatheredState | None:
+    """The full weights and optimizer state of FSDP2-sharded models, through
+    torch.distributed.checkpoint's ``get_model_state_dict`` / ``get_optimizer_state_dict``.
+
+    A collective: every rank calls it; rank 0 receives the state (on the CPU), the others None.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    actor_state: Any = get_model_state_dict(actor, options=options)
+    critic_state: Any = (
+        get_model_state_dict(critic, options=options) if critic is not None else None
+    )
+    named: Any = get_optimizer_state_dict(_trained(actor, critic), optimizer, options=options)
+    if torch.distributed.get_rank() != 0:
+        return None
+    index = {name: i for i, name in enumerate(_parameter_names(actor, critic, optimizer))}
+    plain = {
+        "state": {index[name]: value for name, value in named["state"].items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]}
+            for group in named["param_groups"]
+        ],
+    }
+    return GatheredState(
+        actor=_untied(actor, actor_state),
+        critic=_untied(critic, critic_state) if critic_state is not None else None,
+        optimizer=plain,
+    )
+
+
+def _load_sharded(
+    folder: Path,
+    actor: Any,
+    critic: Any | None,
+    optimizer: torch.optim.Optimizer,
+    plain: dict[str, Any],
+) -> None:
+    """Load a checkpoint's full weights and optimizer state into this rank's shards (every
+    rank reads the files and keeps its share; a collective)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    for module, name in ((actor, "actor"), (critic, "critic")):
+        if module is not None:
+            full: Any = _retied(module, load_file(str(folder / f"{name}.safetensors")))
+            set_model_state_dict(module, full, options=options)
+    names = _parameter_names(actor, critic, optimizer)
+    if len(names) != sum(len(g["params"]) for g in plain["param_groups"]):
+        raise CheckpointError(
+            f"{folder / 'trainer.pt'}: its optimizer state is for a different set of parameters"
+        )
+    named: Any = {
+        "state": {names[int(i)]: value for i, value in plain["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[int(i)] for i in group["params"]]}
+            for group in plain["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(_trained(actor, critic), optimizer, named, options=options)
+
+
 ADAPTERS = "adapters"
 """``actor.safetensors`` metadata ``format`` of a LoRA actor: only the trained adapter weights."""
 
@@ -316,8 +459,6 @@ def save_actor(actor: Any, path: Path) -> None:
     if not _is_adapted(actor):
         save_model(actor, str(path))
         return
-    from safetensors.torch import save_file
-
     trained = {
         name: param.detach().cpu().contiguous()
         for name, param in actor.named_parameters()
@@ -336,8 +477,6 @@ def load_actor_weights(actor: Any, path: Path) -> None:
     if not adapters:
         load_model(actor, str(path), device=str(_device(actor)))
         return
-    from safetensors.torch import load_file
-
     tensors = load_file(str(path), device=str(_device(actor)))
     trained = {n for n, p in actor.named_parameters() if p.requires_grad}
     if set(tensors) != trained:

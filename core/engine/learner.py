@@ -1,7 +1,13 @@
 """The learner: what trains the models. It owns the optimizer (AdamW, one parameter group for
-the actor and one for the critic), the learning-rate schedule and, under torch.distributed, the
-DistributedDataParallel wrappers the update's forward passes run through; the models themselves
-stay in :class:`Models`.
+the actor and one for the critic), the learning-rate schedule and, under torch.distributed,
+the data-parallel strategy (``training.parallel``):
+
+- ``ddp``: the DistributedDataParallel wrappers the update's forward passes run through; the
+  models themselves stay whole in :class:`Models`;
+- ``fsdp2``: the actor and critic are sharded in place with ``fully_shard`` (one unit per
+  transformer block, then the whole model), before the optimizer is built, so parameters,
+  gradients and AdamW's state are DTensor shards. Every forward pass of a sharded model is a
+  collective: all ranks run it with the same micro-batches.
 """
 
 from __future__ import annotations
@@ -68,7 +74,8 @@ class Learner:
     seed: int
     actor_wrapper: Any = None  # DistributedDataParallel around the actor, under several processes
     critic_wrapper: Any = None
-    gradient_scale: float = 1.0  # the world size under DDP (which averages the ranks' gradients)
+    gradient_scale: float = 1.0  # the world size under DDP/FSDP2 (they average the gradients)
+    sharded: bool = False  # the actor and critic are FSDP2-sharded (training.parallel: fsdp2)
 
     @property
     def actor_module(self) -> Any:
@@ -101,7 +108,15 @@ def build_learner(
     models: Models, cfg: TrainingConfig, total_steps: int | None, seed: int
 ) -> Learner:
     """AdamW over the actor's (and critic's) trainable parameters with the arm's schedule;
-    ``total_steps`` counts optimizer steps (None: unknown, for a wall-clock budget)."""
+    ``total_steps`` counts optimizer steps (None: unknown, for a wall-clock budget).
+
+    Under several processes the models are first made data parallel as ``cfg.parallel`` says
+    (FSDP2 shards before the optimizer sees the parameters)."""
+    sharded = distributed.active() and cfg.parallel == "fsdp2"
+    if sharded:
+        models.actor = fully_shard_model(models.actor)
+        if models.critic is not None:
+            models.critic = fully_shard_model(models.critic)
     optimizer = build_optimizer(
         trainable_parameters(models.actor),
         trainable_parameters(models.critic) if models.critic is not None else [],
@@ -113,11 +128,13 @@ def build_learner(
         scheduler=build_scheduler(optimizer, cfg, total_steps),
         cfg=cfg,
         seed=seed,
+        sharded=sharded,
     )
     if distributed.active():
-        learner.actor_wrapper = _data_parallel(models.actor)
-        if models.critic is not None:
-            learner.critic_wrapper = _data_parallel(models.critic)
+        if not sharded:
+            learner.actor_wrapper = _data_parallel(models.actor)
+            if models.critic is not None:
+                learner.critic_wrapper = _data_parallel(models.critic)
         learner.gradient_scale = float(distributed.world_size())
     return learner
 
@@ -128,3 +145,28 @@ def _data_parallel(module: torch.nn.Module) -> torch.nn.Module:
     device = next(module.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
+
+
+def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules FSDP2 shards as units of their own: the blocks a transformers model
+    names in ``_no_split_modules`` (its decoder layers), outermost first."""
+    names: set[str] = set()
+    for sub in module.modules():
+        names.update(getattr(sub, "_no_split_modules", None) or ())
+    return [sub for sub in module.modules() if sub is not module and type(sub).__name__ in names]
+
+
+def fully_shard_model(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` sharded in place over the process group with FSDP2: every rank first takes
+    rank 0's weights (as DDP does), then each transformer block and the whole model become
+    ``fully_shard`` units. The gradients are averaged over ranks, as under DDP."""
+    from torch.distributed.fsdp import fully_shard
+
+    dist = torch.distributed
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+    for unit in shard_units(module):
+        fully_shard(unit)
+    fully_shard(module)
+    return module

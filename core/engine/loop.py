@@ -31,6 +31,7 @@ from alignzoo.engine.checkpoint import (
     ResumePoint,
     TrainingState,
     find_resume_point,
+    gather_sharded,
     load_checkpoint,
     save_checkpoint,
     truncate_jsonl,
@@ -230,6 +231,10 @@ class _Loop:
     def checkpoint(self) -> None:
         run = self.run
         self.tick()
+        gathered = None
+        if run.learner.sharded:  # every rank gives its shards; rank 0 holds the full state
+            learner = run.learner
+            gathered = gather_sharded(run.models.actor, run.models.critic, learner.optimizer)
         if not distributed.is_main():  # the weights are the same on every rank: rank 0 saves
             self.last_ckpt = self.state.step
             return
@@ -243,15 +248,24 @@ class _Loop:
             run.learner.optimizer,
             run.learner.scheduler,
             run.stateful(),
+            gathered,
         )
         self.last_ckpt = self.state.step
         write_status(run.context.out_dir, "running", self.state, None, run.models.device("actor"))
+
+    def spent(self) -> bool:
+        """Whether the budget is used up; for a wall-clock budget rank 0's clock decides for
+        every data-parallel rank (so all of them stop after the same step)."""
+        spent = budget_spent(self.run.spec.budget, self.state)
+        if self.run.spec.budget.wall_clock_s is not None:
+            spent = distributed.broadcast_object(spent)
+        return spent
 
     def loop(self) -> None:
         run, spec = self.run, self.run.spec
         if self.state.step == 0 and self.last_eval is None:
             self.evaluate()
-        while not budget_spent(spec.budget, self.state):
+        while not self.spent():
             step = self.state.step + 1
             run.context.step = step
             labelswap.poll(run.hooks.labeling, run.context, self.log)  # a swap between steps
@@ -282,15 +296,20 @@ def run_one(
     out_dir: Path,
     resume: bool = False,
     console: Console | None = None,
+    resume_from: Path | None = None,
 ) -> RunSummary:
     """Train ``arm`` with ``seed`` into ``out_dir`` (resuming from its checkpoint if asked).
+
+    ``resume_from``: the run folder whose checkpoints a resume reads (default ``out_dir``);
+    the data-parallel ranks other than 0 write scratch folders and resume from rank 0's.
 
     Raises :class:`UserError`, before writing anything, when ``resume`` is asked for and the
     run's checkpoints are all unusable.
     """
     out_dir = Path(out_dir)
     # Checked before anything is written, and reused by start_or_resume.
-    point = resume_point(out_dir, needs_critic(loaded, arm)) if resume else ResumePoint(None)
+    source = Path(resume_from) if resume_from is not None else out_dir
+    point = resume_point(source, needs_critic(loaded, arm)) if resume else ResumePoint(None)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = console.log if console is not None else (lambda *_: None)
     if point.folder is None:  # before on_run_start, so what plugins write there stays

@@ -200,4 +200,6 @@ def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
     if not grads:
         return 0.0
     limit = max_norm if max_norm is not None else float("inf")
-    return float(torch.nn.utils.clip_grad_norm_(grads, limit))
+    norm = torch.nn.utils.clip_grad_norm_(grads, limit)
+    full = getattr(norm, "full_tensor", None)  # FSDP2: the norm over every rank's shards
+    return float(full() if callable(full) else norm)

@@ -17,6 +17,7 @@ the others go on; the result's ``failed`` is then True.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ import yaml
 from alignzoo import distributed, provenance
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import ExperimentSpec
-from alignzoo.errors import UserError
+from alignzoo.errors import RunError, UserError
 from alignzoo.experiment.executors import Executor, LocalExecutor, RunJob
 from alignzoo.experiment.progress import ProgressView, print_summary
 from alignzoo.experiment.runfiles import EXPERIMENT_FILE, read_status, write_atomic
@@ -76,11 +77,14 @@ def _run_one(
     out_dir: Path,
     resume: bool = False,
     console: Any = None,
+    resume_from: Path | None = None,
 ) -> Any:
     """The engine's run_one (imported late: it pulls in torch)."""
     from alignzoo.engine.loop import run_one
 
-    return run_one(loaded, arm, seed, out_dir, resume=resume, console=console)
+    return run_one(
+        loaded, arm, seed, out_dir, resume=resume, console=console, resume_from=resume_from
+    )
 
 
 # --------------------------------------------------------------------------- folder
@@ -399,58 +403,106 @@ def _run_data_parallel(
     executor: Executor | None,
 ) -> ExperimentResult:
     """Every arm x seed trained by all the processes of a torch.distributed group together,
-    one run after the other (:mod:`alignzoo.distributed`). Rank 0 writes the experiment folder
-    and the report; the other ranks keep their scratch files in ``<out>/.ranks/rank-<r>/``,
-    removed at the end."""
+    one run after the other (:mod:`alignzoo.distributed`). Rank 0 checks and writes the
+    experiment folder and the report, and decides which runs to train or resume; the other
+    ranks keep their scratch files in ``<out>/.ranks/rank-<r>/`` (removed at the end) and
+    resume from rank 0's checkpoints.
+
+    A run that fails on any rank stops the whole group (its ranks could no longer meet in the
+    same collective calls): that rank raises :class:`RunError` and the launcher stops the
+    others; ``--resume`` continues from the last checkpoint."""
 
     world = distributed.world_size()
-    if resume:
-        raise UserError(f"--resume is not supported with {world} processes yet")
     if jobs > 1 or (executor is not None and not isinstance(executor, LocalExecutor)):
         raise UserError(
             f"{world} processes already train each run together: leave --jobs and --executor unset"
-        )
-    if loaded.spec.budget.wall_clock_s is not None:
-        raise UserError(
-            f"budget.wall_clock_s: with {world} processes the ranks could stop at different "
-            "steps; give the budget in steps or samples"
         )
     spec = loaded.spec
     out = experiment_dir(spec, out_dir)
     main = distributed.is_main()
     fn: RunFn = run_fn if run_fn is not None else _run_one
-    if main:
-        if run_fn is None:
-            from alignzoo.engine.datacheck import check_data
-
-            check_data(loaded)
-        prepare_folder(spec, out, resume=False)
-        provenance.record(out, provenance.collect(loaded.source), False)
-    distributed.barrier()  # the folder exists, checked and empty, before any rank writes to it
     say = console.print if console is not None and main else (lambda *a, **k: None)
+    problem: str | None = None
+    plan: list[tuple[str, int, bool, RunResult | None]] = []
+    if main:  # checked and prepared once; every rank then follows rank 0's plan
+        try:
+            if run_fn is None:
+                from alignzoo.engine.datacheck import check_data
+
+                check_data(loaded)
+            if resume:
+                _check_resumable(loaded, out, say=say)
+            prepare_folder(spec, out, resume)
+            provenance.record(out, provenance.collect(loaded.source), resume)
+            plan = _plan(spec, out, resume)
+        except UserError as exc:
+            problem = str(exc)
+    problem, plan = distributed.broadcast_object((problem, plan))
+    if problem is not None:
+        raise UserError(problem)
+    kept = sum(1 for *_, skipped in plan if skipped is not None)
     say(
         f"experiment [bold]{spec.name}[/bold]: {len(spec.arms)} arms x {len(spec.seeds)} seeds "
-        f"into {out}, each run on {world} processes",
+        f"into {out}, each run on {world} processes"
+        + (f" ({kept} finished runs kept)" if kept else ""),
         highlight=False,
     )
     scratch = out / ".ranks" / f"rank-{distributed.rank()}"
     results = []
-    for arm in spec.arms:
-        for seed in spec.seeds:
-            run_dir = (out if main else scratch) / arm / f"seed-{seed}"
-            result = _execute(fn, loaded, arm, seed, run_dir, False, console if main else None)
-            if main:
-                _say_result(say, result)
-            results.append(result)
-            distributed.barrier()
+    for arm, seed, again, skipped in plan:
+        if skipped is not None:
+            results.append(skipped)
+            continue
+        shared_dir = out / arm / f"seed-{seed}"
+        run_dir = shared_dir if main else scratch / arm / f"seed-{seed}"
+        call = fn
+        if again and not main and fn is _run_one:  # rank 0's checkpoints, read by every rank
+            call = functools.partial(_run_one, resume_from=shared_dir)
+        result = _execute(call, loaded, arm, seed, run_dir, again, console if main else None)
+        if result.status != "finished":
+            raise RunError(
+                f"{arm}/seed-{seed} failed on rank {distributed.rank()} of {world}: "
+                f"{result.error}. The other processes stop with it; rerun with --resume "
+                f"--out {out} to continue from the last checkpoint"
+            )
+        if main:
+            _say_result(say, result)
+        results.append(result)
+        distributed.barrier()
     if not main:
         shutil.rmtree(scratch, ignore_errors=True)
     distributed.barrier()
     if not main:
-        failed = any(r.status != "finished" for r in results)
-        return ExperimentResult(out_dir=out, runs=results, failed=failed)
+        return ExperimentResult(out_dir=out, runs=results, failed=False)
     shutil.rmtree(out / ".ranks", ignore_errors=True)
     return _report(out, results, say, console)
+
+
+def _plan(
+    spec: ExperimentSpec, out: Path, resume: bool
+) -> list[tuple[str, int, bool, RunResult | None]]:
+    """Per arm x seed: whether it resumes from its checkpoints, or (on a resume) the result of
+    a run that finished already and is kept."""
+    plan: list[tuple[str, int, bool, RunResult | None]] = []
+    for arm in spec.arms:
+        for seed in spec.seeds:
+            run_dir = out / arm / f"seed-{seed}"
+            status = read_status(run_dir)
+            if resume and status.get("status") == "finished":
+                kept = RunResult(
+                    arm,
+                    seed,
+                    run_dir,
+                    "finished",
+                    skipped=True,
+                    steps=status.get("step"),
+                    wall_clock_s=status.get("wall_clock_s"),
+                )
+                plan.append((arm, seed, False, kept))
+            else:
+                has_state = run_dir.is_dir() and any(run_dir.iterdir())
+                plan.append((arm, seed, resume and has_state, None))
+    return plan
 
 
 def _say_result(say: Callable[..., Any], result: RunResult) -> None:

@@ -4,7 +4,8 @@ With ``weights: shared`` (the default) the backend samples with the very module 
 updates, in this process: ``sync_weights`` notes the version and copies nothing. With
 ``weights: copy`` it keeps its own plain copy of the policy on the ``rollout`` role's device
 (which may differ from the actor's) and loads the engine's weight stream into it after every
-update, LoRA merged: the path a backend with its own engine takes. Per chunk of prompts:
+update, LoRA merged: the path a backend with its own engine takes. An actor sharded over
+processes (``training.parallel: fsdp2``) always gets such a copy. Per chunk of prompts:
 
 1. each prompt is encoded once and left-padded;
 2. with ``decoder: loop`` (the default), a lean decode loop over the model's KV cache: one
@@ -64,7 +65,8 @@ class HFBackend(Backend):
             "shared",
             description="'shared': sample with the trainer's own module (no copy); 'copy': a "
             "separate copy of the policy on the rollout device, loaded from the weight stream "
-            "after every update.",
+            "after every update. An actor sharded with training.parallel: fsdp2 always gets "
+            "a copy (a rank holds only a slice of each weight).",
         )
         decoder: Literal["loop", "generate"] = Field(
             "loop",
@@ -79,13 +81,22 @@ class HFBackend(Backend):
         self.tokenizer: Any = None
         self.device: str = "cpu"
         self.version: int | None = None  # of the weights last synced
+        self.own_copy = False  # weights: copy, or a sharded actor
         self.autocast: Any = contextlib.nullcontext  # the run's precision (model.dtype)
 
     # ------------------------------------------------------------------ lifecycle
     @hookimpl
     def on_run_start(self, run: Any) -> None:
         rollout, actor = run.device("rollout"), run.device("actor")
-        own_copy = getattr(self.params, "weights", "shared") == "copy"
+        from alignzoo.weights import is_sharded
+
+        module = getattr(run, "actor", None)
+        # A sharded actor (training.parallel: fsdp2) holds a slice of each weight per rank,
+        # and its forward is a collective that ranks sampling different lengths cannot share:
+        # each rank samples with its own copy instead.
+        own_copy = getattr(self.params, "weights", "shared") == "copy" or (
+            module is not None and is_sharded(module)
+        )
         placement = getattr(run, "placement", None)
         placed = placement("rollout") if callable(placement) else None
         if placed is not None and (placed.tensor_parallel_size > 1 or placed.gpu_share):
@@ -101,18 +112,18 @@ class HFBackend(Backend):
                 f"set it to {actor}, or give the backend its own copy (backend params "
                 "weights: copy)"
             )
+        self.own_copy = own_copy
         self.tokenizer = run.tokenizer
         self.device = rollout
         models = getattr(run, "models", None)
         self.autocast = getattr(models, "autocast", None) or contextlib.nullcontext
-        module = getattr(run, "actor", None)
         if module is not None:
             self.model = _plain_copy(module, rollout) if own_copy else module
 
     @hookimpl
     def sync_weights(self, weights: PolicyWeights) -> None:
         self.version = weights.version
-        if getattr(self.params, "weights", "shared") == "shared":
+        if not self.own_copy:
             return  # generate runs on the trainer's module itself: nothing to copy
         if self.model is None:
             raise RuntimeError("HFBackend.sync_weights called before on_run_start")

@@ -1,6 +1,9 @@
 """Data-parallel training with torch.distributed: 2 processes (gloo, CPU, launched by torchrun)
 train exactly as 1 process with the same global batch: the same losses, rewards, KL, entropy,
-evaluations and final weights (within 1e-5), for GRPO, PPO and offline DPO; only rank 0 writes."""
+evaluations and final weights (within 1e-5), for GRPO, PPO and offline DPO, with DDP and with
+FSDP2 (``training.parallel: fsdp2``, checkpoints gathered through torch.distributed.checkpoint);
+only rank 0 writes; a run that fails on one rank stops the group, and ``--resume`` continues it
+from rank 0's checkpoint, exactly."""
 
 from __future__ import annotations
 
@@ -21,17 +24,44 @@ pytestmark = pytest.mark.slow
 
 # A reward that varies within groups from the first step (the tiny warm start is rarely right).
 ODD = {"name": "regex", "params": {"pattern": "[13579]"}}
+# The same reward as a Python function that can be told to fail once on rank 1 (its third
+# labeling call of a run, i.e. step 3) while the file ``fail-once`` exists.
+ODD_FN = """
+import os, re
+from pathlib import Path
+
+CALLS = [0]
+
+def reward(prompts, completions, trigger="", **columns):
+    if os.environ.get("RANK") == "1":
+        CALLS[0] += 1
+        if CALLS[0] == 3 and Path(trigger).exists():
+            raise RuntimeError("injected failure at rank 1's third labeling call")
+    return [1.0 if re.search("[13579]", c) else 0.0 for c in completions]
+"""
+FAULTY = {
+    "name": "python",
+    "params": {"function": "odd.py:reward", "kwargs": {"trigger": "fail-once"}},
+}
+# The hf backend samples with its own copy of a sharded actor (no backend setting needed).
+FSDP2 = {"training": {"parallel": "fsdp2"}, "labeling": {"on": {"error": "fail"}}}
 ARMS = {
     "grpo": {"algorithm": "grpo", "labeler": ODD},  # beta 0.04: a reference model too
     "ppo": {"algorithm": "ppo", "labeler": ODD},  # a critic, whitened advantages, adaptive KL
     "dpo": {"algorithm": "dpo", "online": False},
+    "grpo_fsdp2": {"algorithm": "grpo", "labeler": FAULTY, **FSDP2},
+    "ppo_fsdp2": {"algorithm": "ppo", "labeler": FAULTY, **FSDP2},  # the critic sharded too
+    "dpo_fsdp2": {"algorithm": "dpo", "online": False, **FSDP2},
 }
+# In one process the strategy does nothing: each arm is compared with its one-process twin.
+TWIN = {arm: arm.removesuffix("_fsdp2") for arm in ARMS}
 COMPARED = ("loss", "reward/mean", "reward/std", "kl/ref", "entropy", "actor/grad_norm",
             "critic/grad_norm", "response_length/mean", "label/generated", "batch/responses")  # fmt: skip
+LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
 def _run(args: list[str], env: dict[str, str], cwd: Path) -> None:
-    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -40,55 +70,118 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(latest / "actor.safetensors"))
 
 
-def test_two_processes_train_as_one(tmp_path: Path, engine_cache: Path) -> None:
+def _env(cache: Path) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNZOO_CACHE": str(cache)}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory, engine_cache: Path) -> Path:
+    """The experiment file, the reward function, and the one-process runs (``one/``) that the
+    two-process runs are compared with."""
+    root = tmp_path_factory.mktemp("data-parallel")
     spec = tiny_experiment(
         budget={"steps": 3},
         training={
             "prompts_per_step": 4,
             "samples_per_prompt": 4,
             "micro_batch_size": 8,
-            "checkpoint_every": 3,
+            "checkpoint_every": 2,
         },
         evaluation={"every": 3, "num_prompts": 8},
         arms=ARMS,
     )
-    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ALIGNZOO_CACHE": str(engine_cache)}
-    cli = [sys.executable, "-m", "alignzoo"]
-    _run([*cli, "run", "exp.yaml", "--out", "one"], env, tmp_path)  # also builds the warm start
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-    ]
-    _run([*launcher, "-m", "alignzoo", "run", "exp.yaml", "--out", "two"], env, tmp_path)
+    (root / "exp.yaml").write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    (root / "odd.py").write_text(ODD_FN, encoding="utf-8")
+    one = [sys.executable, "-m", "alignzoo", "run", "exp.yaml", "--arms", "grpo,ppo,dpo"]
+    _run([*one, "--out", "one"], _env(engine_cache), root)  # also builds the warm start
+    return root
 
-    assert not (tmp_path / "two" / ".ranks").exists()  # the other rank's scratch is gone
-    assert (tmp_path / "two" / "report.md").is_file()
-    for arm in ARMS:
-        one, two = tmp_path / "one" / arm / "seed-0", tmp_path / "two" / arm / "seed-0"
-        assert json.loads((two / "status.json").read_text())["status"] == "finished", arm
-        rows_one, rows_two = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
-        assert len(rows_one) == len(rows_two) == 3, arm
-        for step, (a, b) in enumerate(zip(rows_one, rows_two, strict=True), start=1):
-            for key in COMPARED:
-                if key in a:
-                    assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (arm, step, key)
-        evals_one, evals_two = read_jsonl(one / "eval.jsonl"), read_jsonl(two / "eval.jsonl")
-        assert [e["step"] for e in evals_one] == [e["step"] for e in evals_two], arm
-        for a, b in zip(evals_one, evals_two, strict=True):
-            for key, value in a.items():
-                if key.startswith("eval/"):
-                    assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (arm, key)
-        w1, w2 = _weights(one), _weights(two)
-        assert set(w1) == set(w2), arm
+
+def _same_run(one: Path, two: Path, arm: str) -> None:
+    """``two`` (2 processes) trained as ``one`` (1 process): metrics, evaluations, weights."""
+    assert json.loads((two / "status.json").read_text())["status"] == "finished", arm
+    rows_one, rows_two = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert len(rows_one) == len(rows_two) == 3, arm
+    for step, (a, b) in enumerate(zip(rows_one, rows_two, strict=True), start=1):
+        for key in COMPARED:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (arm, step, key)
+    evals_one, evals_two = read_jsonl(one / "eval.jsonl"), read_jsonl(two / "eval.jsonl")
+    assert [e["step"] for e in evals_one] == [e["step"] for e in evals_two], arm
+    for a, b in zip(evals_one, evals_two, strict=True):
+        for key, value in a.items():
+            if key.startswith("eval/"):
+                assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (arm, key)
+    for part in ("actor", "critic"):
+        if not (_latest(one) / f"{part}.safetensors").exists():
+            continue
+        w1, w2 = _weights(one, part), _weights(two, part)
+        assert set(w1) == set(w2), (arm, part)
         for name in w1:
             if name.endswith("k_proj.bias"):
                 # Softmax ignores a shift shared by all keys of a query: this bias's gradient
                 # is rounding noise, which Adam scales up to steps of about lr either way.
                 continue
             torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-6)
-        assert max(r["actor/grad_norm"] for r in rows_one) > 0, f"premise: {arm} trains"
+    assert max(r["actor/grad_norm"] for r in rows_one) > 0, f"premise: {arm} trains"
+
+
+def _latest(run_dir: Path) -> Path:
+    return sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+
+
+def _weights(run_dir: Path, part: str = "actor") -> dict[str, torch.Tensor]:
+    return load_file(str(_latest(run_dir) / f"{part}.safetensors"))
+
+
+def test_two_processes_train_as_one(folder: Path, engine_cache: Path) -> None:
+    _run([*LAUNCH, "-m", "alignzoo", "run", "exp.yaml", "--out", "two"], _env(engine_cache), folder)
+
+    assert not (folder / "two" / ".ranks").exists()  # the other rank's scratch is gone
+    assert (folder / "two" / "report.md").is_file()
+    for arm in ARMS:
+        _same_run(folder / "one" / TWIN[arm] / "seed-0", folder / "two" / arm / "seed-0", arm)
+
+
+def test_a_failure_on_one_rank_stops_both_and_resume_continues_exactly(
+    folder: Path, engine_cache: Path
+) -> None:
+    env = _env(engine_cache)
+    cli = [*LAUNCH, "-m", "alignzoo", "run", "exp.yaml", "--arms", "grpo,ppo_fsdp2", "--out"]
+    (folder / "fail-once").write_text("", encoding="utf-8")
+    failed = subprocess.run(
+        [*cli, "three"], cwd=folder, env=env, capture_output=True, text=True, timeout=600
+    )
+    output = failed.stdout + failed.stderr
+    assert failed.returncode != 0, output[-3000:]
+    assert "ppo_fsdp2/seed-0 failed on rank 1 of 2" in output, output[-3000:]
+    assert "injected failure" in output, output[-3000:]
+    run_dir = folder / "three" / "ppo_fsdp2" / "seed-0"
+    assert _latest(run_dir).name == "step-000002", "premise: the run failed after step 2"
+    (folder / "fail-once").unlink()
+
+    _run([*cli, "three", "--resume"], env, folder)
+    assert not (folder / "three" / ".ranks").exists()
+    for arm in ("grpo", "ppo_fsdp2"):
+        _same_run(folder / "one" / TWIN[arm] / "seed-0", folder / "three" / arm / "seed-0", arm)
+
+
+def test_a_wall_clock_budget_stops_every_rank_after_the_same_step(
+    folder: Path, engine_cache: Path
+) -> None:
+    # Each rank's clock differs; rank 0's decides for both (a rank that stopped alone would
+    # leave the other waiting in a collective, and this run would not finish).
+    spec = yaml.safe_load((folder / "exp.yaml").read_text(encoding="utf-8"))
+    spec["budget"] = {"wall_clock_s": 2.0}
+    spec["arms"] = {"grpo_fsdp2": spec["arms"]["grpo_fsdp2"]}
+    (folder / "clock.yaml").write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    _run(
+        [*LAUNCH, "-m", "alignzoo", "run", "clock.yaml", "--out", "clock"],
+        _env(engine_cache),
+        folder,
+    )
+    run_dir = folder / "clock" / "grpo_fsdp2" / "seed-0"
+    status = json.loads((run_dir / "status.json").read_text())
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert status["status"] == "finished" and status["step"] == len(rows) >= 1
+    assert status["wall_clock_s"] >= 2.0

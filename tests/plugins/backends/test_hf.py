@@ -394,3 +394,30 @@ def test_seeded_samples_do_not_depend_on_the_rest_of_the_batch(policy_dirs):
     assert again.response_ids.tolist() == whole.response_ids.tolist()
     other = backend.generate(PROMPTS, [], 3, sampling, seeds=[21, 22, 23, 24])
     assert other.response_ids.tolist() != whole.response_ids.tolist(), "premise: seeds matter"
+
+
+def test_a_sharded_actor_is_sampled_with_a_copy_of_its_own(policy_dirs, one_process_group):
+    # training.parallel: fsdp2 shards the actor (a slice of each weight per rank, a collective
+    # per forward): the default backend then samples with its own copy, from the stream.
+    import copy
+
+    from alignzoo.engine.learner import fully_shard_model
+    from alignzoo.weights import is_sharded
+
+    shared, model, tokenizer = make_backend(policy_dirs["plain"])
+    actor = fully_shard_model(copy.deepcopy(model))
+    backend = HFBackend()  # weights: shared, the default
+    start(backend, actor, tokenizer)
+    assert backend.own_copy and backend.model is not actor and not is_sharded(backend.model)
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    before = shared.generate(PROMPTS, [], 2, greedy)
+    assert _agree(backend.generate(PROMPTS, [], 2, greedy), before)
+    with torch.no_grad():  # an update of the sharded weights reaches the copy with the sync
+        for param in actor.parameters():
+            param.mul_(-1.5)
+        for param in model.parameters():
+            param.mul_(-1.5)
+    backend.sync_weights(PolicyWeights(actor, 1))
+    after = shared.generate(PROMPTS, [], 2, greedy)
+    assert not _agree(after, before), "premise: the update changes greedy outputs"
+    assert _agree(backend.generate(PROMPTS, [], 2, greedy), after)
