@@ -15,6 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from alignzoo import __version__
 from alignzoo.errors import AlignzooError, ConfigError, UserError
@@ -39,6 +40,25 @@ new_app = typer.Typer(
     help="Create a ready package: `alignzoo new plugin NAME`.", no_args_is_help=True
 )
 app.add_typer(new_app, name="new")
+
+
+class _ServeByDefault(TyperGroup):
+    """`alignzoo annotate QUEUE_DIR ...` means `alignzoo annotate serve QUEUE_DIR ...`."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["serve", *args]
+        return super().parse_args(ctx, args)
+
+
+annotate_app = typer.Typer(
+    cls=_ServeByDefault,
+    help="Human feedback: `alignzoo annotate QUEUE_DIR` serves the annotation app; "
+    "add-annotator issues sign-in tokens, status shows progress and agreement, export writes "
+    "the agreed judgements as a data set.",
+    no_args_is_help=True,
+)
+app.add_typer(annotate_app, name="annotate")
 
 
 class Executors(str, Enum):
@@ -640,6 +660,112 @@ def new_plugin(
     for path in written:
         console.print(f"  {path.relative_to(folder)}", markup=False)
     console.print(f"next: pip install -e {folder} && pytest {folder}/tests", markup=False)
+
+
+QueueDir = Annotated[Path, typer.Argument(help="The queue's folder (queue.sqlite).")]
+
+
+def _existing_queue(queue_dir: Path) -> Path:
+    if not (queue_dir / "queue.sqlite").is_file():
+        raise UserError(
+            f"{queue_dir}: no queue here (queue.sqlite); a run with the human labeler creates "
+            "one, as does add-annotator"
+        )
+    return queue_dir
+
+
+@annotate_app.command("serve")
+def annotate_serve(
+    queue_dir: QueueDir,
+    host: Annotated[
+        str, typer.Option(help="Interface to bind (0.0.0.0 only if you mean it).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8766,
+) -> None:
+    """Serve the annotation app for the queue in QUEUE_DIR (the default command)."""
+    from alignzoo.annotate import serve
+
+    _existing_queue(queue_dir)
+    console.print(f"annotation app for {queue_dir} on http://{host}:{port}/", highlight=False)
+    serve(queue_dir, host=host, port=port)
+
+
+@annotate_app.command("add-annotator")
+def annotate_add(
+    queue_dir: QueueDir,
+    name: Annotated[str, typer.Argument(help="The annotator's name (1 to 64 characters).")],
+) -> None:
+    """Let NAME sign in to the app; prints their token (shown once, stored hashed)."""
+    from alignzoo.humanqueue import HumanQueue, QueueError
+
+    queue = HumanQueue(queue_dir)
+    try:
+        token = queue.add_annotator(name)
+    except QueueError as exc:
+        raise UserError(f"{queue_dir}: {exc}") from None
+    finally:
+        queue.close()
+    console.print(f"annotator {name!r} added; their sign-in token (shown once):", markup=False)
+    print(token)
+
+
+@annotate_app.command("status")
+def annotate_status(queue_dir: QueueDir) -> None:
+    """Progress per annotator, and the queue's agreement, as JSON."""
+    from alignzoo.humanexport import agreement
+    from alignzoo.humanqueue import HumanQueue
+
+    queue = HumanQueue(_existing_queue(queue_dir))
+    try:
+        out = {
+            "queue": queue.progress(),
+            "annotators": {name: queue.progress_of(name) for name in queue.annotators()},
+            "agreement": agreement(queue),
+        }
+    finally:
+        queue.close()
+    print(json.dumps(out, indent=2))
+
+
+class ExportKind(str, Enum):
+    """What `alignzoo annotate export` writes."""
+
+    preference = "preference"
+    unpaired = "unpaired"
+
+
+@annotate_app.command("export")
+def annotate_export(
+    queue_dir: QueueDir,
+    out: Annotated[Path, typer.Argument(help="Folder for the data set (must not exist).")],
+    kind: Annotated[
+        ExportKind,
+        typer.Option("--as", help="preference (prompt/chosen/rejected) or unpaired (label)."),
+    ] = ExportKind.preference,
+    min_agree: Annotated[
+        int, typer.Option(min=1, help="Annotators who must agree for an item to be kept.")
+    ] = 2,
+    tolerance: Annotated[
+        float, typer.Option(min=0.0, help="Agreeing: within this on the scale mapped to [0, 1].")
+    ] = 0.3,
+    threshold: Annotated[
+        float, typer.Option(help="unpaired: a normalised rating at least this is desirable.")
+    ] = 0.5,
+) -> None:
+    """Write the agreed judgements as a `datasets` folder DPO, KTO and train-rm read."""
+    from alignzoo.humanexport import export
+
+    _existing_queue(queue_dir)
+    if out.exists():
+        raise UserError(f"{out} exists; choose a new folder for the export")
+    summary = export(queue_dir, out, kind.value, min_agree, tolerance, threshold)
+    console.print(
+        f"{summary.rows} {kind.value} rows in {out}: ratings kept {summary.ratings.kept}, "
+        f"{summary.ratings.disagreed} disagreed, {summary.ratings.too_few} too few judgements; "
+        f"pairs kept {summary.pairs.kept} ({summary.ties} ties left out), "
+        f"{summary.pairs.disagreed} disagreed, {summary.pairs.too_few} too few judgements",
+        highlight=False,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

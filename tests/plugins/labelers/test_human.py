@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from alignzoo import LabelRequest, Outcome, Score
 from alignzoo.engine.labelstore import LabelStore
-from alignzoo.humanqueue import HumanQueue
+from alignzoo.humanqueue import AlreadyJudged, HumanQueue
 from alignzoo.plugins.labelers.human import HumanLabeler
 
 REQS = [LabelRequest(prompt=f"{i}+1=", response=str(i + 1), extra={"answer": str(i + 1)})
@@ -27,7 +27,7 @@ def test_each_item_goes_to_k_raters_never_twice_to_one(tmp_path) -> None:
         seen.append(item.id)
         queue.submit(item.id, "ann", 4)
     assert seen == ids  # every item once, oldest first
-    with pytest.raises(Exception, match="UNIQUE"):
+    with pytest.raises(AlreadyJudged, match="judged it already"):
         queue.submit(ids[0], "ann", 3)  # a rater judges an item once
     with pytest.raises(ValueError, match="off the scale"):
         queue.submit(ids[0], "bob", 9)
