@@ -147,6 +147,7 @@ def create_app(queue_dir: str | Path) -> Starlette:
         Route("/api/judge", judge, methods=["POST"]),
         Route("/api/stats", stats),
     ]
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
