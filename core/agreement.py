@@ -95,6 +95,26 @@ def normalise(value: float, low: float, high: float) -> float:
     return (value - low) / (high - low)
 
 
+def largest_agreeing(
+    values: Sequence[float], within: float, low: float = 0.0, high: float = 1.0, strict: bool = True
+) -> list[float]:
+    """The largest group of ``values`` (on [low, high]) whose spread, on the scale mapped to
+    [0, 1], is below ``within`` (at most ``within`` when not ``strict``); sorted, the first such
+    group on a tie."""
+    span = (high - low) or 1.0
+    ordered = sorted(values)
+    best: list[float] = []
+    for i, first in enumerate(ordered):
+        group = [
+            v
+            for v in ordered[i:]
+            if ((v - first) / span < within if strict else (v - first) / span <= within + 1e-12)
+        ]
+        if len(group) > len(best):
+            best = group
+    return best
+
+
 def consensus(
     values: Sequence[float | None],
     low: float,
@@ -103,19 +123,15 @@ def consensus(
     tolerance: float = 0.3,
 ) -> Consensus:
     """Whether at least ``min_agree`` of ``values`` (on [low, high]; None: "cannot judge")
-    agree, i.e. lie within ``tolerance`` of one another once normalised to [0, 1]; the largest
-    such group is the consensus and its mean the item's value (normalised)."""
-    scaled = sorted(normalise(v, low, high) for v in values if v is not None)
-    if len(scaled) < min_agree:
-        return Consensus(False, None, 0, len(scaled), "too few judgements")
-    best: list[float] = []
-    for start in range(len(scaled)):  # the longest run of sorted values spanning < tolerance
-        group = [v for v in scaled[start:] if v - scaled[start] < tolerance]
-        if len(group) > len(best):
-            best = group
+    agree, i.e. lie within less than ``tolerance`` of one another once normalised to [0, 1];
+    the largest such group is the consensus and its mean the item's value (normalised)."""
+    given = [v for v in values if v is not None]
+    if len(given) < min_agree:
+        return Consensus(False, None, 0, len(given), "too few judgements")
+    best = [normalise(v, low, high) for v in largest_agreeing(given, tolerance, low, high)]
     if len(best) < min_agree:
-        return Consensus(False, None, len(best), len(scaled), "disagreement")
-    return Consensus(True, sum(best) / len(best), len(best), len(scaled))
+        return Consensus(False, None, len(best), len(given), "disagreement")
+    return Consensus(True, sum(best) / len(best), len(best), len(given))
 
 
 @dataclass

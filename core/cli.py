@@ -768,6 +768,95 @@ def annotate_export(
     )
 
 
+def _base_model(base: str, arm: str | None) -> str:
+    """The folder ``--base`` names: a model folder, "embedded" (the default embedded warm
+    start), or an experiment file (its arm's starting policy, built if need be)."""
+    from alignzoo.config.schema import ModelConfig, TaskConfig
+    from alignzoo.engine.models import policy_path
+
+    def say(message: str) -> None:
+        console.print(message, highlight=False)
+
+    if base == "embedded":
+        return policy_path(ModelConfig(), TaskConfig(), say)
+    if base.endswith((".yaml", ".yml")):
+        from alignzoo.config.loader import load_experiment
+
+        loaded = load_experiment(Path(base))
+        name = arm or next(iter(loaded.spec.arms))
+        if name not in loaded.spec.arms:
+            raise UserError(f"--arm {name}: {base} has arms {', '.join(loaded.spec.arms)}")
+        return policy_path(loaded.spec.arms[name].model, loaded.spec.data.task, say)
+    if not Path(base).expanduser().is_dir():
+        raise UserError(
+            f"--base {base}: not a model folder, 'embedded', or an experiment file (.yaml)"
+        )
+    return str(Path(base).expanduser())
+
+
+@app.command("train-rm")
+def train_rm(
+    data: Annotated[
+        Path, typer.Argument(help="Preference pairs: prompt/chosen/rejected (file or folder).")
+    ],
+    base: Annotated[
+        str,
+        typer.Option(help="Model folder, 'embedded', or an experiment YAML (its arm's policy)."),
+    ],
+    out: Annotated[Path, typer.Option(help="Folder for the reward model (must not exist).")],
+    arm: Annotated[str | None, typer.Option(help="With an experiment --base: the arm.")] = None,
+    epochs: Annotated[int, typer.Option(min=1)] = 3,
+    lr: Annotated[float, typer.Option(min=0.0)] = 1e-3,
+    batch_size: Annotated[int, typer.Option(min=1, help="Pairs per optimizer step.")] = 16,
+    heldout: Annotated[
+        float, typer.Option(min=0.0, max=0.9, help="Share of prompts held out for evaluation.")
+    ] = 0.2,
+    max_length: Annotated[int, typer.Option(min=1, help="Tokens per prompt + response.")] = 256,
+    seed: int = 0,
+    negatives: Annotated[
+        str | None,
+        typer.Option(
+            help="Synthetic near-miss negatives: 'arithmetic', or 'file.py:fn' / 'module:fn' "
+            "(fn(prompt, response) -> str | None)."
+        ),
+    ] = None,
+) -> None:
+    """Train a Bradley-Terry reward model the reward_model labeler loads."""
+    from alignzoo.rewardmodel import train_reward_model
+
+    if out.exists():
+        raise UserError(f"--out {out} exists; choose a new folder for the reward model")
+    perturb = None
+    if negatives == "arithmetic":
+        from alignzoo.world.task import near_miss
+
+        perturb = near_miss
+    elif negatives is not None:
+        from alignzoo.plugins.labelers.python_fn import load_function
+
+        perturb = load_function(negatives)
+    report = train_reward_model(
+        data,
+        _base_model(base, arm),
+        out,
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        heldout=heldout,
+        max_length=max_length,
+        seed=seed,
+        negatives=perturb,
+        log=lambda m: console.print(m, highlight=False),
+    )
+    console.print(
+        f"reward model in {out}: held-out accuracy {report.heldout_accuracy:.3f} on "
+        f"{report.heldout_pairs} pairs (ECE {report.heldout_ece:.3f}, Brier "
+        f"{report.heldout_brier:.3f}); {report.train_pairs} training pairs, "
+        f"{report.synthetic_negatives} of them synthetic negatives",
+        highlight=False,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
     try:

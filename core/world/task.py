@@ -192,6 +192,17 @@ def teacher_demonstrations(
     return out, slips
 
 
+def near_miss(prompt: str, response: str) -> str | None:
+    """``response`` with its last number off by a little (:func:`wrong_answer`): a synthetic
+    negative for reward-model training (``alignzoo train-rm --negatives arithmetic``). None when
+    the response has no number."""
+    found = list(re.finditer(r"-?\d+", response))
+    if not found:
+        return None
+    last = found[-1]
+    return response[: last.start()] + wrong_answer(prompt, last.group()) + response[last.end() :]
+
+
 def wrong_answer(prompt: str, answer: str) -> str:
     """A plausible wrong answer to ``prompt``: off by a small amount, the same on every call.
 

@@ -19,23 +19,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from alignzoo import Labeler, LabelRequest, Score, hookimpl
+from alignzoo.agreement import largest_agreeing
 from alignzoo.config.schema import ComponentRef
 from alignzoo.registry import build_plugin_manager, get_registry
 from alignzoo.types import Outcome
-
-
-def agreeing(values: list[float], within: float, low: float, high: float) -> list[float]:
-    """The largest set of values whose normalised spread is at most ``within``."""
-    span = (high - low) or 1.0
-    ordered = sorted(values)
-    best: list[float] = []
-    for i in range(len(ordered)):
-        j = i
-        while j + 1 < len(ordered) and (ordered[j + 1] - ordered[i]) / span <= within + 1e-12:
-            j += 1
-        if j - i + 1 > len(best):
-            best = ordered[i : j + 1]
-    return best
 
 
 class PanelLabeler(Labeler):
@@ -84,7 +71,7 @@ class PanelLabeler(Labeler):
             given = [s[i] for s in per_rater if s[i].outcome == Outcome.VALUE]
             values = [float(s.value) for s in given]
             if self.params.agree_within is not None:
-                values = agreeing(values, self.params.agree_within, low, high)
+                values = largest_agreeing(values, self.params.agree_within, low, high, strict=False)
             if len(values) < (self.params.min_agree if self.params.agree_within is not None else 1):
                 score = Score.abstain("the raters disagree" if given else "no rater gave a value")
                 score.info.update(

@@ -105,13 +105,12 @@ class RewardModelLabeler(Labeler):
                 f"labeler.params.template: 'chat' asked, but the tokenizer in '{folder}' has "
                 "no chat template; use template: concat"
             )
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        # The score is read at the last non-pad token: the model must know the pad id.
-        model.config.pad_token_id = tokenizer.pad_token_id
-        tokenizer.padding_side = "right"  # positions then match an unpadded forward
-        tokenizer.truncation_side = "left"  # keep the end of the response
-        self.tokenizer = tokenizer
+        from alignzoo.rewardmodel import prepare
+
+        # Right padding (positions match an unpadded forward), truncation from the left (the
+        # end of the response is kept), and the pad id the score is read before: as
+        # `alignzoo train-rm` trained it.
+        self.tokenizer = prepare(tokenizer, model)
         self.device = device
         self.model = model.to(device)
         self._freeze()
@@ -155,15 +154,11 @@ class RewardModelLabeler(Labeler):
         return request.prompt + request.response
 
     def _forward(self, texts: list[str]) -> list[float]:
-        encoded = self.tokenizer(
-            texts,
-            padding=True,
-            truncation=True,
-            max_length=self.params.max_length,
-            return_tensors="pt",
-            # A chat template already wrote its special tokens into the text.
-            add_special_tokens=self.params.template == "concat",
-        ).to(self.device)
+        from alignzoo.rewardmodel import encode
+
+        # A chat template already wrote its special tokens into the text.
+        special = self.params.template == "concat"
+        encoded = encode(self.tokenizer, texts, self.params.max_length, special).to(self.device)
         with torch.inference_mode():
             logits = self.model(
                 input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]

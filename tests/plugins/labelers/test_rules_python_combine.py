@@ -123,7 +123,8 @@ def test_panel_aggregates_and_filters_disagreement(tmp_path, monkeypatch):
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from alignzoo.plugins.labelers.panel import PanelLabeler, agreeing
+    from alignzoo.agreement import largest_agreeing
+    from alignzoo.plugins.labelers.panel import PanelLabeler
 
     (tmp_path / "raters.py").write_text(
         "def a(prompts, completions, **c):\n    return [0.9, 0.1, 0.5]\n"
@@ -142,7 +143,7 @@ def test_panel_aggregates_and_filters_disagreement(tmp_path, monkeypatch):
 
     @given(st.lists(st.floats(0, 1), min_size=1, max_size=8), st.floats(0, 1))
     def spread_is_bounded_and_maximal(values, within):
-        kept = agreeing(values, within, 0.0, 1.0)
+        kept = largest_agreeing(values, within, 0.0, 1.0, strict=False)
         assert max(kept) - min(kept) <= within + 1e-9
         for v in values:  # no larger agreeing set around any value
             assert sum(1 for w in values if v <= w <= v + within) <= len(kept)
