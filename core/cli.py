@@ -727,6 +727,77 @@ def annotate_status(queue_dir: QueueDir) -> None:
     print(json.dumps(out, indent=2))
 
 
+@annotate_app.command("pool")
+def annotate_pool(
+    experiment: Annotated[Path, typer.Argument(help="The experiment whose policy samples.")],
+    queue_dir: QueueDir,
+    arm: Annotated[str | None, typer.Option(help="The arm (default: the first).")] = None,
+    prompts: Annotated[int, typer.Option(min=1, help="Training prompts to sample for.")] = 64,
+    raters: Annotated[int, typer.Option(min=1, help="Judgements wanted per item.")] = 3,
+    ratings: Annotated[
+        bool, typer.Option(help="Queue each response to be rated instead of pairs to compare.")
+    ] = False,
+) -> None:
+    """Sample two responses per prompt from the arm's starting policy and queue them."""
+    from alignzoo.config.loader import load_experiment
+    from alignzoo.humanqueue import HumanQueue
+    from alignzoo.humansim import sample_pool
+    from alignzoo.types import LabelRequest
+
+    loaded = load_experiment(experiment)
+    name = arm or next(iter(loaded.spec.arms))
+    if name not in loaded.spec.arms:
+        raise UserError(f"--arm {name}: {experiment} has arms {', '.join(loaded.spec.arms)}")
+    pool = sample_pool(loaded, name, prompts, 2, log=lambda m: console.print(m, highlight=False))
+    queue = HumanQueue(queue_dir)
+    try:
+        if ratings:
+            requests = [
+                LabelRequest(prompt=p, response=r, extra=extra)
+                for p, responses, extra in pool
+                for r in responses
+            ]
+            ids = queue.enqueue(requests, raters=raters, scale=(1, 5))
+        else:
+            pairs = [(p, rs[0], rs[1]) for p, rs, _ in pool if rs[0] != rs[1]]
+            extras = [extra for _, rs, extra in pool if rs[0] != rs[1]]
+            ids = queue.enqueue_pairs(pairs, raters=raters, extras=extras)
+    finally:
+        queue.close()
+    kind = "rating" if ratings else "pair"
+    skipped = "" if ratings else f" ({len(pool) - len(ids)} prompts gave two equal responses)"
+    console.print(f"{len(ids)} {kind} items queued in {queue_dir}{skipped}", highlight=False)
+
+
+@annotate_app.command("simulate")
+def annotate_simulate(
+    queue_dir: QueueDir,
+    config: Annotated[Path, typer.Argument(help="YAML: rule, annotators, seed, tie_margin.")],
+) -> None:
+    """Judge the open items as simulated annotators (a rule labeler plus noise and bias)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from alignzoo.humanqueue import HumanQueue
+    from alignzoo.humansim import Simulation, rule_scorer, simulate
+
+    try:
+        simulation = Simulation.model_validate(yaml.safe_load(config.read_text(encoding="utf-8")))
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise UserError(f"{config}: not a simulation (rule, annotators, seed): {exc}") from None
+    queue = HumanQueue(_existing_queue(queue_dir))
+    try:
+        stored = simulate(queue, simulation, rule_scorer(simulation.rule))
+        progress = queue.progress()
+    finally:
+        queue.close()
+    console.print(
+        f"{stored} judgements by {len(simulation.annotators)} simulated annotators; "
+        f"{progress['complete']} of {progress['items']} items complete",
+        highlight=False,
+    )
+
+
 class ExportKind(str, Enum):
     """What `alignzoo annotate export` writes."""
 

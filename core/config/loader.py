@@ -20,7 +20,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from alignzoo.config.schema import ArmSpec, ExperimentSpec
+from alignzoo.config.schema import ArmSpec, ComponentRef, ExperimentSpec
 from alignzoo.errors import ConfigError, ConfigIssue, PluginLoadError, UserError
 from alignzoo.plugin import Component
 from alignzoo.registry import Registry, build_plugin_manager, get_registry
@@ -555,9 +555,10 @@ def _load(
     issues: list[ConfigIssue] = []
     for arm_name, arm in spec.arms.items():
         components[arm_name], arm_issues = _build_components(
-            arm_name, arm, registry, file, index, fallbacks
+            arm_name, arm, registry, file, index, fallbacks, spec.evaluation.labeler
         )
-        issues += arm_issues
+        # The evaluation labeler's problems are the same for every arm: said once.
+        issues += [i for i in arm_issues if i not in issues]
     if spec.evaluation.metric is None:
         spec = spec.model_copy(
             update={"evaluation": spec.evaluation.model_copy(update=default_metric(components))}
@@ -573,7 +574,7 @@ def default_metric(components: dict[str, dict[str, Component]]) -> dict[str, str
     """``evaluation.metric`` when the file gives none: ``exact_match`` when every arm's labeler
     marks answers correct (``marks_correct``), else ``score``, the labeler's mean value."""
     marks = all(
-        getattr(built.get("labeler"), "marks_correct", None) is True
+        getattr(built.get(EVAL_LABELER, built.get("labeler")), "marks_correct", None) is True
         for built in components.values()
     )
     return {"metric": "exact_match" if marks else "score", "metric_chosen": "default"}
@@ -666,7 +667,7 @@ def _check_eval_metric(
     scorers = [
         arm
         for arm, built in components.items()
-        if getattr(built.get("labeler"), "marks_correct", None) is False
+        if getattr(built.get(EVAL_LABELER, built.get("labeler")), "marks_correct", None) is False
     ]
     if not scorers:
         return []
@@ -681,6 +682,14 @@ def _check_eval_metric(
     ]
 
 
+EVAL_LABELER = "evaluation.labeler"
+"""The component slot of ``evaluation.labeler`` (in every arm's components when it is set)."""
+
+
+def _path_parts(field_path: str) -> list[str | int]:
+    return [int(p) if p.isdigit() else p for p in field_path.split(".")]
+
+
 def _build_components(
     arm_name: str,
     arm: ArmSpec,
@@ -688,15 +697,17 @@ def _build_components(
     file: str,
     index: _LineIndex,
     fallbacks: dict[Path_, Path_],
+    evaluation_labeler: ComponentRef | None = None,
 ) -> tuple[dict[str, Component], list[ConfigIssue]]:
     built: dict[str, Component] = {}
     issues: list[ConfigIssue] = []
-    for kind, field_path, ref in arm.component_refs():
-        base: Path_ = (
-            "arms",
-            arm_name,
-            *(int(p) if p.isdigit() else p for p in field_path.split(".")),
-        )
+    refs: list[tuple[str, str, ComponentRef, Path_]] = [
+        (kind, field_path, ref, ("arms", arm_name, *_path_parts(field_path)))
+        for kind, field_path, ref in arm.component_refs()
+    ]
+    if evaluation_labeler is not None:  # the same labeler evaluates every arm
+        refs.append(("labeler", EVAL_LABELER, evaluation_labeler, ("evaluation", "labeler")))
+    for kind, field_path, ref, base in refs:
         try:
             cls = registry.get(kind, ref.name)
         except UserError as exc:

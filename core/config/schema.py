@@ -276,6 +276,13 @@ class EvaluationConfig(_Strict):
     num_prompts: PositiveInt | None = Field(
         None, description="Use the first N eval prompts (default all)."
     )
+    labeler: ComponentRef | None = Field(
+        None,
+        description="The labeler evaluation scores with, the same for every arm (default: each "
+        "arm's own labeler). Set it when arms train against different labelers, e.g. a learned "
+        "reward model against the rule it was trained to imitate, so that every arm is "
+        "measured the same way.",
+    )
     metric: str | None = Field(
         None,
         description="Metric the report compares arms on (exact_match, score, pass@k, "

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from alignzoo import distributed
-from alignzoo.config.loader import LoadedExperiment
+from alignzoo.config.loader import EVAL_LABELER, LoadedExperiment
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
 from alignzoo.engine import models as model_loading
 from alignzoo.engine.context import RunContext
@@ -53,6 +53,7 @@ class Run:
     eval_rows: list[dict[str, Any]]
     ahead: LabelAhead | None = None  # labeling.overlap: the batch labeled in the background
     fused_behaviour: bool = False  # the update's forward passes are the behaviour snapshot
+    eval_labeling: LabelingStage | None = None  # evaluation.labeler (else the arm's labeling)
 
     def stateful(self) -> dict[str, Any]:
         """What a checkpoint saves besides models and optimizer: the components, and the
@@ -152,6 +153,16 @@ def labeling_stage(
     return LabelingStage.build(arm_spec.labeling, chain, seed=seed, store=store)
 
 
+def evaluation_stage(spec: ExperimentSpec, component: Any, seed: int) -> LabelingStage:
+    """The labeling stage of ``evaluation.labeler``: that labeler alone, default policies."""
+    from alignzoo.config.schema import LabelingConfig
+
+    ref = spec.evaluation.labeler
+    name = ref.name if ref is not None else "evaluation"
+    chain = [(name, component, Hooks(build_plugin_manager([component]), name))]
+    return LabelingStage.build(LabelingConfig(), chain, seed=seed)
+
+
 def placement_plan(loaded: LoadedExperiment, arm: str) -> dict[str, Placement]:
     """Where ``arm``'s device mapper would place each of its roles on this machine, before
     anything loads (what an executor asks a scheduler for)."""
@@ -179,7 +190,13 @@ def assemble(
     spec = loaded.spec
     components = fresh_components(loaded, arm)
     arm_spec = spec.arms[arm]
-    run_components = [c for slot, c in components.items() if not slot.startswith("labeling.")]
+    # The fallbacks and the evaluation labeler live outside the run's manager: they never
+    # take part in the training labeler's score_batch.
+    run_components = [
+        c
+        for slot, c in components.items()
+        if not slot.startswith("labeling.") and slot != EVAL_LABELER
+    ]
     hooks = Hooks(build_plugin_manager(run_components), arm_spec.algorithm.name)
     hooks.labeling = labeling_stage(arm_spec, components, hooks, seed, out_dir)
     req = hooks.algorithm_requirements()
@@ -261,6 +278,10 @@ def assemble(
         overlapping=run.ahead is not None,
     )
     hooks.on_run_start(context)
+    if EVAL_LABELER in components:  # one labeler evaluates every arm (evaluation.labeler)
+        run.eval_labeling = evaluation_stage(spec, components[EVAL_LABELER], seed)
+        for slot in run.eval_labeling.slots:
+            slot.call.hooks.on_run_start(context)
     for slot in hooks.labeling.slots[1:]:  # the fallbacks live outside the run's manager
         if hasattr(slot.call, "hooks"):
             slot.call.hooks.on_run_start(context)

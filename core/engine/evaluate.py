@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.labeling import label
+from alignzoo.engine.labeling import LabelingStage, label
 from alignzoo.engine.modes import correct_flags, split_rows
 from alignzoo.types import SamplingParams
 
@@ -34,13 +34,17 @@ def eval_rows(dataset: Any, num_prompts: int | None) -> list[dict[str, Any]]:
 
 
 def _sample(
-    hooks: Hooks, rows: list[dict[str, Any]], n: int, sampling: SamplingParams
+    hooks: Hooks,
+    rows: list[dict[str, Any]],
+    n: int,
+    sampling: SamplingParams,
+    labeling: LabelingStage | None = None,
 ) -> RolloutBatch:
     parts = []
     for start in range(0, len(rows), EVAL_CHUNK):
         prompts, extras = split_rows(rows[start : start + EVAL_CHUNK])
         batch = hooks.generate(prompts, extras, n, sampling)
-        report = label(hooks, batch)
+        report = label(hooks, batch, labeling)
         # A response no labeler of the chain could value is left out of the evaluation.
         parts.append(batch if len(report.keep) == batch.size else batch.select(report.keep))
     return RolloutBatch.concat(parts)
@@ -52,10 +56,14 @@ def evaluate(
     max_new_tokens: int,
     pass_at_k: int | None = None,
     sampling: SamplingParams | None = None,
+    labeling: LabelingStage | None = None,
 ) -> dict[str, float]:
-    """Evaluate the backend's current weights on ``rows``; returns ``eval/*`` metrics."""
+    """Evaluate the backend's current weights on ``rows``; returns ``eval/*`` metrics.
+
+    ``labeling``: the stage that labels the responses (``evaluation.labeler``); default the
+    arm's own labeling."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    batch = _sample(hooks, rows, 1, greedy)
+    batch = _sample(hooks, rows, 1, greedy, labeling)
     assert batch.scores is not None
     # A labeler that rescales its scores per call (normalize: true) keeps the value it rescaled
     # in info["raw"]; evaluation reports that, so eval/score stays comparable across steps.
@@ -75,7 +83,7 @@ def evaluate(
         )
         if params.temperature == 0:
             params = params.model_copy(update={"temperature": 1.0})
-        sampled = _sample(hooks, rows, pass_at_k, params)
+        sampled = _sample(hooks, rows, pass_at_k, params, labeling)
         hits = correct_flags(sampled)
         if hits is None:  # the labeler does not say what is correct: a score above 0 passes
             assert sampled.scores is not None

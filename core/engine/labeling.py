@@ -805,12 +805,13 @@ def slowest_calls(slots: Sequence[Slot], chars: int = 200) -> list[dict[str, Any
     ]
 
 
-def label(hooks: Hooks, batch: RolloutBatch) -> LabelReport:
+def label(hooks: Hooks, batch: RolloutBatch, stage: LabelingStage | None = None) -> LabelReport:
     """Fill ``batch.scores``, ``batch.score_valid`` and ``batch.label_info`` (in place) through
-    the arm's labeling stage (``hooks.labeling``; a plain single-labeler stage when unset) and
-    return the report. Samples without a value get score 0 and ``info["outcome"]``; the report's
-    ``keep`` says which samples may be trained on."""
-    stage = getattr(hooks, "labeling", None)
+    ``stage``, by default the arm's labeling stage (``hooks.labeling``; a plain single-labeler
+    stage when unset), and return the report. Samples without a value get score 0 and
+    ``info["outcome"]``; the report's ``keep`` says which samples may be trained on."""
+    if stage is None:
+        stage = getattr(hooks, "labeling", None)
     if stage is None:
         stage = default_stage(hooks)
     groups = batch.group_ids.tolist() if batch.group_ids is not None else None

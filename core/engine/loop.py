@@ -222,7 +222,14 @@ class _Loop:
         cfg = self.run.spec.evaluation
         sampling = self.run.arm.training.sampling
         max_new = cfg.max_new_tokens or sampling.max_new_tokens
-        metrics = evaluate(self.run.hooks, self.run.eval_rows, max_new, cfg.pass_at_k, sampling)
+        metrics = evaluate(
+            self.run.hooks,
+            self.run.eval_rows,
+            max_new,
+            cfg.pass_at_k,
+            sampling,
+            labeling=self.run.eval_labeling,
+        )
         self.tick()
         row = {"step": self.state.step, "time_s": self.state.time_s, "samples": self.state.samples}
         self.sinks.evaluation({**row, **metrics})
@@ -366,6 +373,8 @@ def run_one(
             run.ahead.close()  # a pass in flight finishes: its labels reach the store
         if run is not None and run.hooks.labeling is not None:
             run.hooks.labeling.close()  # labeler worker processes end with the run
+        if run is not None and run.eval_labeling is not None:
+            run.eval_labeling.close()
     if run is not None:
         try:
             run.hooks.on_run_end(run.context, status)

@@ -308,6 +308,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks += _arms_table(exp, rows)
     blocks += _comparisons(exp, rows)
     blocks += _against_start(exp, rows)
+    blocks += _reward_models(exp.runs)
     blocks += _health(exp.runs)
     blocks += _unreadable(exp.runs)
     blocks += _swaps(exp.runs)
@@ -699,6 +700,58 @@ def _swaps(runs: list[RunData]) -> list[Block]:
         ],
     )
     return [Block("h2", "Labeler changes"), Block("p", text), table]
+
+
+REWARD_MODEL_HEADERS = [
+    "arm",
+    "reward model",
+    "held-out accuracy",
+    "held-out pairs",
+    "ECE",
+    "training pairs",
+    "synthetic negatives",
+]
+
+
+def _number(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
+
+
+def _reward_models(runs: list[RunData]) -> list[Block]:
+    """The reward models arms were trained against (``reward_model.json`` of the runs), with
+    the held-out metrics `alignzoo train-rm` measured for them."""
+    rows: dict[tuple[str, str], list[str]] = {}
+    for run in runs:
+        try:
+            row = json.loads((run.path / "reward_model.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        trained = row.get("trained") or {}
+        rows.setdefault(
+            (run.arm, str(row.get("path"))),
+            [
+                run.arm,
+                str(row.get("path")),
+                _number(trained.get("heldout_accuracy")),
+                str(trained.get("heldout_pairs", "-")),
+                _number(trained.get("heldout_ece")),
+                str(trained.get("train_pairs", "-")),
+                str(trained.get("synthetic_negatives", "-")),
+            ],
+        )
+    if not rows:
+        return []
+    text = (
+        "Arms labeled by a reward model, and how well it ranks preference pairs it was not "
+        "trained on (accuracy: chosen scored above rejected; ECE: calibration of "
+        "P(chosen > rejected); '-' for a model trained outside alignzoo)."
+    )
+    table = Block(
+        "table",
+        headers=REWARD_MODEL_HEADERS,
+        rows=list(rows.values()),
+    )
+    return [Block("h2", "Reward models"), Block("p", text), table]
 
 
 def _unreadable(runs: list[RunData]) -> list[Block]:

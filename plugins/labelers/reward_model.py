@@ -74,6 +74,25 @@ class RewardModelLabeler(Labeler):
     @hookimpl
     def on_run_start(self, run: Any) -> None:
         self.load(run.device("labeler"))
+        out_dir = getattr(run, "out_dir", None)
+        if out_dir is not None:
+            self._record(Path(out_dir))
+
+    def _record(self, out_dir: Path) -> None:
+        """Write ``reward_model.json`` in the run folder: which reward model scored the run
+        and, when `alignzoo train-rm` trained it, its held-out metrics (the report shows them)."""
+        import json
+
+        from alignzoo.rewardmodel import METRICS_FILE
+
+        folder = Path(self.params.path).expanduser()
+        row: dict[str, Any] = {"path": str(folder.resolve())}
+        try:
+            row["trained"] = json.loads((folder / METRICS_FILE).read_text(encoding="utf-8"))
+            row["trained"].pop("history", None)
+        except (OSError, ValueError):
+            pass  # trained elsewhere: the path says which model it was
+        (out_dir / "reward_model.json").write_text(json.dumps(row, indent=2), encoding="utf-8")
 
     def load(self, device: str = "cpu") -> None:
         """Load tokenizer and model from ``params.path`` onto ``device``, frozen and in eval mode."""
