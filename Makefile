@@ -53,7 +53,7 @@ demo: setup
 RLHF ?= runs/rlhf_pipeline
 rlhf: setup
 	$(VENV)/bin/alignzoo annotate pool experiments/rlhf_pipeline.yaml $(RLHF)/queue --prompts 400
-	$(VENV)/bin/alignzoo annotate simulate $(RLHF)/queue experiments/rlhf_annotators.yaml
+	$(VENV)/bin/alignzoo annotate simulate $(RLHF)/queue experiments/annotators/rlhf_pipeline.yaml
 	test -d $(RLHF)/preferences || $(VENV)/bin/alignzoo annotate export $(RLHF)/queue $(RLHF)/preferences
 	test -d $(RLHF)/rm || $(VENV)/bin/alignzoo train-rm $(RLHF)/preferences \
 		--base experiments/rlhf_pipeline.yaml --out $(RLHF)/rm --negatives arithmetic

@@ -77,6 +77,14 @@ def experiment_json_schema(registry: Registry | None = None) -> dict[str, Any]:
         "items": {"$ref": "#/$defs/modifier.ref"},
         "description": arm["properties"]["modifiers"].get("description", ""),
     }
+    # evaluation.labeler: a labeler reference like an arm's (or null).
+    evaluation = defs["EvaluationConfig"]["properties"]["labeler"]
+    evaluation_labeler = {"anyOf": [{"$ref": "#/$defs/labeler.ref"}, {"type": "null"}]}
+    defs["EvaluationConfig"]["properties"]["labeler"] = {
+        **evaluation_labeler,
+        "default": None,
+        "description": evaluation.get("description", ""),
+    }
     # `defaults:` holds any arm field (merged into every arm): typed like an arm, so editors
     # check it too.
     described = schema["properties"]["defaults"].get("description", "")
