@@ -52,11 +52,11 @@ demo: setup
 ## Steps whose output exists are kept (rerun to continue; remove runs/rlhf_pipeline to start over).
 RLHF ?= runs/rlhf_pipeline
 rlhf: setup
-	$(VENV)/bin/alignzoo annotate pool experiments/rlhf_pipeline.yaml $(RLHF)/queue --prompts 400
+	$(VENV)/bin/alignzoo annotate pool experiments/rlhf_pipeline.yaml $(RLHF)/queue --prompts 6000
 	$(VENV)/bin/alignzoo annotate simulate $(RLHF)/queue experiments/annotators/rlhf_pipeline.yaml
 	test -d $(RLHF)/preferences || $(VENV)/bin/alignzoo annotate export $(RLHF)/queue $(RLHF)/preferences
 	test -d $(RLHF)/rm || $(VENV)/bin/alignzoo train-rm $(RLHF)/preferences \
-		--base experiments/rlhf_pipeline.yaml --out $(RLHF)/rm --negatives arithmetic
+		--base experiments/rlhf_pipeline.yaml --out $(RLHF)/rm --negatives arithmetic --epochs 6 --lr 3e-4
 	$(VENV)/bin/alignzoo run experiments/rlhf_pipeline.yaml --out $(RLHF)/ab --resume --jobs 2
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.

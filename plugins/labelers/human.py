@@ -5,7 +5,9 @@ share it), each wanting ``raters`` judgements on the ``scale``, and waits up to 
 them. A response with at least ``min_raters`` values by then gets their ``aggregate`` (mean
 or median), mapped to [0, 1] on the scale (``info``: the raw ratings); one without abstains
 (``info["pending"]``), and the arm's ``labeling.on.abstain`` policy decides what happens to it
-(by default the next labeler of the chain). Ratings that arrive later are kept in the queue: a
+(by default the next labeler of the chain). After each step, ``human/items``,
+``human/complete_frac`` and ``human/alpha`` (Krippendorff's alpha of the ratings) describe the
+samples the run has queued so far. Ratings that arrive later are kept in the queue: a
 later call for the same sample (the next run, a resumed one) finds them, and the pending
 abstain is never kept in the label store. A response every rater marked "cannot judge"
 abstains for good.
@@ -60,6 +62,7 @@ class HumanLabeler(Labeler):
     def __init__(self, params: Any = None) -> None:
         super().__init__(params)
         self._queue: Any = None
+        self._asked: dict[int, None] = {}  # the queue items this run asked for, in order
 
     def _q(self) -> Any:
         from alignzoo.humanqueue import HumanQueue
@@ -76,6 +79,7 @@ class HumanLabeler(Labeler):
     def __getstate__(self) -> dict[str, Any]:  # a worker process opens its own connection
         state = dict(self.__dict__)
         state["_queue"] = None
+        state["_asked"] = {}
         return state
 
     @hookimpl
@@ -83,6 +87,7 @@ class HumanLabeler(Labeler):
         p = self.params
         queue = self._q()
         ids = queue.enqueue(requests, p.raters, p.scale)
+        self._asked.update(dict.fromkeys(ids))
         deadline = time.monotonic() + p.wait_s
         while True:
             got = queue.judgements(ids)
@@ -90,6 +95,27 @@ class HumanLabeler(Labeler):
                 break
             time.sleep(min(p.poll_s, max(0.0, deadline - time.monotonic())))
         return [self._verdict(got[i]) for i in ids]
+
+    @hookimpl
+    def on_step_end(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+        """``human/*`` in the step's metrics, over the samples this run queued: how many,
+        the share with all their judgements, and Krippendorff's alpha of the ratings."""
+        if not self._asked:
+            return
+        from alignzoo.agreement import krippendorff_alpha
+
+        low, high = self.params.scale
+        given = self._q().judgements(list(self._asked))
+        values = [
+            [None if v is None else (v - low) / (high - low) for v in g] for g in given.values()
+        ]
+        metrics["human/items"] = float(len(values))
+        metrics["human/complete_frac"] = sum(len(g) >= self.params.raters for g in values) / len(
+            values
+        )
+        alpha = krippendorff_alpha(values)
+        if alpha == alpha:  # NaN until two judgements of one item vary
+            metrics["human/alpha"] = alpha
 
     def _verdict(self, judgements: list[float | None]) -> Score:
         p = self.params

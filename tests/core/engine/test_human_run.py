@@ -47,3 +47,31 @@ def test_a_run_labeled_by_a_rater_through_the_queue(write_experiment, tmp_path) 
     assert [r["label/valued"] for r in rows] == [r["label/generated"] for r in rows]
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
     assert queue.progress()["judgements"] == len(rated) == queue.progress()["complete"]
+    assert [r["human/items"] for r in rows] == sorted(r["human/items"] for r in rows)
+    assert all(r["human/complete_frac"] == 1.0 for r in rows)  # the rater kept up
+    assert all("human/alpha" not in r for r in rows)  # one judgement per sample: no agreement
+
+
+def test_a_run_labeled_by_simulated_annotators_logs_their_agreement(write_experiment, tmp_path):
+    labeler = {
+        "name": "simulated_annotators",
+        "params": {
+            "queue": str(tmp_path / "queue"),
+            "raters": 2,
+            "rule": "arithmetic",
+            "annotators": [{"name": "a", "noise": 0.1}, {"name": "b", "noise": 0.4, "bias": 0.2}],
+        },
+    }
+    spec = tiny_experiment(
+        budget={"steps": 2},
+        evaluation={"every": 100, "num_prompts": 4},
+        arms={"grpo": {"algorithm": "grpo", "labeler": labeler}},
+    )
+    summary = run_one(load_experiment(write_experiment(spec)), "grpo", 0, tmp_path / "run")
+    assert summary.status == "finished", summary.error
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["human/items"] for r in rows][-1] > 0
+    assert all(r["human/complete_frac"] == 1.0 for r in rows)
+    assert all(-1.0 <= r["human/alpha"] <= 1.0 for r in rows)
+    progress = HumanQueue(tmp_path / "queue").progress()
+    assert progress["judgements"] == 2 * progress["items"] >= 2 * rows[-1]["human/items"]
