@@ -273,23 +273,13 @@ def run_experiment(
     say = console.print if console is not None else (lambda *a, **k: None)
 
     planned = [(arm, seed, out / arm / f"seed-{seed}") for arm in spec.arms for seed in spec.seeds]
-    results: dict[tuple[str, int], RunResult] = {}
-    todo: list[tuple[str, int, Path, bool]] = []
-    for arm, seed, run_dir in planned:
-        status = read_status(run_dir)
-        if resume and status.get("status") == "finished":
-            results[(arm, seed)] = RunResult(
-                arm,
-                seed,
-                run_dir,
-                "finished",
-                skipped=True,
-                steps=status.get("step"),
-                wall_clock_s=status.get("wall_clock_s"),
-            )
-        else:
-            has_state = run_dir.is_dir() and any(run_dir.iterdir())
-            todo.append((arm, seed, run_dir, resume and has_state))
+    plan = _plan(spec, out, resume)
+    results = {(arm, seed): kept for arm, seed, _, kept in plan if kept is not None}
+    todo = [
+        (arm, seed, out / arm / f"seed-{seed}", again)
+        for arm, seed, again, kept in plan
+        if kept is None
+    ]
 
     say(
         f"experiment [bold]{spec.name}[/bold]: {len(spec.arms)} arms x {len(spec.seeds)} seeds "
