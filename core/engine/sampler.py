@@ -47,7 +47,7 @@ class PromptSampler:
             sequence = [abs(self.seed), int(self.seed < 0), self.epoch, self.position, 0x5EED]
             seeds.append(int(np.random.SeedSequence(sequence).generate_state(1, np.uint64)[0] >> 1))
             self.position += 1
-        columns = self.dataset.select(indices).to_dict()
+        columns = self.dataset[indices]  # one query of the Arrow table (no new Dataset)
         rows = [{name: values[i] for name, values in columns.items()} for i in range(k)]
         return rows, seeds
 
