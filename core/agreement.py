@@ -9,8 +9,8 @@
   annotator pairs on one item that chose alike) and the chance-corrected agreement (alpha with
   the nominal metric over the choices A, B and tie).
 - :func:`consensus`: the filter of the common practice for reward-model data: keep an item
-  when at least ``min_agree`` annotators are within ``tolerance`` of each other on the scale
-  normalised to [0, 1] (default 2 annotators within 0.3); their mean is the item's value.
+  when at least ``min_agree`` annotators differ by less than ``tolerance`` on the scale
+  normalised to [0, 1] (default 2 annotators, 0.3); their mean is the item's value.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def krippendorff_alpha(
     items: Sequence[Sequence[float | None]], metric: Metric = "interval"
 ) -> float:
     """Krippendorff's alpha of ``items`` (per item, the values its annotators gave; None for
-    "cannot judge", which is left out). NaN when fewer than two items are pairable or every
-    pairable value is the same (no variation to agree on)."""
+    "cannot judge", which is left out). NaN when no item is pairable (two values or more) or
+    every pairable value is the same (no variation to agree on)."""
     units = [Counter(v for v in values if v is not None) for values in items]
     units = [u for u in units if sum(u.values()) >= 2]
     total: Counter[float] = Counter()
@@ -125,6 +125,10 @@ def consensus(
     """Whether at least ``min_agree`` of ``values`` (on [low, high]; None: "cannot judge")
     agree, i.e. lie within less than ``tolerance`` of one another once normalised to [0, 1];
     the largest such group is the consensus and its mean the item's value (normalised)."""
+    if tolerance <= 0:
+        raise ValueError(
+            f"tolerance must be above 0 (values agree when closer than it), got {tolerance}"
+        )
     given = [v for v in values if v is not None]
     if len(given) < min_agree:
         return Consensus(False, None, 0, len(given), "too few judgements")

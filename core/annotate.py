@@ -124,8 +124,14 @@ def create_app(queue_dir: str | Path) -> Starlette:
             return _error(422, f"item must be an integer id, not {item!r}")
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
             return _error(422, f"value must be a number or null, not {value!r}")
+        if abs(item) > 2**62:
+            return _error(404, f"no queued item {item}")
         try:
-            queue.submit(item, name, None if value is None else float(value))
+            number = None if value is None else float(value)
+        except OverflowError:
+            return _error(422, "value is too large to be a rating")
+        try:
+            queue.submit(item, name, number)
         except UnknownItem as exc:
             return _error(404, str(exc))
         except (AlreadyJudged, ItemComplete) as exc:
@@ -222,7 +228,7 @@ function choices(item) {
     for (let v = item.low; v <= item.high; v++) out.push([String(v - item.low + 1), String(v), v]);
   } else {
     for (let k = 0; k <= 4; k++) {
-      const v = item.low + k * steps / 4;
+      const v = k === 4 ? item.high : item.low + k * steps / 4;
       out.push([String(k + 1), v.toFixed(2), v]);
     }
   }
@@ -267,15 +273,17 @@ async function refresh() {
     fmt(q.krippendorff_alpha) + " (" + q.items + " items)";
 }
 
+let busy = false;
 async function send(value) {
-  if (current === null) return;
+  if (current === null || busy) return;
+  busy = true;  // one judgement at a time: the next item is shown before the next key counts
   try {
     await api("/api/judge", {item: current.id, value: value});
     $("message").textContent = "";
   } catch (error) {
     $("message").textContent = error.message;
   }
-  await refresh();
+  try { await refresh(); } finally { busy = false; }
 }
 
 async function signIn() {
@@ -298,7 +306,8 @@ $("signin").addEventListener("submit", (event) => {
   signIn();
 });
 document.addEventListener("keydown", (event) => {
-  if (current === null || event.target.tagName === "INPUT") return;
+  if (current === null || busy || event.target.tagName === "INPUT") return;
+  if (event.ctrlKey || event.metaKey || event.altKey || event.repeat) return;
   const button = document.querySelector('#buttons button[data-key="' + event.key.toLowerCase() + '"]');
   if (button) { event.preventDefault(); button.click(); }
 });

@@ -817,7 +817,7 @@ def annotate_export(
         int, typer.Option(min=1, help="Annotators who must agree for an item to be kept.")
     ] = 2,
     tolerance: Annotated[
-        float, typer.Option(min=0.0, help="Agreeing: within this on the scale mapped to [0, 1].")
+        float, typer.Option(help="Agreeing: closer than this on the scale mapped to [0, 1].")
     ] = 0.3,
     threshold: Annotated[
         float, typer.Option(help="unpaired: a normalised rating at least this is desirable.")
@@ -827,6 +827,8 @@ def annotate_export(
     from alignzoo.humanexport import export
 
     _existing_queue(queue_dir)
+    if not tolerance > 0:
+        raise UserError(f"--tolerance {tolerance}: must be above 0 (values agree when closer)")
     if out.exists():
         raise UserError(f"{out} exists; choose a new folder for the export")
     summary = export(queue_dir, out, kind.value, min_agree, tolerance, threshold)

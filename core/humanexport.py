@@ -37,11 +37,14 @@ Kind = Literal["preference", "unpaired"]
 
 def agreement(queue: HumanQueue) -> dict[str, Any]:
     """Agreement over the whole queue: for ratings, Krippendorff's alpha (interval metric, on
-    the normalised scale) and the items it rests on; for pairs, raw and chance-corrected
-    agreement. NaN values (nothing pairable yet) are given as None."""
+    the normalised scale); for pairs, raw and chance-corrected agreement; each with the items
+    it rests on (those with two values or more). NaN values (nothing pairable yet) are given
+    as None."""
     ratings, pairs = [], []
     for item, given in queue.items():
         values = [v for _, v in given]
+        if sum(v is not None for v in values) < 2:
+            continue  # not pairable: agreement rests on items with two values or more
         if item.kind == "pair":
             pairs.append(values)
         else:
@@ -143,7 +146,7 @@ def export(
         for a, va in rated:
             for b, vb in rated:
                 assert va.value is not None and vb.value is not None
-                if va.value - vb.value >= tolerance:
+                if a is not b and va.value - vb.value >= tolerance:
                     rows.append(
                         {
                             "prompt": prompt,

@@ -22,6 +22,7 @@ Layout of ``QUEUE_DIR/queue.sqlite``:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -29,7 +30,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,10 +153,13 @@ class HumanQueue:
         self, requests: Sequence[LabelRequest], raters: int = 1, scale: tuple[float, float] = (0, 1)
     ) -> list[int]:
         """The item id of each request, queueing those not queued yet (a request asked for
-        again keeps its item and its ratings; ``raters`` only ever grows)."""
+        again keeps its item and its ratings; ``raters`` only ever grows). Raises
+        :class:`QueueError`, queueing nothing, for a request queued before on another scale
+        (its ratings would be read on the wrong one)."""
         now = time.time()
+        low, high = float(scale[0]), float(scale[1])
         ids = []
-        with self.lock, self.db:
+        with self._transaction():
             for request in requests:
                 key = request_key(request)
                 self.db.execute(
@@ -168,14 +172,34 @@ class HumanQueue:
                         request.response,
                         json.dumps(request.extra, sort_keys=True, default=str),
                         raters,
-                        float(scale[0]),
-                        float(scale[1]),
+                        low,
+                        high,
                         now,
                     ),
                 )
-                row = self.db.execute("SELECT id FROM items WHERE key = ?", (key,)).fetchone()
+                row = self.db.execute(
+                    "SELECT id, low, high FROM items WHERE key = ?", (key,)
+                ).fetchone()
+                if (row[1], row[2]) != (low, high):
+                    raise QueueError(
+                        f"item {row[0]} is queued on the scale [{row[1]}, {row[2]}], not "
+                        f"[{low}, {high}]; rate it on one scale (or use another queue folder)"
+                    )
                 ids.append(int(row[0]))
         return ids
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction, taken before the first read (BEGIN IMMEDIATE): checks and
+        writes are atomic across threads and processes sharing the queue."""
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
 
     def enqueue_pairs(
         self,
@@ -187,7 +211,7 @@ class HumanQueue:
         item id of each (a pair queued again keeps its item and its judgements)."""
         now = time.time()
         ids = []
-        with self.lock, self.db:
+        with self._transaction():
             for n, (prompt, first, second) in enumerate(pairs):
                 extra = json.dumps(extras[n] if extras else {}, sort_keys=True, default=str)
                 key = (
@@ -245,7 +269,7 @@ class HumanQueue:
         Raises :class:`UnknownItem`, :class:`OffScale`, :class:`AlreadyJudged` (a rater
         judges an item once) or :class:`ItemComplete` (it has all the judgements it wants);
         a refused judgement changes nothing."""
-        with self.lock, self.db:
+        with self._transaction():
             row = self.db.execute(
                 "SELECT low, high, kind, raters FROM items WHERE id = ?", (item,)
             ).fetchone()
@@ -269,9 +293,12 @@ class HumanQueue:
                 raise AlreadyJudged(f"item {item}: {rater} judged it already")
             if len(given) >= wanted:
                 raise ItemComplete(f"item {item} has all the {wanted} judgements it wants")
-            self.db.execute(
-                "INSERT INTO judgements VALUES (?,?,?,?)", (item, rater, value, time.time())
-            )
+            try:
+                self.db.execute(
+                    "INSERT INTO judgements VALUES (?,?,?,?)", (item, rater, value, time.time())
+                )
+            except sqlite3.IntegrityError:  # a concurrent writer got there first
+                raise AlreadyJudged(f"item {item}: {rater} judged it already") from None
 
     # ------------------------------------------------------------------ annotators
     def add_annotator(self, name: str) -> str:
@@ -281,7 +308,7 @@ class HumanQueue:
         if not name or len(name) > 64:
             raise QueueError("an annotator's name must have 1 to 64 characters")
         token = secrets.token_urlsafe(24)
-        with self.lock, self.db:
+        with self._transaction():
             known = self.db.execute("SELECT 1 FROM annotators WHERE name = ?", (name,)).fetchone()
             if known is not None:
                 raise QueueError(f"annotator {name!r} exists already")

@@ -243,7 +243,8 @@ def train_reward_model(
             losses.append(float(loss))
         last = sum(losses) / len(losses)
         row = {"epoch": epoch + 1, "train_loss": last}
-        row.update({f"heldout_{k}": v for k, v in evaluate_pairs(model, tokenizer, held).items()})
+        held_metrics = evaluate_pairs(model, tokenizer, held, max_length)
+        row.update({f"heldout_{k}": v for k, v in held_metrics.items()})
         history.append(row)
         log(
             f"epoch {epoch + 1}: train loss {last:.4f}, held-out accuracy {row['heldout_accuracy']:.3f}"

@@ -719,7 +719,10 @@ def _build_components(
             issues.append(ConfigIssue(file, line, ".".join(map(str, (*base, "name"))), str(exc)))
             continue
         try:
-            params = cls.Params.model_validate(cls.params_for_arm(dict(ref.params), arm))
+            given = dict(ref.params)
+            # evaluation.labeler is one labeler for every arm: never filled in from an arm.
+            given = given if field_path == EVAL_LABELER else cls.params_for_arm(given, arm)
+            params = cls.Params.model_validate(given)
         except ValidationError as exc:
             # Suggestions for misspelled params come from the component's own model.
             issues += issues_from_validation(

@@ -153,6 +153,19 @@ def labeling_stage(
     return LabelingStage.build(arm_spec.labeling, chain, seed=seed, store=store)
 
 
+class _EvaluationContext:
+    """The run's context as ``evaluation.labeler`` sees it: ``labeling_role`` says that it
+    only evaluates (a reward model then does not record itself as the arm's)."""
+
+    labeling_role = "evaluation"
+
+    def __init__(self, context: RunContext) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
 def evaluation_stage(spec: ExperimentSpec, component: Any, seed: int) -> LabelingStage:
     """The labeling stage of ``evaluation.labeler``: that labeler alone, default policies."""
     from alignzoo.config.schema import LabelingConfig
@@ -281,7 +294,7 @@ def assemble(
     if EVAL_LABELER in components:  # one labeler evaluates every arm (evaluation.labeler)
         run.eval_labeling = evaluation_stage(spec, components[EVAL_LABELER], seed)
         for slot in run.eval_labeling.slots:
-            slot.call.hooks.on_run_start(context)
+            slot.call.hooks.on_run_start(_EvaluationContext(context))
     for slot in hooks.labeling.slots[1:]:  # the fallbacks live outside the run's manager
         if hasattr(slot.call, "hooks"):
             slot.call.hooks.on_run_start(context)

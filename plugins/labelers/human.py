@@ -7,7 +7,9 @@ or median), mapped to [0, 1] on the scale (``info``: the raw ratings); one witho
 (``info["pending"]``), and the arm's ``labeling.on.abstain`` policy decides what happens to it
 (by default the next labeler of the chain). After each step, ``human/items``,
 ``human/complete_frac`` and ``human/alpha`` (Krippendorff's alpha of the ratings) describe the
-samples the run has queued so far. Ratings that arrive later are kept in the queue: a
+samples the run has queued so far (from the run's own process: with ``labeling.isolation:
+process`` or a ``timeout_s``, calls run in a worker and these are not logged). Ratings that
+arrive later are kept in the queue: a
 later call for the same sample (the next run, a resumed one) finds them, and the pending
 abstain is never kept in the label store. A response every rater marked "cannot judge"
 abstains for good.

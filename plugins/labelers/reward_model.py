@@ -75,7 +75,9 @@ class RewardModelLabeler(Labeler):
     def on_run_start(self, run: Any) -> None:
         self.load(run.device("labeler"))
         out_dir = getattr(run, "out_dir", None)
-        if out_dir is not None:
+        # The labeler the arm trains against says which reward model it was (not one that
+        # only evaluates: evaluation.labeler).
+        if out_dir is not None and getattr(run, "labeling_role", "training") == "training":
             self._record(Path(out_dir))
 
     def _record(self, out_dir: Path) -> None:

@@ -91,6 +91,12 @@ def test_the_cli_exports_and_serves_by_default(queue_dir, tmp_path) -> None:
         [*cli, "export", str(queue_dir), str(tmp_path / "out")], capture_output=True, text=True
     )
     assert again.returncode == 2 and "exists; choose a new folder" in again.stderr
+    zero = subprocess.run(
+        [*cli, "export", str(queue_dir), str(tmp_path / "z"), "--tolerance", "0"],
+        capture_output=True,
+        text=True,
+    )
+    assert zero.returncode == 2 and "tolerance" in zero.stderr and not (tmp_path / "z").exists()
     # `alignzoo annotate QUEUE_DIR` is the serve command: a folder without a queue is refused.
     missing = subprocess.run([*cli, str(tmp_path / "nothing")], capture_output=True, text=True)
     assert missing.returncode == 2 and "no queue here" in missing.stderr

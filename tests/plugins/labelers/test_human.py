@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from alignzoo import LabelRequest, Outcome, Score
 from alignzoo.engine.labelstore import LabelStore
-from alignzoo.humanqueue import AlreadyJudged, HumanQueue
+from alignzoo.humanqueue import AlreadyJudged, HumanQueue, QueueError
 from alignzoo.plugins.labelers.human import HumanLabeler
 
 REQS = [LabelRequest(prompt=f"{i}+1=", response=str(i + 1), extra={"answer": str(i + 1)})
@@ -21,7 +21,7 @@ REQS = [LabelRequest(prompt=f"{i}+1=", response=str(i + 1), extra={"answer": str
 def test_each_item_goes_to_k_raters_never_twice_to_one(tmp_path) -> None:
     queue = HumanQueue(tmp_path / "q")
     ids = queue.enqueue(REQS, raters=2, scale=(1, 5))
-    assert queue.enqueue(REQS[:1], raters=1) == ids[:1]  # queued once; raters never shrinks
+    assert queue.enqueue(REQS[:1], 1, (1, 5)) == ids[:1]  # queued once; raters never shrinks
     seen = []
     while (item := queue.next_for("ann")) is not None:
         seen.append(item.id)
@@ -95,3 +95,11 @@ def test_a_pending_abstain_is_not_stored_but_a_final_one_is(tmp_path) -> None:
     pending.info["pending"] = True
     stored = store.put("human", [("k1", REQS[0], pending), ("k2", REQS[1], Score.abstain())], 0.1)
     assert stored == 1 and set(store.lookup("human", ["k1", "k2"])) == {"k2"}
+
+
+def test_a_sample_is_rated_on_one_scale(tmp_path) -> None:
+    queue = HumanQueue(tmp_path / "q")
+    queue.enqueue(REQS[:1], raters=1, scale=(1, 5))
+    with pytest.raises(QueueError, match=r"queued on the scale \[1.0, 5.0\], not \[0.0, 1.0\]"):
+        queue.enqueue(REQS, raters=1, scale=(0, 1))
+    assert queue.progress()["items"] == 1  # nothing of the refused call was queued
