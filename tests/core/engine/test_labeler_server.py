@@ -127,8 +127,10 @@ def test_client_maps_failures_to_outcomes() -> None:
 
 
 class Faults:
-    """ASGI middleware: 30% of /v1/score calls fail (500, 503, 429, a hang past the client's
-    timeout, malformed JSON, NaN values, too few scores); every call is logged."""
+    """ASGI middleware: /v1/score calls fail (500, 503, 429, a hang past the client's timeout,
+    malformed JSON, NaN values, too few scores); every call is logged. Every other call fails
+    until each kind has occurred once (so every kind occurs however few calls a slow machine
+    makes), then 30% of them, at random."""
 
     KINDS = ("500", "503", "429", "hang", "json", "nan", "short")
 
@@ -142,7 +144,8 @@ class Faults:
             await self.app(scope, receive, send)
             return
         fault = "ok"
-        if self.rng.random() < 0.3:
+        first_round = self.next_kind < len(self.KINDS)
+        if (len(self.log) % 2 == 1) if first_round else (self.rng.random() < 0.3):
             fault = self.KINDS[self.next_kind % len(self.KINDS)]
             self.next_kind += 1
         self.log.append(fault)
@@ -329,6 +332,10 @@ def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tm
         # Bounded by the deadline and one call's timeout (plus the fallback's own time).
         assert row["timing/label"] < 2.0 + 0.5 + 1.5, row["timing/label"]
     injected = [f for f in faults.log if f != "ok"]
+    assert len(faults.log) >= 2 * len(Faults.KINDS), (
+        f"premise: the first {2 * len(Faults.KINDS)} calls hold every fault kind, but only "
+        f"{len(faults.log)} calls reached the server: {faults.log}"
+    )
     assert set(injected) == set(Faults.KINDS), faults.log
     # The network faults reached the client: refused connections and resets, counted apart.
     last = rows[-1]
