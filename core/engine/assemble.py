@@ -259,7 +259,7 @@ def assemble(
     context.models = models
 
     kind = mode.kind if not mode.online else "online"
-    train = load_split(spec.data, "train", kind, models.tokenizer)
+    train = mode.tokenize(load_split(spec.data, "train", kind, models.tokenizer), models.tokenizer)
     evaluation = load_split(spec.data, "eval", "online", models.tokenizer)
     learner = build_learner(
         models, arm_spec.training, total_optimizer_steps(spec, arm_spec, mode), seed

@@ -198,6 +198,15 @@ class DataMode:
     """Dataset columns of the train split the mode reads (TRL's standard names)."""
     unit: ClassVar[int] = 1
     """Consecutive samples of a training batch that minibatching never separates."""
+    token_columns: ClassVar[dict[str, bool]] = {}
+    """Text columns an offline mode tokenises once before training (column -> encode with the
+    tokenizer's special tokens); see :func:`~alignzoo.engine.tokenize.pretokenize`."""
+
+    def tokenize(self, dataset: Any, tokenizer: Any) -> Any:
+        """The train dataset with the token ids of :attr:`token_columns` beside their texts."""
+        from alignzoo.engine.tokenize import pretokenize
+
+        return pretokenize(dataset, tokenizer, self.token_columns)
 
     def collect(self, rows: list[dict[str, Any]], source: StepSource) -> Collected:
         """The step's samples from ``rows`` (the sampler's next ``prompts_per_step`` rows)."""

@@ -27,7 +27,7 @@ from alignzoo.engine.modes import (
     read_rows,
     sample_and_label,
 )
-from alignzoo.engine.tokenize import tokenized_batch
+from alignzoo.engine.tokenize import is_token_column, row_tokens, tokenized_batch
 from alignzoo.errors import RunError
 
 COLUMNS = ("prompt", "chosen", "rejected")
@@ -62,12 +62,23 @@ def preference_batch(
     """Rows with prompt / chosen / rejected become adjacent (chosen, rejected) pairs."""
     prompts, responses, extras = [], [], []
     for row in rows:
-        extra = {k: v for k, v in row.items() if k not in COLUMNS}
+        extra = {k: v for k, v in row.items() if k not in COLUMNS and not is_token_column(k)}
         for key in ("chosen", "rejected"):
             prompts.append(str(row["prompt"]))
             responses.append(str(row[key]))
             extras.append(dict(extra))
-    batch = tokenized_batch(tokenizer, prompts, responses, extras, max_new_tokens)
+    prompt_tokens = row_tokens(tokenizer, rows, "prompt", True)  # each prompt encoded once
+    chosen = row_tokens(tokenizer, rows, "chosen", False)
+    rejected = row_tokens(tokenizer, rows, "rejected", False)
+    batch = tokenized_batch(
+        tokenizer,
+        prompts,
+        responses,
+        extras,
+        max_new_tokens,
+        prompt_tokens=[ids for ids in prompt_tokens for _ in range(2)],
+        response_tokens=[ids for pair in zip(chosen, rejected, strict=True) for ids in pair],
+    )
     batch.group_ids = torch.arange(len(rows)).repeat_interleave(2)
     batch.labels = torch.tensor([1.0, 0.0]).repeat(len(rows))
     return batch
@@ -110,6 +121,7 @@ class OfflinePreference(_Pairs):
     name: ClassVar[str] = "offline preference"
     online = False
     columns: ClassVar[tuple[str, ...]] = COLUMNS
+    token_columns: ClassVar[dict[str, bool]] = {"prompt": True, "chosen": False, "rejected": False}
 
     def collect(self, rows: list[dict[str, Any]], source: StepSource) -> Collected:
         return read_rows(preference_batch(source.tokenizer, rows, OFFLINE_MAX_TOKENS), len(rows))

@@ -32,7 +32,7 @@ from alignzoo.engine.modes import (
     sample_and_label,
 )
 from alignzoo.engine.prepare import Scorer
-from alignzoo.engine.tokenize import tokenized_batch
+from alignzoo.engine.tokenize import is_token_column, row_tokens, tokenized_batch
 
 COLUMNS = ("prompt", "completion", "label")
 MISMATCHED_LOGPROBS = "mismatched_logprobs"
@@ -73,13 +73,17 @@ def label_desirable(batch: RolloutBatch, correct: list[bool] | None) -> RolloutB
 
 def unpaired_batch(tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int) -> RolloutBatch:
     """Rows with prompt / completion / label (true = desirable) as a batch."""
-    extras = [{k: v for k, v in r.items() if k not in COLUMNS} for r in rows]
+    extras = [
+        {k: v for k, v in r.items() if k not in COLUMNS and not is_token_column(k)} for r in rows
+    ]
     batch = tokenized_batch(
         tokenizer,
         [str(r["prompt"]) for r in rows],
         [str(r["completion"]) for r in rows],
         extras,
         max_new_tokens,
+        prompt_tokens=row_tokens(tokenizer, rows, "prompt", True),
+        response_tokens=row_tokens(tokenizer, rows, "completion", False),
     )
     batch.labels = torch.tensor([1.0 if bool(r["label"]) else 0.0 for r in rows])
     return batch
@@ -118,6 +122,7 @@ class OfflineUnpaired(_Unpaired):
     name: ClassVar[str] = "offline unpaired"
     online = False
     columns: ClassVar[tuple[str, ...]] = COLUMNS
+    token_columns: ClassVar[dict[str, bool]] = {"prompt": True, "completion": False}
 
     def collect(self, rows: list[dict[str, Any]], source: StepSource) -> Collected:
         return read_rows(unpaired_batch(source.tokenizer, rows, OFFLINE_MAX_TOKENS), len(rows))
