@@ -131,10 +131,19 @@ class LabelStore:
             if score.outcome in KEPT and not score.info.get("pending")
         ]
         if rows:
-            with self.lock, self.db:
-                self.db.executemany(
-                    "INSERT OR REPLACE INTO labels VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows
-                )
+            with self.lock:
+                # The connection autocommits (isolation_level None): without an explicit
+                # transaction every row would be a commit of its own, and a failure midway
+                # would keep the rows before it.
+                self.db.execute("BEGIN IMMEDIATE")
+                try:
+                    self.db.executemany(
+                        "INSERT OR REPLACE INTO labels VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows
+                    )
+                except BaseException:
+                    self.db.execute("ROLLBACK")
+                    raise
+                self.db.execute("COMMIT")
         return len(rows)
 
 

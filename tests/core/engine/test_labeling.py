@@ -367,6 +367,26 @@ def test_the_store_keeps_verdicts_not_failures_and_keys_by_params(tmp_path) -> N
     store.close()
 
 
+def test_a_calls_labels_are_stored_in_one_transaction(tmp_path) -> None:
+    """All of a call's verdicts or none: a row that cannot be written (here a value SQLite
+    refuses to bind) takes the rows before it back out with it."""
+    import sqlite3
+
+    from alignzoo.engine.labelstore import LabelStore, request_key
+
+    store = LabelStore(tmp_path / "l.sqlite")
+    reqs = requests(3)
+    keys = [request_key(r) for r in reqs]
+    bad = LabelRequest(prompt="x", response=object(), extra={})  # type: ignore[arg-type]
+    items = [(keys[0], reqs[0], Score(1.0)), (keys[1], reqs[1], Score(0.0)), ("k", bad, Score(1.0))]
+    with pytest.raises(sqlite3.Error):
+        store.put("lab", items, 0.1)
+    assert store.lookup("lab", keys) == {}
+    assert store.put("lab", items[:2], 0.1) == 2  # the connection is usable afterwards
+    assert set(store.lookup("lab", keys)) == set(keys[:2])
+    store.close()
+
+
 def test_chunks_run_concurrently_and_keep_their_order() -> None:
     import threading
 
