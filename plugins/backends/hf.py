@@ -243,6 +243,7 @@ class HFBackend(Backend):
         generators = None
         if seeds is not None and sampling.temperature > 0:
             generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        uniforms = _uniforms(generators, n, sampling.max_new_tokens, device)
         eos = torch.tensor(eos_ids, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         tokens: list[torch.Tensor] = []
@@ -255,7 +256,9 @@ class HFBackend(Backend):
                 scores = logits
                 for warper in warpers:
                     scores = warper(None, scores)
-                token = _draw(torch.softmax(scores, dim=-1), generators, n)
+                token = _draw(
+                    torch.softmax(scores, dim=-1), None if uniforms is None else uniforms[t]
+                )
             token = token.masked_fill(finished, pad)
             tokens.append(token)
             logprobs.append(raw_logp.gather(1, token.unsqueeze(1)).squeeze(1))
@@ -401,16 +404,32 @@ class _SamplingProcessor:
         return torch.stack(self.token_logprobs[:length], dim=1)
 
 
-def _draw(probs: torch.Tensor, generators: list[Any] | None, n: int) -> torch.Tensor:
-    """One token per row from ``probs`` ``[rows, V]``: from the global RNG, or each prompt's n
-    rows from that prompt's own generator."""
+def _uniforms(
+    generators: list[Any] | None, n: int, steps: int, device: torch.device
+) -> torch.Tensor | None:
+    """``[steps, rows]`` uniforms in [0, 1): prompt i's n rows (columns ``i*n .. i*n+n-1``) for
+    every decode step, all drawn up front from prompt i's own generator (one call per prompt,
+    not one per prompt and token); None without generators."""
     if generators is None:
-        return torch.multinomial(probs, 1).squeeze(1)
-    parts = [
-        torch.multinomial(probs[i * n : (i + 1) * n], 1, generator=g)
-        for i, g in enumerate(generators)
+        return None
+    draws = [
+        torch.rand((steps, n), generator=g, device=device, dtype=torch.float64) for g in generators
     ]
-    return torch.cat(parts).squeeze(1)
+    return torch.cat(draws, dim=1)
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """One token per row from ``probs`` ``[rows, V]``: from the global RNG, or by inverting each
+    row's CDF at its uniform ``uniforms[row]`` (the first token whose cumulative probability
+    exceeds it), which never picks a token of probability 0."""
+    if uniforms is None:
+        return torch.multinomial(probs, 1).squeeze(1)
+    cdf = probs.double().cumsum(dim=-1)
+    target = uniforms.unsqueeze(1) * cdf[:, -1:]  # the rows need not sum to exactly 1
+    token = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # u * total may round up to total: then the last token of positive probability.
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)
+    return torch.minimum(token, last)
 
 
 def _warpers(sampling: SamplingParams) -> list[Any]:

@@ -421,3 +421,22 @@ def test_a_sharded_actor_is_sampled_with_a_copy_of_its_own(policy_dirs, one_proc
     after = shared.generate(PROMPTS, [], 2, greedy)
     assert not _agree(after, before), "premise: the update changes greedy outputs"
     assert _agree(backend.generate(PROMPTS, [], 2, greedy), after)
+
+
+def test_seeded_draws_follow_each_rows_distribution_and_never_pick_a_zero() -> None:
+    from scipy.stats import chisquare
+
+    from alignzoo.plugins.backends.hf import _draw
+
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    draws = 40_000
+    uniforms = torch.rand(draws, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tokens = _draw(probs.expand(draws, -1), uniforms)
+    counts = torch.bincount(tokens, minlength=6)
+    assert counts[1] == 0 and counts[5] == 0
+    positive = probs > 0
+    result = chisquare(counts[positive].numpy(), (probs[positive] * draws).numpy())
+    assert result.pvalue > 1e-4, (counts.tolist(), result.pvalue)
+    # The extremes of [0, 1): the first and the last token of positive probability.
+    edges = _draw(probs.expand(2, -1), torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
+    assert edges.tolist() == [0, 4]
