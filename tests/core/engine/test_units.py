@@ -160,6 +160,36 @@ def test_budget_kinds() -> None:
     assert not budget_spent(Budget(wall_clock_s=5), TrainingState(time_s=4.9))
 
 
+@pytest.mark.parametrize(
+    ("budget", "local_time", "rank0_says", "expected"),
+    [
+        (Budget(wall_clock_s=5), 6.0, False, False),  # rank 0 not yet out of time: go on
+        (Budget(wall_clock_s=5), 4.0, True, True),  # rank 0 out of time: stop, here too
+        (Budget(steps=3), 0.0, True, False),  # a steps budget is decided locally
+    ],
+)
+def test_rank_0s_clock_decides_a_wall_clock_budget_for_every_rank(
+    monkeypatch, budget, local_time, rank0_says, expected
+) -> None:
+    """Each rank's clock reads differently; if each decided on its own, one rank could stop
+    a step before the others and leave them waiting in a collective."""
+    from alignzoo import distributed
+    from alignzoo.engine.loop import _Loop
+
+    broadcasts: list[object] = []
+
+    def from_rank_0(value: object) -> object:
+        broadcasts.append(value)
+        return rank0_says
+
+    monkeypatch.setattr(distributed, "broadcast_object", from_rank_0)
+    loop = _Loop.__new__(_Loop)
+    loop.run = SimpleNamespace(spec=SimpleNamespace(budget=budget))
+    loop.state = TrainingState(step=1, time_s=local_time)
+    assert loop.spent() is expected
+    assert broadcasts == ([local_time >= 5] if budget.wall_clock_s else [])
+
+
 def test_truncate_jsonl_keeps_complete_rows_up_to_the_step(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     rows = [json.dumps({"step": s, "x": s}) for s in range(1, 6)]
