@@ -196,10 +196,11 @@ class HumanQueue:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 yield
+                self.db.execute("COMMIT")
             except BaseException:
-                self.db.execute("ROLLBACK")
+                if self.db.in_transaction:  # SQLite may have rolled back already
+                    self.db.execute("ROLLBACK")
                 raise
-            self.db.execute("COMMIT")
 
     def enqueue_pairs(
         self,

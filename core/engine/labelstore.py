@@ -140,10 +140,11 @@ class LabelStore:
                     self.db.executemany(
                         "INSERT OR REPLACE INTO labels VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows
                     )
+                    self.db.execute("COMMIT")
                 except BaseException:
-                    self.db.execute("ROLLBACK")
+                    if self.db.in_transaction:  # SQLite may have rolled back already
+                        self.db.execute("ROLLBACK")
                     raise
-                self.db.execute("COMMIT")
         return len(rows)
 
 

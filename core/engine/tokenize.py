@@ -40,8 +40,8 @@ def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[list[int]]:
 
 def pretokenize(dataset: Any, tokenizer: Any, columns: dict[str, bool]) -> Any:
     """``dataset`` with a token-id column beside each of ``columns`` (text column -> encode
-    with the tokenizer's special tokens), encoded in batches of 1000 rows, in memory (no cache
-    file is written)."""
+    with the tokenizer's special tokens), encoded in batches of 1000 rows; the id columns are
+    held in memory (no cache file is written), the dataset's own columns are not copied."""
     if not columns or len(dataset) == 0:
         return dataset
 
@@ -58,13 +58,15 @@ def pretokenize(dataset: Any, tokenizer: Any, columns: dict[str, bool]) -> Any:
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bar()
     try:
-        return dataset.map(
+        ids = dataset.map(  # only the new columns in memory; the texts stay where they are
             encode,
             batched=True,
             batch_size=1000,
             keep_in_memory=True,
+            remove_columns=dataset.column_names,
             new_fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16],
         )
+        return datasets.concatenate_datasets([dataset, ids], axis=1)
     finally:
         if bars:
             datasets.enable_progress_bar()

@@ -404,6 +404,11 @@ class _SamplingProcessor:
         return torch.stack(self.token_logprobs[:length], dim=1)
 
 
+def _cdf_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the uniforms and the CDF, except on MPS (which has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def _uniforms(
     generators: list[Any] | None, n: int, steps: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -412,20 +417,26 @@ def _uniforms(
     not one per prompt and token); None without generators."""
     if generators is None:
         return None
-    draws = [
-        torch.rand((steps, n), generator=g, device=device, dtype=torch.float64) for g in generators
-    ]
+    dtype = _cdf_dtype(device)
+    draws = [torch.rand((steps, n), generator=g, device=device, dtype=dtype) for g in generators]
     return torch.cat(draws, dim=1)
 
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
     """One token per row from ``probs`` ``[rows, V]``: from the global RNG, or by inverting each
     row's CDF at its uniform ``uniforms[row]`` (the first token whose cumulative probability
-    exceeds it), which never picks a token of probability 0."""
+    exceeds it), which never picks a token of probability 0. A row that is not a distribution
+    (NaN, inf or negative entries, or all zeros) raises, as ``torch.multinomial`` does."""
     if uniforms is None:
         return torch.multinomial(probs, 1).squeeze(1)
-    cdf = probs.double().cumsum(dim=-1)
-    target = uniforms.unsqueeze(1) * cdf[:, -1:]  # the rows need not sum to exactly 1
+    cdf = probs.to(uniforms.dtype).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all() and (probs >= 0).all()):
+        raise RuntimeError(
+            "sampling: a row of next-token probabilities holds NaN, inf or negative values "
+            "or sums to 0 (non-finite logits: check the model's precision and learning rate)"
+        )
+    target = uniforms.unsqueeze(1) * total  # the rows need not sum to exactly 1
     token = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # u * total may round up to total: then the last token of positive probability.
     last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)

@@ -387,6 +387,41 @@ def test_a_calls_labels_are_stored_in_one_transaction(tmp_path) -> None:
     store.close()
 
 
+def test_a_failed_commit_leaves_the_label_store_usable(tmp_path) -> None:
+    import sqlite3
+
+    from alignzoo.engine.labelstore import LabelStore, request_key
+
+    class CommitFailsOnce:
+        """The store's connection, whose first COMMIT fails (a full disk, say)."""
+
+        def __init__(self, db: sqlite3.Connection) -> None:
+            self.db, self.failed = db, False
+
+        def execute(self, sql: str, *args):
+            if sql == "COMMIT" and not self.failed:
+                self.failed = True
+                raise sqlite3.OperationalError("database or disk is full")
+            return self.db.execute(sql, *args)
+
+        def __getattr__(self, name: str):
+            return getattr(self.db, name)
+
+    store = LabelStore(tmp_path / "l.sqlite")
+    real = store.db
+    store.db = CommitFailsOnce(real)  # type: ignore[assignment]
+    reqs = requests(2)
+    items = [(request_key(r), r, Score(1.0)) for r in reqs]
+    with pytest.raises(sqlite3.OperationalError, match="full"):
+        store.put("lab", items, 0.1)
+    assert not real.in_transaction  # rolled back, not left open
+    assert store.lookup("lab", [k for k, _, _ in items]) == {}
+    assert store.put("lab", items, 0.1) == 2
+    assert len(store.lookup("lab", [k for k, _, _ in items])) == 2
+    store.db = real
+    store.close()
+
+
 def test_chunks_run_concurrently_and_keep_their_order() -> None:
     import threading
 

@@ -440,3 +440,15 @@ def test_seeded_draws_follow_each_rows_distribution_and_never_pick_a_zero() -> N
     # The extremes of [0, 1): the first and the last token of positive probability.
     edges = _draw(probs.expand(2, -1), torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
     assert edges.tolist() == [0, 4]
+
+
+def test_a_row_that_is_not_a_distribution_stops_seeded_sampling() -> None:
+    from alignzoo.plugins.backends.hf import _draw
+
+    uniforms = torch.full((2,), 0.5, dtype=torch.float64)
+    for bad in (float("nan"), float("inf"), -0.1):
+        probs = torch.tensor([[0.5, 0.5, 0.0], [0.2, bad, 0.3]])
+        with pytest.raises(RuntimeError, match="NaN, inf or negative"):
+            _draw(probs, uniforms)
+    with pytest.raises(RuntimeError, match="sums to 0"):
+        _draw(torch.tensor([[0.5, 0.5], [0.0, 0.0]]), uniforms)
