@@ -431,7 +431,8 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
         return torch.multinomial(probs, 1).squeeze(1)
     cdf = probs.to(uniforms.dtype).cumsum(dim=-1)
     total = cdf[:, -1:]
-    if not bool((torch.isfinite(total) & (total > 0)).all() and (probs >= 0).all()):
+    valid = torch.isfinite(total).all() & (total > 0).all() & (probs >= 0).all()
+    if not bool(valid):  # one host sync per token, like the loop's own finished check
         raise RuntimeError(
             "sampling: a row of next-token probabilities holds NaN, inf or negative values "
             "or sums to 0 (non-finite logits: check the model's precision and learning rate)"
