@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from alignzoo.batch import RolloutBatch
+from alignzoo.engine.lean import can_run_lean, lean_logits
 from alignzoo.ops import logprobs_and_entropy, logprobs_from_logits
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -71,12 +72,18 @@ def response_logits(
     """The logits that predict each response token ``[B, R, V]`` (positions ``P - 1 .. P + R - 2``).
 
     Where the model supports it, only the last ``R + 1`` positions go through the LM head, so
-    the prompt's logits (a large ``[B, P, V]`` for a real vocabulary) are never computed.
+    the prompt's logits (a large ``[B, P, V]`` for a real vocabulary) are never computed. A
+    Qwen2 or Llama model runs through :func:`alignzoo.engine.lean.lean_logits` (its own modules,
+    the same logits) unless :func:`~alignzoo.engine.lean.lean_reason` says it cannot.
     """
     device = _device_of(model)
     prompt_len = batch.prompt_ids.shape[1]
     resp_len = batch.response_ids.shape[1]
     inputs = model_inputs(batch, device)
+    if can_run_lean(model):  # the same logits without transformers' per-call machinery
+        with autocast():
+            logits = lean_logits(model, **inputs, logits_to_keep=resp_len + 1)
+        return logits[:, :resp_len]
     if takes_logits_to_keep(model):
         with autocast():
             logits = model(**inputs, logits_to_keep=resp_len + 1).logits

@@ -208,34 +208,17 @@ class HFBackend(Backend):
         """Sample n continuations of each prompt with the decode loop; tensors as
         :meth:`_generate_chunk` returns them. With ``seeds``, prompt i's rows draw from a
         generator seeded ``seeds[i]`` (the same tokens whatever else is in the batch)."""
-        from transformers import DynamicCache
-
-        from alignzoo.engine.forward import forward_parameters
-
         model, pad, eos_ids = self.model, self._pad_id(), self._eos_ids()
         device = _model_device(model)
         prompt_ids, prompt_mask = self._left_padded(prompt_tokens)
         mask = prompt_mask.to(device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        takes = forward_parameters(model)
-        try:  # filled in place by every forward
-            cache = DynamicCache(config=model.config)
-        except TypeError:  # older transformers: the cache builds its layers lazily, no config
-            cache = DynamicCache()
-        with_cache = {"cache" if "cache" in takes else "past_key_values": cache, "use_cache": True}
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
-        out = model(
-            input_ids=prompt_ids.to(device),
-            attention_mask=mask,
-            position_ids=positions,
-            **with_cache,
-            **keep,
-        )  # one prefill per prompt: its n samples share the cache
-        logits = out.logits[:, -1].float()
+        decoder = _decoder(model, len(prompt_tokens), mask.shape[1] + sampling.max_new_tokens)
+        # One prefill per prompt: its n samples share the cache.
+        logits = decoder.prefill(prompt_ids.to(device), mask, positions)
         if n > 1:
-            cache.batch_repeat_interleave(n)
+            decoder.repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
-            mask = mask.repeat_interleave(n, dim=0)
             positions = positions.repeat_interleave(n, dim=0)
         position = positions[:, -1:] + 1
         rows = logits.shape[0]
@@ -265,14 +248,7 @@ class HFBackend(Backend):
             finished = finished | torch.isin(token, eos)
             if t + 1 == sampling.max_new_tokens or bool(finished.all()):
                 break
-            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
-            out = model(
-                input_ids=token.unsqueeze(1),
-                attention_mask=mask,
-                position_ids=position,
-                **with_cache,
-            )
-            logits = out.logits[:, -1].float()
+            logits = decoder.step(token.unsqueeze(1), position)
             position = position + 1
         if tokens:
             response = torch.stack(tokens, dim=1)
@@ -338,6 +314,98 @@ class HFBackend(Backend):
     def _eos_ids(self) -> list[int]:
         """The tokenizer's EOS plus any EOS the checkpoint's generation config lists."""
         return eos_token_ids(self.tokenizer, self.model)
+
+
+def _decoder(model: Any, rows: int, capacity: int) -> _LeanDecoder | _CacheDecoder:
+    """The decode loop's forward passes: alignzoo's lean forward for the models it runs exactly
+    (:func:`alignzoo.engine.lean.lean_reason`), the model's own forward over a DynamicCache
+    otherwise."""
+    from alignzoo.engine.lean import can_run_lean
+
+    if can_run_lean(model):
+        return _LeanDecoder(model, rows, capacity)
+    return _CacheDecoder(model)
+
+
+class _LeanDecoder:
+    """Prefill and decode steps through :func:`alignzoo.engine.lean.lean_logits` over one
+    preallocated KV cache (no mask growing per token, no cache or output objects)."""
+
+    def __init__(self, model: Any, rows: int, capacity: int) -> None:
+        from alignzoo.engine.lean import KVCache
+
+        self.model = model
+        self.cache = KVCache.empty(model, rows, capacity, _model_device(model))
+
+    def prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The last position's logits ``[rows, V]`` (fp32) after the left-padded prompts."""
+        return self._logits(ids, mask, positions)
+
+    def repeat_interleave(self, n: int) -> None:
+        self.cache = self.cache.repeat_interleave(n)
+
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The next logits ``[rows, V]`` after one more token ``[rows, 1]`` at ``position``."""
+        return self._logits(token, torch.ones_like(token), position)
+
+    def _logits(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        from alignzoo.engine.lean import lean_logits
+
+        logits = lean_logits(self.model, ids, mask, positions, logits_to_keep=1, cache=self.cache)
+        return logits[:, -1].float()
+
+
+class _CacheDecoder:
+    """The same steps through the model's own forward and transformers' DynamicCache."""
+
+    def __init__(self, model: Any) -> None:
+        from transformers import DynamicCache
+
+        from alignzoo.engine.forward import forward_parameters
+
+        self.model = model
+        takes = forward_parameters(model)
+        try:  # filled in place by every forward
+            cache = DynamicCache(config=model.config)
+        except TypeError:  # older transformers: the cache builds its layers lazily, no config
+            cache = DynamicCache()
+        self.cache = cache
+        self.with_cache = {
+            "cache" if "cache" in takes else "past_key_values": cache,
+            "use_cache": True,
+        }
+        self.keep = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
+        self.mask: torch.Tensor | None = None
+
+    def prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        self.mask = mask
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **self.with_cache,
+            **self.keep,
+        )
+        return out.logits[:, -1].float()
+
+    def repeat_interleave(self, n: int) -> None:
+        assert self.mask is not None
+        self.cache.batch_repeat_interleave(n)
+        self.mask = self.mask.repeat_interleave(n, dim=0)
+
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        assert self.mask is not None
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        out = self.model(
+            input_ids=token, attention_mask=self.mask, position_ids=position, **self.with_cache
+        )
+        return out.logits[:, -1].float()
 
 
 def encode_prompts(

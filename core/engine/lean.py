@@ -1,0 +1,239 @@
+"""A lean forward pass for Qwen2 and Llama causal LMs, on the model's own modules.
+
+transformers' forward is general: it builds a mask object, dispatches attention through an
+interface table, records outputs for hooks, updates a cache object and wraps everything in
+output dataclasses. For a small model each of those costs more than the arithmetic (a 148k
+Qwen2's decode step is mostly Python), so the engine drives the same layers itself when it can:
+
+    h_0 = E[x]                                              (embed_tokens)
+    for each layer l:
+        a   = RMSNorm(h)                                    (input_layernorm)
+        q, k, v = W_q a, W_k a, W_v a                       (q_proj, k_proj, v_proj, with biases)
+        q, k = RoPE(q, pos), RoPE(k, pos)                   (rotary_emb's cos / sin)
+        h   = h + W_o softmax(q k^T / sqrt(d) + mask) v     (one scaled_dot_product_attention)
+        m   = RMSNorm(h)                                    (post_attention_layernorm)
+        h   = h + W_down (silu(W_gate m) * W_up m)          (mlp)
+    logits = W_lm RMSNorm(h)                                (norm, lm_head)
+
+Every weight is read through the model's own ``nn.Linear`` / ``nn.Embedding`` modules, so a
+LoRA adapter (peft replaces those modules), its disable switch, autocast and autograd all
+apply as they do in transformers' forward. The mask is the same as transformers': key ``j`` is
+visible from query ``i`` when ``j <= i`` and ``j`` is not padding; a padding query sees only
+itself (its output is never read, and it stays finite).
+
+:func:`lean_reason` says why a model cannot take this path (another architecture, sliding
+windows, a non-default RoPE, gradient checkpointing, a wrapper that must see the call, ...);
+callers then use the model's own forward. tests/core/engine/test_lean.py checks the logits
+(and gradients) against transformers' forward for both architectures, padded batches, grouped
+KV heads and the KV-cache decode path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+def _unwrapped(model: Any) -> Any:
+    get_base = getattr(model, "get_base_model", None)  # peft: its (adapter-injected) base model
+    return get_base() if callable(get_base) else model
+
+
+def lean_reason(model: Any) -> str | None:
+    """None when :func:`lean_logits` can run ``model``; otherwise why not (for logs and tests)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "wrapped in DistributedDataParallel (its forward starts the gradient reduction)"
+    base = _unwrapped(model)
+    name = type(base).__name__
+    if name not in SUPPORTED:
+        return f"{name} is not one of {', '.join(SUPPORTED)}"
+    from alignzoo.weights import is_sharded
+
+    if is_sharded(base):
+        return "sharded (FSDP2 gathers each block's weights in that block's own forward)"
+    if getattr(base.model, "gradient_checkpointing", False):
+        return "gradient checkpointing is on"
+    config = base.config
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (the lean forward has SwiGLU with silu)"
+    if any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])):
+        return "sliding-window attention layers"
+    rope = getattr(base.model.rotary_emb, "rope_type", "default")
+    if rope != "default":
+        return f"rope_type {rope!r} (the lean forward has the default RoPE)"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
+    if getattr(config, "attention_dropout", 0.0) and base.training:
+        return "attention dropout in training mode"
+    for module in (base, base.model, *base.model.layers):
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"{type(module).__name__} has forward hooks the lean path would skip"
+    return None
+
+
+def can_run_lean(model: Any) -> bool:
+    """Whether :func:`lean_logits` can run ``model`` (:func:`lean_reason` is None)."""
+    return lean_reason(model) is None
+
+
+@dataclass
+class _Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def _shape(base: Any) -> _Shape:
+    config = base.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return _Shape(heads, kv_heads, head_dim, float(config.rms_norm_eps))
+
+
+def _rms_norm(x: torch.Tensor, norm: Any, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: in float32, ``weight * (x / sqrt(mean(x^2) + eps))``."""
+    weight = norm.weight
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel, the same numbers
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers applies it: ``x cos + rotate_half(x) sin``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class KVCache:
+    """Keys and values ``[rows, kv_heads, capacity, head_dim]`` per layer, filled column by
+    column (allocated at the first write, in the dtype the projections give: autocast's under
+    bf16); ``length`` columns hold data and ``valid [rows, capacity]`` says which of them are
+    real tokens (not padding)."""
+
+    valid: torch.Tensor
+    keys: list[torch.Tensor | None]
+    values: list[torch.Tensor | None]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, model: Any, rows: int, capacity: int, device: torch.device) -> KVCache:
+        """An empty cache for ``rows`` sequences of at most ``capacity`` tokens."""
+        layers = len(_unwrapped(model).model.layers)
+        return cls(
+            valid=torch.zeros((rows, capacity), dtype=torch.bool, device=device),
+            keys=[None] * layers,
+            values=[None] * layers,
+        )
+
+    def repeat_interleave(self, n: int) -> KVCache:
+        """Each row repeated ``n`` times in place of itself (a prompt's cache for its n samples)."""
+
+        def repeat(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+            return [None if t is None else t.repeat_interleave(n, dim=0) for t in tensors]
+
+        return KVCache(
+            valid=self.valid.repeat_interleave(n, dim=0),
+            keys=repeat(self.keys),
+            values=repeat(self.values),
+            length=self.length,
+        )
+
+    def write(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``, ``v`` ``[rows, kv_heads, T, head_dim]`` at columns ``start .. start + T - 1``
+        of ``layer``; the layer's keys and values up to there."""
+        keys, values = self.keys[layer], self.values[layer]
+        if keys is None or values is None:
+            rows, heads, _, dim = k.shape
+            size = (rows, heads, self.valid.shape[1], dim)
+            keys = self.keys[layer] = k.new_empty(size)
+            values = self.values[layer] = v.new_empty(size)
+        end = start + k.shape[2]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+
+def lean_logits(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    logits_to_keep: int = 0,
+    cache: KVCache | None = None,
+) -> torch.Tensor:
+    """Logits ``[B, T or logits_to_keep, V]`` of ``input_ids [B, T]`` (attention mask and
+    position ids as transformers takes them), the same as ``model(...).logits``.
+
+    With ``cache``, the ``T`` new tokens are written at its columns ``length .. length + T - 1``
+    and attend to everything before them; ``attention_mask`` then covers only the new tokens.
+    ``logits_to_keep`` > 0 runs the LM head over the last that many positions only.
+    """
+    base = _unwrapped(model)
+    shape = _shape(base)
+    inner = base.model
+    rows, width = input_ids.shape
+    new_valid = attention_mask.to(torch.bool)
+    hidden = inner.embed_tokens(input_ids)
+    cos, sin = inner.rotary_emb(hidden, position_ids)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]: broadcast over heads
+
+    if cache is None:
+        start = 0
+        key_valid = new_valid
+    else:
+        start = cache.length
+        cache.valid[:, start : start + width] = new_valid
+        key_valid = cache.valid[:, : start + width]
+    keys_len = start + width
+    # Query i (column start + i) sees key j when j <= start + i and j is a real token; every
+    # query sees itself, so a padding row's attention is never empty.
+    query_col = torch.arange(start, keys_len, device=input_ids.device)
+    key_col = torch.arange(keys_len, device=input_ids.device)
+    causal = key_col[None, :] <= query_col[:, None]  # [T, S]
+    mask = (causal[None] & key_valid[:, None, :]) | (
+        key_col[None, None, :] == query_col[None, :, None]
+    )
+    mask = mask.unsqueeze(1)  # [B, 1, T, S]
+    gqa = shape.kv_heads != shape.heads
+
+    for index, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        normed = _rms_norm(hidden, layer.input_layernorm, shape.eps)
+        q = attn.q_proj(normed).view(rows, width, shape.heads, shape.head_dim).transpose(1, 2)
+        k = attn.k_proj(normed).view(rows, width, shape.kv_heads, shape.head_dim).transpose(1, 2)
+        v = attn.v_proj(normed).view(rows, width, shape.kv_heads, shape.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(index, start, k, v)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=attn.attention_dropout if base.training else 0.0,
+            scale=attn.scaling,
+            enable_gqa=gqa,
+        )
+        out = out.transpose(1, 2).reshape(rows, width, shape.heads * shape.head_dim)
+        hidden = hidden + attn.o_proj(out)
+        hidden = hidden + layer.mlp(_rms_norm(hidden, layer.post_attention_layernorm, shape.eps))
+
+    if cache is not None:
+        cache.length = keys_len
+    if logits_to_keep:
+        hidden = hidden[:, -logits_to_keep:]
+    return base.lm_head(_rms_norm(hidden, inner.norm, shape.eps))

@@ -1,0 +1,189 @@
+"""The lean forward (alignzoo.engine.lean) gives transformers' logits and gradients for Qwen2 and
+Llama, with padding, grouped KV heads, LoRA adapters and the KV-cache decode path; anything it
+cannot run exactly is refused with a reason, and callers fall back to the model's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from alignzoo.engine.lean import KVCache, lean_logits, lean_reason
+
+VOCAB = 97
+
+
+def _model(arch: str, kv_heads: int = 4, **extra) -> torch.nn.Module:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        tie_word_embeddings=arch == "qwen2",
+        **extra,
+    )
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
+    # Random biases and norm weights, so that a lean forward that skipped one would differ.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+def _inputs(rows: int = 5, width: int = 9, seed: int = 1):
+    """Left-padded rows of different lengths (one of a single token), transformers' positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (rows, width), generator=g)
+    mask = torch.ones(rows, width, dtype=torch.long)
+    for row, pad in enumerate([0, 3, width - 1, 1, 5][:rows]):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+@pytest.mark.parametrize(("arch", "kv_heads"), [("qwen2", 4), ("qwen2", 2), ("llama", 1)])
+def test_logits_and_gradients_equal_transformers(arch, kv_heads):
+    model = _model(arch, kv_heads)
+    assert lean_reason(model) is None
+    ids, mask, positions = _inputs()
+    real = mask.bool()
+    weights = torch.randn(
+        ids.shape[0], ids.shape[1], VOCAB, generator=torch.Generator().manual_seed(2)
+    )
+
+    def run(forward) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        logits = forward()
+        (logits * weights * real[..., None]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logits.detach(), grads
+
+    theirs, their_grads = run(
+        lambda: model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    )
+    ours, our_grads = run(lambda: lean_logits(model, ids, mask, positions))
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(ours).all()  # padding rows too
+    assert our_grads.keys() == their_grads.keys() and len(our_grads) == len(
+        list(model.parameters())
+    )
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_logits_to_keep_runs_the_head_over_the_last_positions_only():
+    model = _model("qwen2").eval()
+    ids, mask, positions = _inputs()
+    with torch.no_grad():
+        full = lean_logits(model, ids, mask, positions)
+        last = lean_logits(model, ids, mask, positions, logits_to_keep=3)
+        theirs = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=3
+        ).logits
+    assert last.shape == (ids.shape[0], 3, VOCAB)
+    torch.testing.assert_close(last, full[:, -3:], rtol=0, atol=0)
+    real = mask[:, -3:].bool()  # a padding position's logits are never read
+    torch.testing.assert_close(last[real], theirs[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_cached_decoding_gives_the_logits_of_the_whole_sequence(arch):
+    """Prefill a left-padded prompt batch, repeat each row's cache for 3 samples, then feed one
+    token at a time: every step's logits equal a single forward over prompt + tokens so far."""
+    model = _model(arch, kv_heads=2).eval()
+    ids, mask, positions = _inputs(rows=4, width=7)
+    n, steps = 3, 4
+    new = torch.randint(2, VOCAB, (4 * n, steps), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = KVCache.empty(model, 4, ids.shape[1] + steps, torch.device("cpu"))
+        first = lean_logits(model, ids, mask, positions, logits_to_keep=1, cache=cache)
+        assert cache.length == ids.shape[1]
+        cache = cache.repeat_interleave(n)
+        all_ids = ids.repeat_interleave(n, dim=0)
+        all_mask = mask.repeat_interleave(n, dim=0)
+        position = positions.repeat_interleave(n, dim=0)[:, -1:]
+        stepped = [first.repeat_interleave(n, dim=0)[:, 0]]
+        for t in range(steps):
+            position = position + 1
+            token = new[:, t : t + 1]
+            stepped.append(
+                lean_logits(model, token, torch.ones_like(token), position, cache=cache)[:, 0]
+            )
+            all_ids = torch.cat([all_ids, token], dim=1)
+            all_mask = torch.cat([all_mask, torch.ones_like(token)], dim=1)
+        full_positions = (all_mask.cumsum(dim=1) - 1).clamp(min=0)
+        whole = model(input_ids=all_ids, attention_mask=all_mask, position_ids=full_positions)
+    width = ids.shape[1]
+    for t, logits in enumerate(stepped):
+        torch.testing.assert_close(logits, whole.logits[:, width - 1 + t], rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_model_runs_its_adapters_and_its_disable_switch():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        _model("qwen2"),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]),
+    )
+    with torch.no_grad():  # adapters that change the output (B starts at zero)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    model.eval()
+    assert lean_reason(model) is None
+    ids, mask, positions = _inputs()
+    real = mask.bool()
+    with torch.no_grad():
+        adapted = lean_logits(model, ids, mask, positions)
+        torch.testing.assert_close(
+            adapted[real],
+            model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[real],
+            rtol=1e-5,
+            atol=1e-5,
+        )
+        with model.disable_adapter():
+            plain = lean_logits(model, ids, mask, positions)
+            theirs = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(plain[real], theirs[real], rtol=1e-5, atol=1e-5)
+    assert (adapted - plain).abs().max() > 1e-3  # the adapters were really on, then off
+
+
+def test_what_the_lean_path_cannot_run_exactly_is_refused_with_a_reason():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
+    assert "GPT2LMHeadModel is not one of" in lean_reason(gpt2)
+
+    sliding = _model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert "sliding" in lean_reason(sliding)
+
+    scaled = _model(
+        "llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    )
+    assert "rope_type 'linear'" in lean_reason(scaled)
+
+    checkpointed = _model("qwen2")
+    checkpointed.activation_checkpointing_enable()
+    assert "checkpointing" in lean_reason(checkpointed)
+
+    hooked = _model("qwen2")
+    hooked.model.layers[1].register_forward_hook(lambda *a: None)
+    assert "forward hooks" in lean_reason(hooked)
+
+    dropout = _model("qwen2", attention_dropout=0.1)
+    assert lean_reason(dropout.eval()) is None  # no dropout in eval mode
+    assert "dropout" in lean_reason(dropout.train())
