@@ -12,10 +12,13 @@ the step's useful arithmetic reaches.
 
     .venv/bin/python benchmarks/vs_trl.py [--steps 25] [--repeats 2]
         [--models embedded,25m] [--algorithms grpo,rloo,dpo,kto] [--json results.json]
-        [--dtype float32|bfloat16] [--frameworks alignzoo,trl]
+        [--dtype float32|bfloat16] [--gradient-checkpointing] [--frameworks alignzoo,trl]
 
 ``--dtype bfloat16`` runs both under bf16 autocast (alignzoo's ``model.dtype``, TRL's ``bf16``):
-fast only on a CPU with AVX512-BF16 or AMX.
+fast only on a CPU with AVX512-BF16 or AMX. Gradient checkpointing is set equal in both: off
+unless ``--gradient-checkpointing`` (alignzoo's ``model.gradient_checkpointing``, TRL's
+``gradient_checkpointing``, which TRL's configs turn on by default: left to its default, TRL
+recomputes every layer's activations in the backward pass, slower and with less memory).
 
 Needs the bench extra (TRL 1.16.0). Takes about 20 minutes on 2 CPU cores with the defaults.
 """
@@ -94,6 +97,17 @@ def matmul_limit_gflops(size: int = 2048, repeats: int = 20) -> float:
     return 2 * size**3 / statistics.median(times) / 1e9
 
 
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def parameter_count(folder: Path) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -111,7 +125,13 @@ def reward_correct(completions: list[str], answer: list[str], **_: Any) -> list[
 
 
 def run_alignzoo(
-    algorithm: str, model: Path, data: dict[str, Path], steps: int, out: Path, dtype: str
+    algorithm: str,
+    model: Path,
+    data: dict[str, Path],
+    steps: int,
+    out: Path,
+    dtype: str,
+    checkpointing: bool,
 ):
     import yaml
 
@@ -133,7 +153,11 @@ def run_alignzoo(
         "name": "vs_trl",
         "seeds": [0],
         "budget": {"steps": steps},
-        "model": {"policy": str(model), "dtype": dtype},
+        "model": {
+            "policy": str(model),
+            "dtype": dtype,
+            "gradient_checkpointing": checkpointing,
+        },
         "data": {"train": str(data[kind]), "eval": str(data["online"])},
         "training": {
             "lr": LR,
@@ -158,7 +182,13 @@ def run_alignzoo(
 
 
 def run_trl(
-    algorithm: str, model_dir: Path, data: dict[str, Path], steps: int, out: Path, dtype: str
+    algorithm: str,
+    model_dir: Path,
+    data: dict[str, Path],
+    steps: int,
+    out: Path,
+    dtype: str,
+    checkpointing: bool,
 ):
     import datasets
     import transformers
@@ -185,6 +215,7 @@ def run_trl(
         report_to="none",
         use_cpu=True,
         bf16=dtype == "bfloat16",
+        gradient_checkpointing=checkpointing,  # TRL's configs default to True
         fp16=False,
         seed=0,
         dataloader_num_workers=0,
@@ -242,12 +273,14 @@ def peak_rss_mb() -> float:
 
 
 def worker(argv: list[str]) -> None:
-    framework, algorithm, model, data_json, steps, out, dtype = argv
+    framework, algorithm, model, data_json, steps, out, dtype, checkpointing = argv
     data = {k: Path(v) for k, v in json.loads(data_json).items()}
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = run_alignzoo if framework == "alignzoo" else run_trl
-    ends, response_length = runner(algorithm, Path(model), data, int(steps), out_dir, dtype)
+    ends, response_length = runner(
+        algorithm, Path(model), data, int(steps), out_dir, dtype, checkpointing == "on"
+    )
     peak = peak_rss_mb()
     (out_dir / "result.json").write_text(
         json.dumps({"ends": ends, "peak_rss_mb": peak, "response_length": response_length})
@@ -273,6 +306,7 @@ def measure(
     steps: int,
     tmp: Path,
     dtype: str = "float32",
+    checkpointing: bool = False,
 ) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{framework}-{algorithm}-"))
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
@@ -280,7 +314,10 @@ def measure(
     data_json = json.dumps({k: str(v) for k, v in data.items()})
     cmd = [sys.executable, str(HERE), "_worker", framework, algorithm, str(model), data_json]
     proc = subprocess.run(
-        [*cmd, str(steps), str(out), dtype], env=env, capture_output=True, text=True
+        [*cmd, str(steps), str(out), dtype, "on" if checkpointing else "off"],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     if proc.returncode != 0:
         raise SystemExit(f"{framework} {algorithm} failed:\n{proc.stderr[-4000:]}")
@@ -297,6 +334,11 @@ def main() -> None:
     parser.add_argument("--algorithms", default="grpo,rloo,dpo,kto")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass, in both frameworks (default: off in both)",
+    )
     parser.add_argument("--frameworks", default="alignzoo,trl")
     args = parser.parse_args()
     models, algorithms = args.models.split(","), args.algorithms.split(",")
@@ -308,9 +350,18 @@ def main() -> None:
         folders = prepare_models(tmp, models)
         data = prepare_data(tmp)
         limit = matmul_limit_gflops()
+        from alignzoo.engine.models import cpu_has_native_bf16
+
+        machine = {
+            "cpu": cpu_model(),
+            "threads": torch.get_num_threads(),
+            "native_bf16": cpu_has_native_bf16(),
+            "torch": torch.__version__,
+        }
         print(
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads; fp32 matmul "
-            f"limit {limit:.0f} GFLOP/s (2048^2, median of 20)"
+            f"{machine['cpu']}, torch {torch.__version__}, {machine['threads']} threads, native "
+            f"bf16: {'yes' if machine['native_bf16'] else 'no'}; fp32 matmul limit "
+            f"{limit:.0f} GFLOP/s (2048^2, median of 20)"
         )
         results = []
         for name in models:
@@ -329,6 +380,7 @@ def main() -> None:
                                 args.steps,
                                 tmp,
                                 args.dtype,
+                                args.gradient_checkpointing,
                             )
                         )
                 # The limit this work item's share is taken of: the higher of the measurements
@@ -342,7 +394,20 @@ def main() -> None:
         print(f"fp32 matmul limit at the end: {limit_after:.0f} GFLOP/s")
         if args.json is not None:
             args.json.write_text(
-                json.dumps({"limit_gflops": [limit, limit_after], "rows": results}, indent=1)
+                json.dumps(
+                    {
+                        "machine": machine,
+                        "settings": {
+                            "dtype": args.dtype,
+                            "gradient_checkpointing": args.gradient_checkpointing,
+                            "steps": args.steps,
+                            "repeats": args.repeats,
+                        },
+                        "limit_gflops": [limit, limit_after],
+                        "rows": results,
+                    },
+                    indent=1,
+                )
             )
 
 
