@@ -1,8 +1,14 @@
 """Run one arm in a child process that SIGKILLs itself at a chosen point (the kill-at-random-
 points test).
 
-Usage: python -m tests.core.engine._kill_worker EXPERIMENT.yaml ARM SEED OUT_DIR RESUME(0|1)
-with ``ALIGNZOO_KILL_AT=<step>:<phase>`` (or unset: run to the end). Phases:
+Usage: python -m tests.core.engine._kill_worker serve
+
+It imports torch, transformers and alignzoo once, then reads one job per stdin line (JSON:
+experiment, arm, seed, out, resume, kill_at, log) and runs each in a child forked for it (a
+fresh process as far as the run is concerned: it dies by SIGKILL on its own, and its files are
+all that is left), writing the child's exit status (``-9``: killed) as one line on stdout. The
+parent runs no torch op, so no thread pool exists when it forks. ``kill_at`` is
+``<step>:<phase>`` (or null: run to the end). Phases:
 
 - ``label``: inside the labeler call of training step <step> (before its first call);
 - ``label-2``: the same, before the step's second labeler call (after the first returned);
@@ -15,9 +21,11 @@ with ``ALIGNZOO_KILL_AT=<step>:<phase>`` (or unset: run to the end). Phases:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +33,11 @@ from alignzoo.config.loader import load_experiment
 from alignzoo.engine import checkpoint, labeling, loop, sinks
 
 _where: dict[str, Any] = {"step": 0, "saving": None, "calls": 0}
-_target = os.environ.get("ALIGNZOO_KILL_AT")
-_kill_step, _kill_phase = (
-    (int(_target.split(":")[0]), _target.split(":")[1]) if _target else (-1, "")
-)
+_kill: dict[str, Any] = {"step": -1, "phase": ""}  # set in each forked child
 
 
 def _maybe_die(phase: str, step: int) -> None:
-    if phase == _kill_phase and step == _kill_step:
+    if phase == _kill["phase"] and step == _kill["step"]:
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -92,9 +97,38 @@ def _install() -> None:
     _wrap(checkpoint, "_write_text_atomic", before=before_latest)
 
 
-if __name__ == "__main__":
+def _run(job: dict[str, Any]) -> int:
+    """The child: its output to the job's log, then the run; its exit code."""
+    log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    if job["kill_at"]:
+        step, phase = job["kill_at"].split(":")
+        _kill.update(step=int(step), phase=phase)
+    try:
+        loaded = load_experiment(job["experiment"])
+        out = Path(job["out"])
+        summary = loop.run_one(loaded, job["arm"], int(job["seed"]), out, resume=job["resume"])
+        print(summary, flush=True)
+        return 0 if summary.status == "finished" else 1
+    except BaseException:
+        traceback.print_exc()
+        return 2
+
+
+def serve() -> None:
     _install()
-    path, arm, seed, out, resume = sys.argv[1:6]
-    summary = loop.run_one(load_experiment(path), arm, int(seed), Path(out), resume=resume == "1")
-    print(summary)
-    sys.exit(0 if summary.status == "finished" else 1)
+    for line in sys.stdin:
+        job = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = _run(job)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+
+
+if __name__ == "__main__":
+    serve()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,24 +94,55 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(write_experiment, tmp_
 PHASES = ("label", "eval", "metrics", "ckpt-actor", "ckpt-trainer", "ckpt-latest")
 
 
-def _kill_worker(exp: Path, out: Path, resume: bool, kill_at: str | None) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("ALIGNZOO_KILL_AT", None)
-    if kill_at is not None:
-        env["ALIGNZOO_KILL_AT"] = kill_at
-    argv = [sys.executable, "-m", "tests.core.engine._kill_worker", str(exp), "grpo", "0"]
-    return subprocess.Popen(
-        [*argv, str(out), "1" if resume else "0"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+class KillWorkers:
+    """Runs of one arm in children of one forked-from process (tests.core.engine._kill_worker):
+    each run is a process of its own, killed by SIGKILL at its point, without paying for
+    Python's and torch's imports every time."""
+
+    def __init__(self, logs: Path) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        self.logs, self.count = logs, 0
+        logs.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.core.engine._kill_worker"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def run(self, exp: Path, out: Path, resume: bool, kill_at: str | None) -> tuple[int, str]:
+        """One run (killed at ``kill_at``, or to the end): its exit code and its output."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.count += 1
+        log = self.logs / f"run-{self.count}.log"
+        job = {"experiment": str(exp), "arm": "grpo", "seed": 0, "out": str(out)}
+        job.update(resume=resume, kill_at=kill_at, log=str(log))
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        status = self.proc.stdout.readline()
+        output = log.read_text() if log.exists() else ""
+        assert status, f"the kill worker itself died\n{output}"
+        return int(status), output
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def kill_workers(tmp_path: Path) -> Iterator[KillWorkers]:
+    workers = KillWorkers(tmp_path / "worker-logs")
+    yield workers
+    workers.close()
 
 
 @pytest.mark.slow
-def test_sigkill_at_20_random_points_then_resume_matches(write_experiment, tmp_path) -> None:
+def test_sigkill_at_20_random_points_then_resume_matches(
+    write_experiment, tmp_path, kill_workers
+) -> None:
     """Twenty SIGKILLs, each at a random step and point (inside labeling, inside an
     evaluation, after a metrics line, and at three moments of writing a checkpoint), each
     followed by --resume: the run ends with exactly the uninterrupted run's history."""
@@ -124,8 +156,8 @@ def test_sigkill_at_20_random_points_then_resume_matches(write_experiment, tmp_p
     )
     exp = write_experiment(spec)
     full, killed = tmp_path / "full", tmp_path / "killed"
-    proc = _kill_worker(exp, full, resume=False, kill_at=None)
-    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    code, output = kill_workers.run(exp, full, resume=False, kill_at=None)
+    assert code == 0, output
 
     rng = random.Random(20)
     # Increasing kill steps over the run, so every resume makes progress; checkpoint and
@@ -141,11 +173,10 @@ def test_sigkill_at_20_random_points_then_resume_matches(write_experiment, tmp_p
     assert any(p.split(":")[1].startswith("ckpt") for p in points)
 
     for i, point in enumerate(points):
-        proc = _kill_worker(exp, killed, resume=i > 0, kill_at=point)
-        code = proc.wait(timeout=300)
-        assert code == -signal.SIGKILL, f"kill at {point}: exit {code}\n{proc.stdout.read()}"
-    proc = _kill_worker(exp, killed, resume=True, kill_at=None)
-    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+        code, output = kill_workers.run(exp, killed, resume=i > 0, kill_at=point)
+        assert code == -signal.SIGKILL, f"kill at {point}: exit {code}\n{output}"
+    code, output = kill_workers.run(exp, killed, resume=True, kill_at=None)
+    assert code == 0, output
 
     for name in ("metrics.jsonl", "eval.jsonl", "samples.jsonl"):
         expected, got = read_jsonl(full / name), read_jsonl(killed / name)
@@ -178,7 +209,7 @@ class CallLog:
 
 @pytest.mark.slow
 def test_sigkill_during_labeling_then_resume_scores_no_sample_twice(
-    write_experiment, tmp_path
+    write_experiment, tmp_path, kill_workers
 ) -> None:
     """A run labeling through a real labeler server, in calls of 4 requests, SIGKILLed between
     two calls of a step three times: every call's labels were stored as it returned, so the
@@ -207,12 +238,13 @@ def test_sigkill_during_labeling_then_resume_scores_no_sample_twice(
                 },
             )
             exps[name] = write_experiment(spec, name=f"{name}.yaml")
-        assert _kill_worker(exps["full"], full, False, None).wait(timeout=300) == 0
+        code, output = kill_workers.run(exps["full"], full, resume=False, kill_at=None)
+        assert code == 0, output
         for i, point in enumerate(("2:label-2", "5:label-2", "10:label-2")):
-            proc = _kill_worker(exps["killed"], killed, resume=i > 0, kill_at=point)
-            assert proc.wait(timeout=300) == -signal.SIGKILL, proc.stdout.read()
-        proc = _kill_worker(exps["killed"], killed, resume=True, kill_at=None)
-        assert proc.wait(timeout=300) == 0, proc.stdout.read()
+            code, output = kill_workers.run(exps["killed"], killed, resume=i > 0, kill_at=point)
+            assert code == -signal.SIGKILL, output
+        code, output = kill_workers.run(exps["killed"], killed, resume=True, kill_at=None)
+        assert code == 0, output
 
     scored = servers["killed"].scored
     assert len(scored) == len(set(scored)), "the server scored a sample twice"
