@@ -7,8 +7,8 @@ clip 1.0, 8 prompts x 8 samples of at most 6 new tokens at temperature 1; DPO an
 process, and the frameworks alternate (alignzoo, TRL, alignzoo, TRL, ...) so that drift of the
 machine hits both. Reported per work item: median seconds per step (intervals between step ends
 from step 3 on), samples per second, peak RSS, and TRL / alignzoo; on the ~25M model also the
-share of the machine's fp32 matmul limit (a plain torch matmul, measured in the same run) that
-the step's useful arithmetic reaches.
+share of the machine's matmul limit (a plain torch matmul in the run's dtype, measured in the
+same run) that the step's useful arithmetic reaches.
 
     .venv/bin/python benchmarks/vs_trl.py [--steps 25] [--repeats 2]
         [--models embedded,25m] [--algorithms grpo,rloo,dpo,kto] [--json results.json]
@@ -82,11 +82,12 @@ def prepare_data(root: Path) -> dict[str, Path]:
     return files
 
 
-def matmul_limit_gflops(size: int = 2048, repeats: int = 20) -> float:
-    """fp32 GFLOP/s of a plain square torch matmul on this machine's default threads."""
+def matmul_limit_gflops(size: int = 2048, repeats: int = 20, dtype: str = "float32") -> float:
+    """GFLOP/s of a plain square torch matmul in ``dtype`` on this machine's default threads."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    kind = getattr(torch, dtype)
+    a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
     for _ in range(3):
         a @ b
     times = []
@@ -349,7 +350,7 @@ def main() -> None:
         os.environ.setdefault("ALIGNZOO_CACHE", str(tmp / "cache"))
         folders = prepare_models(tmp, models)
         data = prepare_data(tmp)
-        limit = matmul_limit_gflops()
+        limit = matmul_limit_gflops(dtype=args.dtype)
         from alignzoo.engine.models import cpu_has_native_bf16
 
         machine = {
@@ -360,14 +361,14 @@ def main() -> None:
         }
         print(
             f"{machine['cpu']}, torch {torch.__version__}, {machine['threads']} threads, native "
-            f"bf16: {'yes' if machine['native_bf16'] else 'no'}; fp32 matmul limit "
+            f"bf16: {'yes' if machine['native_bf16'] else 'no'}; {args.dtype} matmul limit "
             f"{limit:.0f} GFLOP/s (2048^2, median of 20)"
         )
         results = []
         for name in models:
             params = parameter_count(folders[name])
             for algorithm in algorithms:
-                before = matmul_limit_gflops()
+                before = matmul_limit_gflops(dtype=args.dtype)
                 runs: dict[str, list[dict]] = {f: [] for f in args.frameworks.split(",")}
                 for _ in range(args.repeats):
                     for framework in runs:
@@ -385,13 +386,13 @@ def main() -> None:
                         )
                 # The limit this work item's share is taken of: the higher of the measurements
                 # just before and just after it (a slow moment of the machine makes it lower).
-                item_limit = max(before, matmul_limit_gflops())
+                item_limit = max(before, matmul_limit_gflops(dtype=args.dtype))
                 row = summarise(name, params, algorithm, runs, item_limit, folders[name], data)
                 row["limit_gflops"] = item_limit
                 results.append(row)
                 print_row(row)
-        limit_after = matmul_limit_gflops()
-        print(f"fp32 matmul limit at the end: {limit_after:.0f} GFLOP/s")
+        limit_after = matmul_limit_gflops(dtype=args.dtype)
+        print(f"{args.dtype} matmul limit at the end: {limit_after:.0f} GFLOP/s")
         if args.json is not None:
             args.json.write_text(
                 json.dumps(

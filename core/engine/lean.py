@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
 
 def _unwrapped(model: Any) -> Any:
@@ -59,6 +59,9 @@ def lean_reason(model: Any) -> str | None:
     if getattr(base.model, "gradient_checkpointing", False):
         return "gradient checkpointing is on"
     config = base.config
+    attention = getattr(config, "_attn_implementation", "sdpa")
+    if attention != "sdpa":  # eager's fp32 softmax, or a kernel the user chose (flash-attn)
+        return f"attn_implementation {attention!r} (the lean forward has sdpa)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} (the lean forward has SwiGLU with silu)"
     if any(kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])):
@@ -224,7 +227,7 @@ def lean_logits(
             k,
             v,
             attn_mask=mask,
-            dropout_p=attn.attention_dropout if base.training else 0.0,
+            dropout_p=0.0,  # lean_reason refuses attention dropout in training
             scale=attn.scaling,
             enable_gqa=gqa,
         )

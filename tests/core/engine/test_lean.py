@@ -184,6 +184,9 @@ def test_what_the_lean_path_cannot_run_exactly_is_refused_with_a_reason():
     hooked.model.layers[1].register_forward_hook(lambda *a: None)
     assert "forward hooks" in lean_reason(hooked)
 
+    eager = _model("qwen2", attn_implementation="eager")
+    assert "attn_implementation 'eager'" in lean_reason(eager)
+
     dropout = _model("qwen2", attention_dropout=0.1)
     assert lean_reason(dropout.eval()) is None  # no dropout in eval mode
     assert "dropout" in lean_reason(dropout.train())
