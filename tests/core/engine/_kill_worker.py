@@ -1,7 +1,7 @@
 """Run one arm in a child process that SIGKILLs itself at a chosen point (the kill-at-random-
 points test).
 
-Usage: python -m tests.core.engine._kill_worker serve
+Usage: python -m tests.core.engine._kill_worker
 
 It imports torch, transformers and alignzoo once, then reads one job per stdin line (JSON:
 experiment, arm, seed, out, resume, kill_at, log) and runs each in a child forked for it (a
