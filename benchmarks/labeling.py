@@ -28,13 +28,14 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassificat
 
 from alignzoo.config.schema import LabelingConfig
 from alignzoo.engine.hooks import Hooks
-from alignzoo.engine.labeling import LabelingStage, start_labeler
-from alignzoo.engine.labelstore import LabelStore
+from alignzoo.labeling.interface import start_labeler
+from alignzoo.labeling.orchestrator import LabelingStage
+from alignzoo.labeling.service import ServeConfig, build_app
+from alignzoo.labeling.store import LabelStore
 from alignzoo.plugins.labelers.arithmetic import ArithmeticLabeler
 from alignzoo.plugins.labelers.http import HTTPLabeler
 from alignzoo.plugins.labelers.reward_model import RewardModelLabeler
 from alignzoo.registry import build_plugin_manager
-from alignzoo.serve import ServeConfig, build_app
 from alignzoo.types import LabelRequest
 from alignzoo.world.tokenizer import build_tokenizer
 

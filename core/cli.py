@@ -250,7 +250,7 @@ def serve_labeler(
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8765,
 ) -> None:
     """Serve a labeler plugin over HTTP (protocol v1: POST /v1/score, /health, /metrics)."""
-    from alignzoo.serve import serve
+    from alignzoo.labeling.service import serve
 
     serve(config, host=host, port=port)
 
@@ -265,7 +265,7 @@ def labeler_swap(
     ] = False,
 ) -> None:
     """Validate a new labeler and ask every unfinished run under RUN_DIR to use it."""
-    from alignzoo.engine.labelswap import request
+    from alignzoo.labeling.swap import request
 
     runs = request(run_dir, "shadow" if shadow else "swap", labeler)
     what = "shadow labeler" if shadow else "labeler swap"
@@ -277,7 +277,7 @@ def labeler_promote(
     run_dir: Annotated[Path, typer.Argument(help="A run folder or an experiment folder.")],
 ) -> None:
     """Make the shadow labeler the labeler of every unfinished run under RUN_DIR."""
-    from alignzoo.engine.labelswap import request
+    from alignzoo.labeling.swap import request
 
     runs = request(run_dir, "promote")
     console.print(f"promotion requested for {len(runs)} run(s); applied before their next step")
@@ -683,7 +683,7 @@ def annotate_serve(
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8766,
 ) -> None:
     """Serve the annotation app for the queue in QUEUE_DIR (the default command)."""
-    from alignzoo.annotate import serve
+    from alignzoo.human.app import serve
 
     _existing_queue(queue_dir)
     console.print(f"annotation app for {queue_dir} on http://{host}:{port}/", highlight=False)
@@ -696,7 +696,7 @@ def annotate_add(
     name: Annotated[str, typer.Argument(help="The annotator's name (1 to 64 characters).")],
 ) -> None:
     """Let NAME sign in to the app; prints their token (shown once, stored hashed)."""
-    from alignzoo.humanqueue import HumanQueue, QueueError
+    from alignzoo.human.queue import HumanQueue, QueueError
 
     queue = HumanQueue(queue_dir)
     try:
@@ -712,8 +712,8 @@ def annotate_add(
 @annotate_app.command("status")
 def annotate_status(queue_dir: QueueDir) -> None:
     """Progress per annotator, and the queue's agreement, as JSON."""
-    from alignzoo.humanexport import agreement
-    from alignzoo.humanqueue import HumanQueue
+    from alignzoo.human.export import agreement
+    from alignzoo.human.queue import HumanQueue
 
     queue = HumanQueue(_existing_queue(queue_dir))
     try:
@@ -740,8 +740,8 @@ def annotate_pool(
 ) -> None:
     """Sample two responses per prompt from the arm's starting policy and queue them."""
     from alignzoo.config.loader import load_experiment
-    from alignzoo.humanqueue import HumanQueue
-    from alignzoo.humansim import sample_pool
+    from alignzoo.human.queue import HumanQueue
+    from alignzoo.human.simulate import sample_pool
     from alignzoo.types import LabelRequest
 
     loaded = load_experiment(experiment)
@@ -778,8 +778,8 @@ def annotate_simulate(
     import yaml
     from pydantic import ValidationError
 
-    from alignzoo.humanqueue import HumanQueue
-    from alignzoo.humansim import Simulation, rule_scorer, simulate
+    from alignzoo.human.queue import HumanQueue
+    from alignzoo.human.simulate import Simulation, rule_scorer, simulate
 
     try:
         simulation = Simulation.model_validate(yaml.safe_load(config.read_text(encoding="utf-8")))
@@ -824,7 +824,7 @@ def annotate_export(
     ] = 0.5,
 ) -> None:
     """Write the agreed judgements as a `datasets` folder DPO, KTO and train-rm read."""
-    from alignzoo.humanexport import export
+    from alignzoo.human.export import export
 
     _existing_queue(queue_dir)
     if not tolerance > 0:
@@ -895,7 +895,7 @@ def train_rm(
     ] = None,
 ) -> None:
     """Train a Bradley-Terry reward model the reward_model labeler loads."""
-    from alignzoo.rewardmodel import train_reward_model
+    from alignzoo.human.reward_model import train_reward_model
 
     if out.exists():
         raise UserError(f"--out {out} exists; choose a new folder for the reward model")
@@ -905,9 +905,9 @@ def train_rm(
 
         perturb = near_miss
     elif negatives is not None:
-        from alignzoo.plugins.labelers.python_fn import load_function
+        from alignzoo.callables import load_callable
 
-        perturb = load_function(negatives)
+        perturb = load_callable(negatives, "--negatives")
     report = train_reward_model(
         data,
         _base_model(base, arm),

@@ -418,7 +418,7 @@ class LabelingConfig(_Strict):
     overlap: bool = Field(
         False,
         description="Online arms: label each step's samples in the background while the next "
-        "step's are generated, and train on samples one step old (see alignzoo.engine.pipeline "
+        "step's are generated, and train on samples one step old (see alignzoo.engine.collect "
         "for the staleness this brings).",
     )
     store: str | None = Field(

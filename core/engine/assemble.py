@@ -18,18 +18,18 @@ from alignzoo import distributed
 from alignzoo.config.loader import EVAL_LABELER, LoadedExperiment
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
 from alignzoo.engine import models as model_loading
+from alignzoo.engine.collect import Collector, LabelAhead, build_collector
 from alignzoo.engine.context import RunContext
 from alignzoo.engine.evaluate import eval_rows
 from alignzoo.engine.hooks import Hooks
-from alignzoo.engine.labeling import LabelingStage
-from alignzoo.engine.labelstore import STORE_FILE, LabelStore
 from alignzoo.engine.learner import Learner, build_learner, shard_units
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
-from alignzoo.engine.pipeline import LabelAhead
 from alignzoo.engine.sampler import PromptSampler
 from alignzoo.engine.update import fuses_behaviour
 from alignzoo.errors import UserError
+from alignzoo.labeling import LabelingStage
+from alignzoo.labeling.store import STORE_FILE, LabelStore
 from alignzoo.plugin import Component
 from alignzoo.registry import build_plugin_manager
 from alignzoo.types import AlgorithmRequirements, Placement
@@ -51,9 +51,15 @@ class Run:
     learner: Learner
     sampler: PromptSampler
     eval_rows: list[dict[str, Any]]
-    ahead: LabelAhead | None = None  # labeling.overlap: the batch labeled in the background
+    collector: Collector  # generate and label (or read) each step's batch
     fused_behaviour: bool = False  # the update's forward passes are the behaviour snapshot
     eval_labeling: LabelingStage | None = None  # evaluation.labeler (else the arm's labeling)
+
+    @property
+    def ahead(self) -> LabelAhead | None:
+        """The collector of an arm with ``labeling.overlap`` (its batch labeled in the
+        background), else None."""
+        return self.collector if isinstance(self.collector, LabelAhead) else None
 
     def stateful(self) -> dict[str, Any]:
         """What a checkpoint saves besides models and optimizer: the components, and the
@@ -270,6 +276,7 @@ def assemble(
             f"training.parallel fsdp2: the actor{' and the critic' if models.critic else ''} "
             f"sharded over {distributed.world_size()} processes ({units} blocks + the model)"
         )
+    sampler = PromptSampler(train, seed)
     run = Run(
         context=context,
         hooks=hooks,
@@ -277,11 +284,12 @@ def assemble(
         requirements=req,
         mode=mode,
         learner=learner,
-        sampler=PromptSampler(train, seed),
+        sampler=sampler,
         eval_rows=eval_rows(evaluation, spec.evaluation.num_prompts),
+        collector=build_collector(
+            hooks, models.tokenizer, arm_spec.training, sampler, mode, arm_spec.labeling.overlap
+        ),
     )
-    if arm_spec.labeling.overlap:
-        run.ahead = LabelAhead(run)
     run.fused_behaviour = fuses_behaviour(
         arm_spec.training,
         req,

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.labeling import LabelingStage, label
 from alignzoo.engine.modes import correct_flags, split_rows
+from alignzoo.labeling import LabelingStage, label
 from alignzoo.types import SamplingParams
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ class Hooks:
         self.pm = pm
         self.algorithm = algorithm
         self.labeling: Any = None
-        """The arm's :class:`~alignzoo.engine.labeling.LabelingStage` (set by assembly)."""
+        """The arm's :class:`~alignzoo.labeling.orchestrator.LabelingStage` (set by assembly)."""
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, hook: str, **kwargs: Any) -> Any:
@@ -129,7 +129,7 @@ class Hooks:
                 ) from None
         return loss, metrics
 
-    # Labeler calls go through the labeling stage (alignzoo.engine.labeling), which turns
+    # Labeler calls go through the labeling stage (alignzoo.labeling), which turns
     # what a labeler returns into typed outcomes instead of raising.
 
     # ------------------------------------------------------------------ backend

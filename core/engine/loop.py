@@ -25,7 +25,6 @@ from rich.console import Console
 from alignzoo import distributed, provenance
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import Budget
-from alignzoo.engine import labelswap
 from alignzoo.engine.assemble import Run, assemble
 from alignzoo.engine.checkpoint import (
     ResumePoint,
@@ -40,6 +39,7 @@ from alignzoo.engine.evaluate import evaluate
 from alignzoo.engine.sinks import EVAL_FILE, Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
 from alignzoo.errors import UserError
+from alignzoo.labeling import swap as labelswap
 
 STATUS_FILE = "status.json"
 CONFIG_FILE = "config.yaml"

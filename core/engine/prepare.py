@@ -11,82 +11,20 @@ the rollout correction's importance weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import torch
 
 from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
-from alignzoo.config.schema import RolloutCorrection
-from alignzoo.engine.forward import (
-    chunks,
-    critic_forward,
-    evaluating,
-    no_grad_map,
-    policy_forward,
-    sequence_logprob,
-)
-from alignzoo.engine.hooks import Hooks, implementers
-from alignzoo.engine.models import Models
-from alignzoo.errors import RunError
-from alignzoo.ops import global_masked_mean, masked_kl_penalty, rollout_is_weights
+from alignzoo.engine.hooks import Hooks
+from alignzoo.engine.scoring import Scorer
+from alignzoo.ops import global_masked_mean, masked_kl_penalty
 
-
-@dataclass
-class Scorer:
-    """No-grad forward passes of the run's models over a batch, ``micro_batch_size`` at a time."""
-
-    models: Models
-    micro_batch_size: int
-
-    @torch.no_grad()
-    def behaviour(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The actor's per-token log-probs and entropy ``[B, R]`` (CPU, fp32)."""
-        actor, autocast = self.models.actor, self.models.autocast
-        logprobs, entropy = [], []
-        with evaluating(actor):
-            for index in chunks(batch.size, self.micro_batch_size):
-                lp, ent = policy_forward(
-                    actor, batch.select(index), entropy=True, autocast=autocast
-                )
-                assert ent is not None
-                logprobs.append(lp.detach().float().cpu())
-                entropy.append(ent.detach().float().cpu())
-        return torch.cat(logprobs), torch.cat(entropy)
-
-    def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The frozen reference's per-token log-probs ``[B, R]``."""
-        reference, autocast = self.models.reference, self.models.autocast
-        assert reference is not None
-        return no_grad_map(
-            lambda b: policy_forward(reference, b, autocast=autocast)[0],
-            batch,
-            self.micro_batch_size,
-        )
-
-    def values(self, batch: RolloutBatch) -> torch.Tensor:
-        """The critic's values ``[B, R]`` (without dropout, like the behaviour log-probs)."""
-        critic, autocast = self.models.critic, self.models.autocast
-        assert critic is not None
-        with evaluating(critic):
-            return no_grad_map(
-                lambda b: critic_forward(critic, b, autocast=autocast), batch, self.micro_batch_size
-            )
-
-    def sequence_logprobs(
-        self, batch: RolloutBatch, role: Literal["actor", "ref"] = "actor"
-    ) -> torch.Tensor:
-        """Sum of response log-probs per sample ``[B]`` under the actor or the reference."""
-        model = self.models.actor if role == "actor" else self.models.reference
-        assert model is not None
-        with evaluating(model):
-            return no_grad_map(
-                lambda b: sequence_logprob(model, b, self.models.autocast),
-                batch,
-                self.micro_batch_size,
-            )
+if TYPE_CHECKING:
+    from alignzoo.engine.context import RunContext
+    from alignzoo.engine.modes import Collected, DataMode
 
 
 def behaviour_metrics(
@@ -106,23 +44,6 @@ def behaviour_metrics(
     return metrics
 
 
-def apply_rollout_correction(batch: RolloutBatch, cfg: RolloutCorrection, hooks: Hooks) -> None:
-    """Set ``batch.rollout_is_weights`` from its ``old_logprobs`` and ``rollout_logprobs``
-    (``training.rollout_correction``; nothing when its level is off)."""
-    if cfg.level == "off" or batch.old_logprobs is None:
-        return
-    if batch.rollout_logprobs is None:
-        backend = implementers(hooks.pm, "generate")
-        raise RunError(
-            f"training.rollout_correction (level {cfg.level}) needs the sampling log-probs, and "
-            f"the backend {backend!r} returned none (batch.rollout_logprobs); turn the "
-            "correction off or use a backend that records them"
-        )
-    batch.rollout_is_weights = rollout_is_weights(
-        batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.cap, cfg.level
-    )
-
-
 def prepare(
     scorer: Scorer, batch: RolloutBatch, generated: bool, behaviour: bool = True
 ) -> dict[str, float]:
@@ -130,7 +51,8 @@ def prepare(
 
     ``generated``: the batch was sampled by the policy, so the behaviour log-probs become
     ``batch.old_logprobs``. For offline rows they are used for the metrics only.
-    ``behaviour=False`` leaves the actor's pass to the update (a :class:`FusedSnapshot`): the
+    ``behaviour=False`` leaves the actor's pass to the update (a
+    :class:`~alignzoo.engine.update.FusedSnapshot`): the
     reference log-probs and critic values are filled, ``old_logprobs`` is cleared (the
     backend's sampling log-probs are not the trainer's) and no metric is returned yet.
     """
@@ -148,38 +70,28 @@ def prepare(
     return behaviour_metrics(logprobs, entropy, batch)
 
 
-class FusedSnapshot:
-    """The behaviour snapshot taken from the update's own forward passes.
-
-    When a batch is trained on once, in one optimizer step, every micro-batch's forward pass
-    runs on the weights before the update, with dropout off: its detached log-probs and entropy
-    *are* the behaviour snapshot, so the separate no-grad pass of :func:`prepare` is skipped
-    (one forward pass fewer per step, as TRL does with one iteration per generation). Each
-    micro-batch records its rows; :meth:`finish` fills ``old_logprobs`` / ``entropy`` of the
-    whole batch and returns the same canonical metrics :func:`prepare` would.
-    """
-
-    def __init__(self, batch: RolloutBatch, generated: bool) -> None:
-        shape = tuple(batch.response_ids.shape)
-        self.generated = generated
-        self.logprobs = torch.zeros(shape)
-        self.entropy = torch.zeros(shape)
-        self.seen = torch.zeros(shape[0], dtype=torch.bool)
-
-    def record(self, index: list[int], logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
-        """Keep micro-batch ``index``'s detached log-probs and entropy ``[b, R]``."""
-        rows = torch.as_tensor(index, dtype=torch.long)
-        if bool(self.seen[rows].any()):
-            raise RuntimeError("FusedSnapshot: a row was recorded twice (more than one pass)")
-        self.logprobs[rows] = logprobs.detach().float().cpu()
-        self.entropy[rows] = entropy.detach().float().cpu()
-        self.seen[rows] = True
-
-    def finish(self, batch: RolloutBatch) -> dict[str, float]:
-        """Fill the batch's behaviour fields; the canonical metrics of :func:`prepare`."""
-        if not bool(self.seen.all()):
-            raise RuntimeError("FusedSnapshot: some rows were never trained on")
-        if self.generated:
-            batch.old_logprobs = self.logprobs
-        batch.entropy = self.entropy
-        return behaviour_metrics(self.logprobs, self.entropy, batch)
+def prepare_step(
+    scorer: Scorer,
+    collected: Collected,
+    mode: DataMode,
+    hooks: Hooks,
+    context: RunContext,
+    fused: bool,
+    step: int,
+) -> RolloutBatch | None:
+    """The stage between labeling and advantages, for one step's collected batch: the no-grad
+    scoring (unless the batch's behaviour snapshot was taken at generation, or the update takes
+    it, ``fused``), the mode's selection, the arm's batch transforms and the mode's no-grad
+    extras. Its canonical metrics go into ``collected.metrics``. None when nothing is left to
+    train on (online pairs with no untied group, or a transform that filtered every sample);
+    every rank has a batch of the same size (their collectives would otherwise hang)."""
+    if not collected.behaviour_taken:
+        behaviour = prepare(scorer, collected.batch, generated=mode.online, behaviour=not fused)
+        collected.metrics.update(behaviour)
+    batch = mode.select(collected.batch, collected.metrics)
+    if batch is not None:
+        batch = hooks.transform_batch(batch, context)
+    distributed.all_equal(batch.size if batch is not None else 0, f"step {step}'s batch size")
+    if batch is None or batch.size == 0:
+        return None
+    return mode.prepare(batch, scorer)

@@ -1,6 +1,15 @@
-"""One training step, stage by stage: prompts → collect (generate + label, or read) → no-grad
-scoring → select (pairs, desirability) → batch transforms → mode extras → advantages →
-update → weight sync. Returns the step's metrics."""
+"""One training step, stage by stage, each in its module and entered once:
+
+1. collect (:mod:`~alignzoo.engine.collect`): the step's prompts generated and labeled, or
+   offline rows read; with ``labeling.overlap`` the batch labeled in the background;
+2. prepare (:mod:`~alignzoo.engine.prepare`): no-grad scoring (behaviour snapshot, reference,
+   critic), the mode's selection (pairs, desirability), batch transforms, the mode's extras;
+3. advantages: the algorithm's ``compute_advantages``;
+4. update (:mod:`~alignzoo.engine.update`): the rollout correction, then epochs x
+   minibatches x micro-batches of ``compute_loss`` (the fused behaviour snapshot inside);
+5. sync: the new weights to the rollout backend.
+
+Returns the step's metrics (over every rank's batch under data parallelism)."""
 
 from __future__ import annotations
 
@@ -13,8 +22,8 @@ import torch
 from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.modes import StepSource
-from alignzoo.engine.prepare import FusedSnapshot, Scorer, apply_rollout_correction, prepare
+from alignzoo.engine.prepare import prepare_step
+from alignzoo.engine.scoring import Scorer
 from alignzoo.engine.update import update
 
 if TYPE_CHECKING:
@@ -55,14 +64,9 @@ def sample_rows(batch: RolloutBatch, step: int) -> list[dict[str, Any]]:
 def train_step(run: Run, step: int) -> StepResult:
     """Run step ``step`` (1-based) end to end."""
     start = time.perf_counter()
-    mode, hooks, cfg = run.mode, run.hooks, run.context.arm_spec.training
+    cfg = run.context.arm_spec.training
     scorer = Scorer(run.models, cfg.micro_batch_size)
-    if run.ahead is not None:  # labeled in the background, behaviour snapshot taken already
-        collected = run.ahead.collect(scorer)
-    else:
-        rows, seeds = run.sampler.next_seeded(cfg.prompts_per_step)
-        rows, seeds = distributed.shard(rows), distributed.shard(seeds)  # this rank's share
-        collected = mode.collect(rows, StepSource(hooks, run.models.tokenizer, cfg, seeds))
+    collected = run.collector.collect(scorer)  # 1. generate → label (or read)
     result = StepResult(
         metrics=collected.metrics,
         sample_rows=sample_rows(collected.batch, step),
@@ -74,25 +78,33 @@ def train_step(run: Run, step: int) -> StepResult:
         for row in collected.report.slowest:  # where labeling time went, call by call
             run.context.record(SLOWEST_STREAM, row)
     t = time.perf_counter()
-    fused = run.fused_behaviour
-    if run.ahead is None:
-        m.update(prepare(scorer, collected.batch, generated=mode.online, behaviour=not fused))
-    batch = mode.select(collected.batch, m)
-    if batch is not None:  # online pairs with no untied group have nothing to learn from
-        batch = hooks.transform_batch(batch, run.context)
-    # Every rank must train on as many samples (their collectives would mismatch and hang).
-    distributed.all_equal(batch.size if batch is not None else 0, f"step {step}'s batch size")
-    if batch is not None and batch.size > 0:  # a transform may filter every sample out
-        batch = mode.prepare(batch, scorer)
-        batch = hooks.compute_advantages(batch)
-        if not fused:  # fused: each micro-batch's weights are set with its old_logprobs
-            apply_rollout_correction(batch, cfg.rollout_correction, hooks)
-        snapshot = FusedSnapshot(batch, generated=mode.online) if fused else None
-        m.update(update(run.learner, hooks, run.requirements, mode, batch, step, snapshot))
-        run.sync_weights()
+    batch = prepare_step(  # 2. no-grad scoring → select → transforms → mode extras
+        scorer, collected, run.mode, run.hooks, run.context, run.fused_behaviour, step
+    )
+    if batch is not None:
+        batch = run.hooks.compute_advantages(batch)  # 3. advantages
+        m.update(  # 4. update
+            update(
+                run.learner,
+                run.hooks,
+                run.requirements,
+                run.mode,
+                batch,
+                step,
+                fused=run.fused_behaviour,
+            )
+        )
+        run.sync_weights()  # 5. the new weights to the backend
         m["timing/update"] = time.perf_counter() - t
     m[canonical.STEP_SECONDS] = time.perf_counter() - start
-    if distributed.active():  # the whole global batch's numbers, on every rank
+    return over_every_rank(result)
+
+
+def over_every_rank(result: StepResult) -> StepResult:
+    """Under data parallelism, the whole global batch's counts and metrics on every rank;
+    ``throughput/tokens_per_s`` from them."""
+    m = result.metrics
+    if distributed.active():
         counts = torch.tensor([result.samples, result.tokens], dtype=torch.float64)
         samples, tokens = distributed.all_sum(counts).tolist()
         result.samples, result.tokens = int(samples), int(tokens)

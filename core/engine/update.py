@@ -19,14 +19,69 @@ import torch
 from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import PolicyOutputs, RolloutBatch
-from alignzoo.config.schema import TrainingConfig
+from alignzoo.config.schema import RolloutCorrection, TrainingConfig
 from alignzoo.engine.forward import critic_forward, policy_forward
-from alignzoo.engine.hooks import Hooks
+from alignzoo.engine.hooks import Hooks, implementers
 from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
-from alignzoo.engine.prepare import FusedSnapshot, apply_rollout_correction
+from alignzoo.engine.prepare import behaviour_metrics
 from alignzoo.errors import RunError
+from alignzoo.ops import rollout_is_weights
 from alignzoo.types import AlgorithmRequirements, LossContext
+
+
+def apply_rollout_correction(batch: RolloutBatch, cfg: RolloutCorrection, hooks: Hooks) -> None:
+    """Set ``batch.rollout_is_weights`` from its ``old_logprobs`` and ``rollout_logprobs``
+    (``training.rollout_correction``; nothing when its level is off)."""
+    if cfg.level == "off" or batch.old_logprobs is None:
+        return
+    if batch.rollout_logprobs is None:
+        backend = implementers(hooks.pm, "generate")
+        raise RunError(
+            f"training.rollout_correction (level {cfg.level}) needs the sampling log-probs, and "
+            f"the backend {backend!r} returned none (batch.rollout_logprobs); turn the "
+            "correction off or use a backend that records them"
+        )
+    batch.rollout_is_weights = rollout_is_weights(
+        batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.cap, cfg.level
+    )
+
+
+class FusedSnapshot:
+    """The behaviour snapshot taken from the update's own forward passes.
+
+    When a batch is trained on once, in one optimizer step, every micro-batch's forward pass
+    runs on the weights before the update, with dropout off: its detached log-probs and entropy
+    *are* the behaviour snapshot, so the separate no-grad pass of :func:`prepare` is skipped
+    (one forward pass fewer per step, as TRL does with one iteration per generation). Each
+    micro-batch records its rows; :meth:`finish` fills ``old_logprobs`` / ``entropy`` of the
+    whole batch and returns the same canonical metrics :func:`prepare` would.
+    """
+
+    def __init__(self, batch: RolloutBatch, generated: bool) -> None:
+        shape = tuple(batch.response_ids.shape)
+        self.generated = generated
+        self.logprobs = torch.zeros(shape)
+        self.entropy = torch.zeros(shape)
+        self.seen = torch.zeros(shape[0], dtype=torch.bool)
+
+    def record(self, index: list[int], logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
+        """Keep micro-batch ``index``'s detached log-probs and entropy ``[b, R]``."""
+        rows = torch.as_tensor(index, dtype=torch.long)
+        if bool(self.seen[rows].any()):
+            raise RuntimeError("FusedSnapshot: a row was recorded twice (more than one pass)")
+        self.logprobs[rows] = logprobs.detach().float().cpu()
+        self.entropy[rows] = entropy.detach().float().cpu()
+        self.seen[rows] = True
+
+    def finish(self, batch: RolloutBatch) -> dict[str, float]:
+        """Fill the batch's behaviour fields; the canonical metrics of :func:`prepare`."""
+        if not bool(self.seen.all()):
+            raise RuntimeError("FusedSnapshot: some rows were never trained on")
+        if self.generated:
+            batch.old_logprobs = self.logprobs
+        batch.entropy = self.entropy
+        return behaviour_metrics(self.logprobs, self.entropy, batch)
 
 
 def global_context(context: LossContext) -> LossContext:
@@ -88,13 +143,15 @@ def update(
     mode: DataMode,
     batch: RolloutBatch,
     step: int,
-    snapshot: FusedSnapshot | None = None,
+    fused: bool = False,
 ) -> dict[str, float]:
-    """Train on one step's batch; returns its metrics.
+    """Train on one step's batch (its advantages computed); returns its metrics.
 
-    ``snapshot``: take the behaviour snapshot from this update's forward passes (only valid
-    for one epoch and one optimizer step, see :func:`fuses_behaviour`); its canonical metrics
-    are returned with the rest.
+    The rollout correction's importance weights (``training.rollout_correction``) are set
+    first. ``fused``: take the behaviour snapshot from this update's forward passes (a
+    :class:`FusedSnapshot`, only valid for one epoch and one optimizer step, see
+    :func:`fuses_behaviour`; each micro-batch's correction is then set from its own pass); its
+    canonical metrics are returned with the rest.
 
     ``loss`` is each optimizer step's loss (the sum of its micro-batches' shares), averaged over
     the step's optimizer steps; the algorithm's metrics are averaged over micro-batches weighted
@@ -103,6 +160,9 @@ def update(
     """
     cfg = learner.cfg
     mode.check(batch, step)
+    snapshot = FusedSnapshot(batch, generated=mode.online) if fused else None
+    if snapshot is None:  # fused: each micro-batch's weights are set with its old_logprobs
+        apply_rollout_correction(batch, cfg.rollout_correction, hooks)
     units = mode.units(batch.size)
     minibatch = cfg.minibatch_size or batch.size
     sums: dict[str, list[float]] = defaultdict(list)

@@ -14,7 +14,7 @@ node) the arm's components are built there, from the file, by the registry of th
   times; the retry resumes from the run's last checkpoint), then reported failed like a
   killed local worker. The output folder must be on a filesystem every node sees.
 
-Every executor reports each run's :class:`~alignzoo.experiment.runner.RunResult` through
+Every executor reports each run's :class:`~alignzoo.experiment.arm.RunResult` through
 ``done(result)`` as it ends; the runner writes the report from the run folders alone, so the
 report does not depend on the executor.
 """
@@ -32,14 +32,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from alignzoo.errors import UserError
+from alignzoo.experiment.arm import (
+    RunFn,
+    RunResult,
+    error_text,
+    execute_run,
+    record_failure,
+    run_engine,
+)
 
 if TYPE_CHECKING:
     from alignzoo.config.loader import LoadedExperiment
     from alignzoo.config.schema import ExperimentSpec
-    from alignzoo.experiment.runner import RunResult
 
-RunFn = Callable[..., Any]
-Done = Callable[["RunResult"], None]
+Done = Callable[[RunResult], None]
 Started = Callable[[str, int], None]
 
 
@@ -101,9 +107,8 @@ def limit_threads(threads: int) -> None:
 def _loaded_for(job: RunJob, fn: RunFn) -> LoadedExperiment:
     """What the run function receives in a worker: the components built from the file; a
     replacement ``fn`` (a test double of the engine) gets the spec alone."""
-    from alignzoo.experiment.runner import _run_one
 
-    if fn is _run_one:
+    if fn is run_engine:
         return job.load()
     from alignzoo.config.loader import LoadedExperiment
 
@@ -112,15 +117,14 @@ def _loaded_for(job: RunJob, fn: RunFn) -> LoadedExperiment:
 
 def run_job(job: RunJob, fn: RunFn) -> RunResult:
     """Run one job in this (worker) process; any failure becomes a failed result."""
-    from alignzoo.experiment.runner import RunResult, _error_text, _execute, _record_failure
 
     try:
         loaded = _loaded_for(job, fn)
     except Exception as exc:  # the file changed, a plugin is missing on this node, ...
-        error = f"could not load {job.source} for {job.name}: {_error_text(exc)}"
-        _record_failure(job.run_dir, error)
+        error = f"could not load {job.source} for {job.name}: {error_text(exc)}"
+        record_failure(job.run_dir, error)
         return RunResult(job.arm, job.seed, job.run_dir, "failed", error)
-    return _execute(fn, loaded, job.arm, job.seed, job.run_dir, job.resume, None)
+    return execute_run(fn, loaded, job.arm, job.seed, job.run_dir, job.resume, None)
 
 
 # --------------------------------------------------------------------------- local
@@ -141,12 +145,15 @@ class LocalExecutor:
         started: Started,
         done: Done,
     ) -> None:
-        from alignzoo.experiment.runner import _execute
 
         if self.jobs == 1 or len(jobs) <= 1:
             for job in jobs:
                 started(job.arm, job.seed)
-                done(_execute(fn, loaded, job.arm, job.seed, job.run_dir, job.resume, self.console))
+                done(
+                    execute_run(
+                        fn, loaded, job.arm, job.seed, job.run_dir, job.resume, self.console
+                    )
+                )
             return
         self._processes(jobs, fn, started, done)
 
@@ -188,13 +195,12 @@ class LocalExecutor:
 
 def _process_main(job: RunJob, fn: RunFn, conn: Connection) -> None:
     """Body of one run's worker process: run it and send the result back to the parent."""
-    from alignzoo.experiment.runner import RunResult, _error_text
 
     limit_threads(job.threads)
     try:
         result = run_job(job, fn)
     except BaseException as exc:  # tell the parent why, instead of dying silently
-        error = f"worker process failed: {_error_text(exc)}"
+        error = f"worker process failed: {error_text(exc)}"
         result = RunResult(job.arm, job.seed, job.run_dir, "failed", error)
     conn.send(result)
     conn.close()
@@ -202,14 +208,13 @@ def _process_main(job: RunJob, fn: RunFn, conn: Connection) -> None:
 
 def _collect(job: RunJob, proc: Any, receive: Connection) -> RunResult:
     """The result a finished worker sent, or a failure naming how the process died."""
-    from alignzoo.experiment.runner import RunResult, _record_failure
 
     try:
         result: RunResult = receive.recv()
     except (EOFError, OSError):  # the process ended without a word: killed, out of memory, ...
         proc.join()
         error = f"worker process died (exit code {proc.exitcode}) before the run finished"
-        _record_failure(job.run_dir, error)
+        record_failure(job.run_dir, error)
         result = RunResult(job.arm, job.seed, job.run_dir, "failed", error)
     proc.join()
     receive.close()
@@ -263,7 +268,6 @@ class RayExecutor:
         started: Started,
         done: Done,
     ) -> None:
-        from alignzoo.experiment.runner import RunResult, _record_failure
 
         ray = import_ray()
         ours = not ray.is_initialized()
@@ -294,7 +298,7 @@ class RayExecutor:
                             f"ray task died ({type(exc).__name__}) after {self.retries + 1} "
                             f"attempt(s) before the run finished: {first}"
                         )
-                        _record_failure(job.run_dir, error)
+                        record_failure(job.run_dir, error)
                         result = RunResult(job.arm, job.seed, job.run_dir, "failed", error)
                     done(result)
         except KeyboardInterrupt:

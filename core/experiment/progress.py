@@ -21,7 +21,7 @@ from alignzoo.config.schema import ExperimentSpec
 from alignzoo.experiment.runfiles import read_status
 
 if TYPE_CHECKING:
-    from alignzoo.experiment.runner import RunResult
+    from alignzoo.experiment.arm import RunResult
 
 POLL_SECONDS = 0.25
 """How often the view reads the run folders (often enough for short runs to move the bar)."""

@@ -34,7 +34,7 @@ class Agreement:
 
 def stores_under(folder: Path) -> list[Path]:
     """``labels.sqlite`` of a run folder, or of every run folder below an experiment folder."""
-    from alignzoo.engine.labelstore import STORE_FILE
+    from alignzoo.labeling.store import STORE_FILE
 
     direct = folder / STORE_FILE
     if direct.is_file():
@@ -53,9 +53,9 @@ def _corr(a: list[float], b: list[float]) -> tuple[float | None, float | None]:
 def relabel(folder: Path, labeler_file: Path, tolerance: float = 1e-6) -> dict[str, Any]:
     """Relabel the stored rollouts under ``folder``; returns (and writes) the comparison."""
     from alignzoo.engine.hooks import Hooks
-    from alignzoo.engine.labeling import LabelingStage, start_labeler
-    from alignzoo.engine.labelstore import LabelStore, labeler_identity, stored_requests
-    from alignzoo.engine.labelswap import build_labeler, read_ref
+    from alignzoo.labeling import LabelingStage, start_labeler
+    from alignzoo.labeling.store import LabelStore, labeler_identity, stored_requests
+    from alignzoo.labeling.swap import build_labeler, read_ref
     from alignzoo.registry import build_plugin_manager
 
     if not folder.is_dir():

@@ -18,7 +18,6 @@ the others go on; the result's ``failed`` is then True.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 from collections.abc import Callable
@@ -32,32 +31,19 @@ from alignzoo import distributed, provenance
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import RunError, UserError
+from alignzoo.experiment.arm import (
+    RunFn,
+    RunResult,
+    error_text,
+    execute_run,
+    run_engine,
+)
 from alignzoo.experiment.executors import Executor, LocalExecutor, RunJob
 from alignzoo.experiment.progress import ProgressView, print_summary
 from alignzoo.experiment.runfiles import EXPERIMENT_FILE, read_status, write_atomic
 
-RunFn = Callable[..., Any]
-
 # Spec sections that must match for a resumed experiment to stay a fair comparison.
 _SHARED_SECTIONS = ("budget", "data", "evaluation", "model", "training")
-
-
-@dataclass
-class RunResult:
-    """How one arm x seed run ended."""
-
-    arm: str
-    seed: int
-    out_dir: Path
-    status: str  # "finished" | "failed"
-    error: str | None = None
-    skipped: bool = False
-    steps: int | None = None
-    wall_clock_s: float | None = None
-
-    @property
-    def name(self) -> str:
-        return f"{self.arm}/seed-{self.seed}"
 
 
 @dataclass
@@ -68,23 +54,6 @@ class ExperimentResult:
     runs: list[RunResult] = field(default_factory=list)
     failed: bool = False
     report_paths: list[Path] = field(default_factory=list)
-
-
-def _run_one(
-    loaded: LoadedExperiment,
-    arm: str,
-    seed: int,
-    out_dir: Path,
-    resume: bool = False,
-    console: Any = None,
-    resume_from: Path | None = None,
-) -> Any:
-    """The engine's run_one (imported late: it pulls in torch)."""
-    from alignzoo.engine.loop import run_one
-
-    return run_one(
-        loaded, arm, seed, out_dir, resume=resume, console=console, resume_from=resume_from
-    )
 
 
 # --------------------------------------------------------------------------- folder
@@ -184,53 +153,6 @@ def _check_resumable(loaded: LoadedExperiment, out: Path, say: Callable[..., Any
                     )
 
 
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _record_failure(run_dir: Path, error: str) -> None:
-    """Make status.json say failed with ``error`` (keeping what the engine wrote)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    status = read_status(run_dir)
-    if status.get("status") == "failed" and status.get("error"):
-        return
-    status.update(status="failed", error=error)
-    write_atomic(run_dir / "status.json", json.dumps(status, indent=2))
-
-
-def _execute(
-    run_fn: RunFn,
-    loaded: LoadedExperiment,
-    arm: str,
-    seed: int,
-    run_dir: Path,
-    resume: bool,
-    console: Any,
-) -> RunResult:
-    """Run one arm x seed; any exception (not an interrupt) becomes a failed result."""
-    try:
-        summary = run_fn(loaded, arm, seed, run_dir, resume=resume, console=console)
-    except Exception as exc:
-        message = _error_text(exc)
-        _record_failure(run_dir, message)
-        return RunResult(arm, seed, run_dir, "failed", message)
-    status = str(getattr(summary, "status", None) or read_status(run_dir).get("status", "failed"))
-    error: str | None = getattr(summary, "error", None)
-    if status != "finished":
-        status = "failed"
-        error = str(error or read_status(run_dir).get("error") or "the run did not finish")
-        _record_failure(run_dir, error)
-    return RunResult(
-        arm,
-        seed,
-        run_dir,
-        status,
-        error,
-        steps=getattr(summary, "steps", None),
-        wall_clock_s=getattr(summary, "wall_clock_s", None),
-    )
-
-
 # --------------------------------------------------------------------------- experiment
 
 
@@ -269,7 +191,7 @@ def run_experiment(
         _check_resumable(loaded, out, say=console.print if console is not None else None)
     prepare_folder(spec, out, resume)
     provenance.record(out, provenance.collect(loaded.source), resume)
-    fn: RunFn = run_fn if run_fn is not None else _run_one
+    fn: RunFn = run_fn if run_fn is not None else run_engine
     say = console.print if console is not None else (lambda *a, **k: None)
 
     planned = [(arm, seed, out / arm / f"seed-{seed}") for arm in spec.arms for seed in spec.seeds]
@@ -291,7 +213,7 @@ def run_experiment(
     in_workers = scheduled or (jobs > 1 and len(todo) > 1)
     threads = max(1, (os.cpu_count() or 1) // jobs)
     resources = {
-        arm: run_resources(loaded, arm, threads, placed=scheduled and fn is _run_one)
+        arm: run_resources(loaded, arm, threads, placed=scheduled and fn is run_engine)
         for arm in {arm for arm, _, _, _ in todo}
     }
     work = [
@@ -344,7 +266,7 @@ def _report(
     except Exception as exc:
         failed = True
         say(
-            f"[red]could not write the report[/red]: {_error_text(exc)}; the runs are on disk, "
+            f"[red]could not write the report[/red]: {error_text(exc)}; the runs are on disk, "
             f"rerun `alignzoo report {out}`",
             highlight=False,
         )
@@ -410,7 +332,7 @@ def _run_data_parallel(
     spec = loaded.spec
     out = experiment_dir(spec, out_dir)
     main = distributed.is_main()
-    fn: RunFn = run_fn if run_fn is not None else _run_one
+    fn: RunFn = run_fn if run_fn is not None else run_engine
     say = console.print if console is not None and main else (lambda *a, **k: None)
     problem: str | None = None
     plan: list[tuple[str, int, bool, RunResult | None]] = []
@@ -446,9 +368,9 @@ def _run_data_parallel(
         shared_dir = out / arm / f"seed-{seed}"
         run_dir = shared_dir if main else scratch / arm / f"seed-{seed}"
         call = fn
-        if again and not main and fn is _run_one:  # rank 0's checkpoints, read by every rank
-            call = functools.partial(_run_one, resume_from=shared_dir)
-        result = _execute(call, loaded, arm, seed, run_dir, again, console if main else None)
+        if again and not main and fn is run_engine:  # rank 0's checkpoints, read by every rank
+            call = functools.partial(run_engine, resume_from=shared_dir)
+        result = execute_run(call, loaded, arm, seed, run_dir, again, console if main else None)
         if result.status != "finished":
             raise RunError(
                 f"{arm}/seed-{seed} failed on rank {distributed.rank()} of {world}: "

@@ -54,7 +54,7 @@ from hypothesis import strategies as st
 
 from alignzoo.errors import UserError
 from alignzoo.registry import build_plugin_manager, get_registry
-from alignzoo.testing.contract import CheckResult, ContractViolation, _run, check_algorithm
+from alignzoo.testing.contract import CheckResult, ContractViolation, check_algorithm, run_property
 from alignzoo.types import LabelRequest, Outcome, SamplingParams, Score
 from alignzoo.weights import PolicyWeights
 
@@ -169,7 +169,7 @@ EXTRA_GUESSES: tuple[dict[str, Any], ...] = ({"answer": "7"}, {})
 
 def _score(hook: Any, requests: list[LabelRequest]) -> list[Score]:
     """``score_batch`` through a plugin manager, checked the way the labeling stage checks it."""
-    from alignzoo.engine.labeling import check_scores
+    from alignzoo.labeling.interface import check_scores
 
     try:
         answer = hook.score_batch(requests=list(requests))
@@ -231,7 +231,7 @@ def check_labeler(
     results = [CheckResult("instantiate", True, f"{label} (data columns {sorted(columns)})")]
     one = "example = the requests of one score_batch call"
     results.append(
-        _run(
+        run_property(
             "one_score_per_request",
             _requests(columns),
             lambda r: _score(hook, r),
@@ -255,7 +255,9 @@ def check_labeler(
             _assert_same(_score(hook, requests), _score(hook, requests), "scored again")
 
         for name, prop in (("batch_equals_items", items), ("deterministic", twice)):
-            results.append(_run(name, _requests(columns), prop, max_examples, shrink_seconds, one))
+            results.append(
+                run_property(name, _requests(columns), prop, max_examples, shrink_seconds, one)
+            )
     close = getattr(instance, "close", None)
     if callable(close):
         close()
@@ -404,11 +406,13 @@ def check_backend(
     results = [CheckResult("instantiate", True, label)]
     legend = "example = (prompts, n, max_new_tokens)"
     for name, prop in (("layout", layout), ("greedy_deterministic", greedy_twice)):
-        results.append(_run(name, _prompts_and_n(), prop, max_examples, shrink_seconds, legend))
+        results.append(
+            run_property(name, _prompts_and_n(), prop, max_examples, shrink_seconds, legend)
+        )
     if _sampling_logprobs(generate(PROMPTS[:1], 1, 2, False)) is None:  # optional
         results.append(CheckResult("sampling_logprobs", True, "skipped: no sampling log-probs"))
     else:
-        results.append(_run("sampling_logprobs", _prompts_and_n(), sampling_logprobs,
+        results.append(run_property("sampling_logprobs", _prompts_and_n(), sampling_logprobs,
                             max_examples, shrink_seconds, legend))  # fmt: skip
     results.append(_sync_check(hook, actor, tokenizer, generate))
     return results
@@ -536,8 +540,10 @@ def check_device_mapper(
     legend = "example = (roles, available devices)"
     return [
         CheckResult("instantiate", True, label),
-        _run("places_every_role", _placements(), every_role, max_examples, shrink_seconds, legend),
-        _run("stable", _placements(), stable, max_examples, shrink_seconds, legend),
+        run_property(
+            "places_every_role", _placements(), every_role, max_examples, shrink_seconds, legend
+        ),
+        run_property("stable", _placements(), stable, max_examples, shrink_seconds, legend),
     ]
 
 
@@ -607,7 +613,7 @@ def check_modifier(
     hook = build_plugin_manager([instance]).hook
     cases = batch_cases(AlgorithmRequirements(data="online"))
     results.append(
-        _run(
+        run_property(
             "transform_batch_layout",
             cases,
             lambda c: _transform_layout(hook, c),

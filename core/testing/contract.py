@@ -512,7 +512,7 @@ def _shrink_budget(seconds: float) -> Iterator[None]:
         setattr(engine, "MAX_SHRINKING_SECONDS", previous)  # noqa: B010
 
 
-def _run(
+def run_property(
     name: str,
     strategy: st.SearchStrategy[Any],
     prop: Callable[[Any], None],
@@ -520,6 +520,9 @@ def _run(
     shrink_seconds: float,
     legend: str = "",
 ) -> CheckResult:
+    """Check ``prop`` on ``max_examples`` drawn from ``strategy`` (hypothesis, no deadline,
+    shrinking for at most ``shrink_seconds``): one :class:`CheckResult` named ``name``, with the
+    smallest failing example and ``legend`` (what the example's fields mean) when it fails."""
     last_example: list[Any] = []
 
     @settings(
@@ -643,7 +646,7 @@ def check_algorithm(
     results = [CheckResult("instantiate", True, f"{label}: {requirements}")]
     for name, strategy, prop, legend in properties:
         if name in selected:
-            results.append(_run(name, strategy, prop, max_examples, shrink_seconds, legend))
+            results.append(run_property(name, strategy, prop, max_examples, shrink_seconds, legend))
     return results
 
 

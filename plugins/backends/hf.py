@@ -256,7 +256,7 @@ class HFBackend(Backend):
         else:
             response = torch.zeros((rows, 0), dtype=torch.long, device=device)
             response_logprobs = torch.zeros((rows, 0), device=device)
-        response, response_mask = _cut_after_eos(response, eos_ids, pad)
+        response, response_mask = cut_after_eos(response, eos_ids, pad)
         response_logprobs = response_logprobs.masked_fill(response_mask == 0, 0.0)
         ids = prompt_ids.repeat_interleave(n, dim=0)
         return (
@@ -303,7 +303,7 @@ class HFBackend(Backend):
             )
         response = sequences[:, width:]
         logprobs = recorder.finish(response)
-        response, response_mask = _cut_after_eos(response, eos_ids, pad)
+        response, response_mask = cut_after_eos(response, eos_ids, pad)
         logprobs = logprobs.masked_fill(response_mask == 0, 0.0)
         return ids, mask, response.cpu(), response_mask.cpu(), logprobs.float().cpu()
 
@@ -527,7 +527,7 @@ def _warpers(sampling: SamplingParams) -> list[Any]:
     return warpers
 
 
-def _cut_after_eos(
+def cut_after_eos(
     response: torch.Tensor, eos_ids: list[int], pad: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask 1.0 up to and including the first EOS, 0.0 after; tokens after it become ``pad``."""

@@ -189,7 +189,7 @@ class VLLMBackend(Backend):
         from vllm import SamplingParams as VLLMSampling
 
         from alignzoo.batch import RolloutBatch
-        from alignzoo.plugins.backends.hf import _cut_after_eos, encode_prompts
+        from alignzoo.plugins.backends.hf import cut_after_eos, encode_prompts
 
         if self.llm is None or self.tokenizer is None:
             raise RuntimeError("VLLMBackend.generate called before on_run_start")
@@ -241,7 +241,7 @@ class VLLMBackend(Backend):
                 response[row, : len(r)] = torch.tensor(r, dtype=torch.long)
                 logprobs[row, : len(r)] = torch.tensor(lp)
                 filled[row, : len(r)] = True
-        response, mask = _cut_after_eos(response, eos, pad)
+        response, mask = cut_after_eos(response, eos, pad)
         mask = mask * filled.float()
         lengths = mask.sum(dim=1).long().tolist()
         texts = self.tokenizer.batch_decode(

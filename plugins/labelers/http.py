@@ -1,5 +1,5 @@
 """Labeler "http": the client of ``alignzoo serve-labeler`` (protocol version 1, see
-:mod:`alignzoo.serve`), or of any service that speaks it.
+:mod:`alignzoo.labeling.service`), or of any service that speaks it.
 
 One pooled ``httpx`` client per labeler (keep-alive), requests of at most ``batch_size``
 items. What comes back becomes typed outcomes for the arm's labeling policies: HTTP 429 and

@@ -1,4 +1,4 @@
-"""Labeler "human": people rate the responses, through a queue (:mod:`alignzoo.humanqueue`).
+"""Labeler "human": people rate the responses, through a queue (:mod:`alignzoo.human.queue`).
 
 Each call puts its requests in the queue at ``queue`` (a folder; several runs and raters may
 share it), each wanting ``raters`` judgements on the ``scale``, and waits up to ``wait_s`` for
@@ -67,7 +67,7 @@ class HumanLabeler(Labeler):
         self._asked: dict[int, None] = {}  # the queue items this run asked for, in order
 
     def _q(self) -> Any:
-        from alignzoo.humanqueue import HumanQueue
+        from alignzoo.human.queue import HumanQueue
 
         if self._queue is None:
             self._queue = HumanQueue(self.params.queue)
@@ -104,7 +104,7 @@ class HumanLabeler(Labeler):
         the share with all their judgements, and Krippendorff's alpha of the ratings."""
         if not self._asked:
             return
-        from alignzoo.agreement import krippendorff_alpha
+        from alignzoo.human.agreement import krippendorff_alpha
 
         low, high = self.params.scale
         given = self._q().judgements(list(self._asked))

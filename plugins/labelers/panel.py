@@ -19,8 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from alignzoo import Labeler, LabelRequest, Score, hookimpl
-from alignzoo.agreement import largest_agreeing
 from alignzoo.config.schema import ComponentRef
+from alignzoo.human.agreement import largest_agreeing
 from alignzoo.registry import build_plugin_manager, get_registry
 from alignzoo.types import Outcome
 

@@ -14,50 +14,13 @@ objects. With ``--jobs > 1`` each worker imports the function again from the sam
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
-import sys
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo import Labeler, LabelRequest, Score, hookimpl
-from alignzoo.errors import UserError
-
-
-def load_function(spec: str) -> Any:
-    """The callable named by ``"file.py:name"`` or ``"package.module:name"``."""
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise UserError(
-            f"python labeler: function {spec!r} must be 'path/to/file.py:name' or 'module:name'"
-        )
-    if target.endswith(".py"):
-        path = Path(target).expanduser().resolve()
-        if not path.is_file():
-            raise UserError(f"python labeler: file {target!r} does not exist ({path})")
-        module_name = f"alignzoo_user_labeler_{abs(hash(str(path)))}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        assert module_spec is not None and module_spec.loader is not None
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as exc:
-            raise UserError(
-                f"python labeler: importing {target} raised {type(exc).__name__}: {exc}"
-            ) from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise UserError(f"python labeler: cannot import {target!r} ({exc})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UserError(f"python labeler: {target} has no function {name!r}")
-    return fn
+from alignzoo.callables import load_callable
 
 
 class PythonLabeler(Labeler):
@@ -77,7 +40,7 @@ class PythonLabeler(Labeler):
 
     def __init__(self, params: Any = None) -> None:
         super().__init__(params)
-        self.fn = load_function(self.params.function)
+        self.fn = load_callable(self.params.function, "python labeler")
 
     @hookimpl
     def score_batch(self, requests: list[LabelRequest]) -> list[Score]:

@@ -85,7 +85,7 @@ class RewardModelLabeler(Labeler):
         and, when `alignzoo train-rm` trained it, its held-out metrics (the report shows them)."""
         import json
 
-        from alignzoo.rewardmodel import METRICS_FILE
+        from alignzoo.human.reward_model import METRICS_FILE
 
         folder = Path(self.params.path).expanduser()
         row: dict[str, Any] = {"path": str(folder.resolve())}
@@ -126,7 +126,7 @@ class RewardModelLabeler(Labeler):
                 f"labeler.params.template: 'chat' asked, but the tokenizer in '{folder}' has "
                 "no chat template; use template: concat"
             )
-        from alignzoo.rewardmodel import prepare
+        from alignzoo.human.reward_model import prepare
 
         # Right padding (positions match an unpadded forward), truncation from the left (the
         # end of the response is kept), and the pad id the score is read before: as
@@ -175,7 +175,7 @@ class RewardModelLabeler(Labeler):
         return request.prompt + request.response
 
     def _forward(self, texts: list[str]) -> list[float]:
-        from alignzoo.rewardmodel import encode
+        from alignzoo.human.reward_model import encode
 
         # A chat template already wrote its special tokens into the text.
         special = self.params.template == "concat"

@@ -1,7 +1,7 @@
 """Labeler "simulated_annotators": the human labeler's queue, judged by simulated annotators.
 
 It queues a run's samples exactly as the ``human`` labeler does (the same queue folder may
-hold people's judgements too), lets its annotators (:mod:`alignzoo.humansim`: a rule labeler
+hold people's judgements too), lets its annotators (:mod:`alignzoo.human.simulate`: a rule labeler
 plus each annotator's bias, noise and "cannot judge" rate) judge the samples that still want
 judgements, then labels each sample as the human labeler would: the aggregate of its values
 mapped to [0, 1], or an abstain when too few could judge. For tests and demos of the human
@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 
 from alignzoo import LabelRequest, Score, hookimpl
 from alignzoo.config.schema import ComponentRef
-from alignzoo.humansim import Annotator, Simulation, rule_scorer, simulate
+from alignzoo.human.simulate import Annotator, Simulation, rule_scorer, simulate
 from alignzoo.plugins.labelers.human import HumanLabeler
 
 

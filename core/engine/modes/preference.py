@@ -19,7 +19,7 @@ import torch
 
 from alignzoo.batch import RolloutBatch
 from alignzoo.config.schema import TrainingConfig
-from alignzoo.engine.modes import (
+from alignzoo.engine.modes.base import (
     OFFLINE_MAX_TOKENS,
     Collected,
     DataMode,

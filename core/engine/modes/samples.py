@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from alignzoo.engine.modes import Collected, DataMode, StepSource, sample_and_label
+from alignzoo.engine.modes.base import Collected, DataMode, StepSource, sample_and_label
 
 
 class OnlineSamples(DataMode):

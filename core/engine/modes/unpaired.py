@@ -22,7 +22,7 @@ import torch
 
 from alignzoo.batch import RolloutBatch
 from alignzoo.config.schema import TrainingConfig
-from alignzoo.engine.modes import (
+from alignzoo.engine.modes.base import (
     OFFLINE_MAX_TOKENS,
     Collected,
     DataMode,
@@ -31,7 +31,7 @@ from alignzoo.engine.modes import (
     read_rows,
     sample_and_label,
 )
-from alignzoo.engine.prepare import Scorer
+from alignzoo.engine.scoring import Scorer
 from alignzoo.engine.tokenize import is_token_column, row_tokens, tokenized_batch
 
 COLUMNS = ("prompt", "completion", "label")

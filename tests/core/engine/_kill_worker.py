@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from alignzoo.config.loader import load_experiment
-from alignzoo.engine import checkpoint, labeling, loop, sinks
+from alignzoo.engine import checkpoint, loop, sinks
+from alignzoo.labeling import callers as labeling
 
 _where: dict[str, Any] = {"step": 0, "saving": None, "calls": 0}
 _kill: dict[str, Any] = {"step": -1, "phase": ""}  # set in each forked child

@@ -145,7 +145,7 @@ def test_a_lora_reference_is_the_actor_with_adapters_off(write_experiment, tmp_p
     """No second copy of the base weights, and the reference stays the starting policy while
     the adapters train."""
     from alignzoo.engine.models import AdaptersOff, load_reference
-    from alignzoo.engine.prepare import Scorer
+    from alignzoo.engine.scoring import Scorer
     from alignzoo.engine.step import train_step
 
     lora = {"r": 2, "alpha": 4}

@@ -14,7 +14,7 @@ from alignzoo.config.loader import load_experiment
 from alignzoo.config.schema import TrainingConfig
 from alignzoo.engine.loop import run_one
 from alignzoo.engine.modes import select_mode
-from alignzoo.engine.prepare import Scorer
+from alignzoo.engine.scoring import Scorer
 from alignzoo.engine.update import fuses_behaviour
 from alignzoo.types import AlgorithmRequirements
 

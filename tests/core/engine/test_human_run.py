@@ -8,7 +8,7 @@ import threading
 
 from alignzoo.config.loader import load_experiment
 from alignzoo.engine.loop import run_one
-from alignzoo.humanqueue import HumanQueue
+from alignzoo.human.queue import HumanQueue
 
 from .conftest import read_jsonl, tiny_experiment
 

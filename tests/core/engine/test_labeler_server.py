@@ -21,9 +21,9 @@ import uvicorn
 
 from alignzoo import LabelRequest
 from alignzoo.errors import LabelerUnavailable, UserError
+from alignzoo.labeling.service import ServeConfig, build_app
 from alignzoo.plugins.labelers.http import HTTPLabeler
 from alignzoo.registry import build_plugin_manager
-from alignzoo.serve import ServeConfig, build_app
 
 
 def free_port() -> int:
@@ -356,7 +356,7 @@ def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tm
 
 
 def test_a_reward_model_served_loads_its_weights_and_matches_in_process(tmp_path) -> None:
-    from alignzoo.engine.labeling import start_labeler
+    from alignzoo.labeling.interface import start_labeler
     from alignzoo.plugins.labelers.reward_model import RewardModelLabeler
     from tests.plugins.labelers.test_reward_model import save_reward_model
 

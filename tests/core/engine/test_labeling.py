@@ -13,8 +13,9 @@ import pytest
 from alignzoo import Labeler, LabelRequest, Score, hookimpl
 from alignzoo.config.schema import LabelingConfig
 from alignzoo.engine.hooks import Hooks
-from alignzoo.engine.labeling import Breaker, LabelingStage, ProcessCaller
 from alignzoo.errors import LabelerUnavailable, RunError
+from alignzoo.labeling.callers import Breaker, ProcessCaller
+from alignzoo.labeling.orchestrator import LabelingStage
 from alignzoo.registry import build_plugin_manager
 from alignzoo.types import Outcome
 
@@ -323,7 +324,7 @@ def test_a_run_with_a_flaky_labeler_and_a_fallback_completes_and_reconciles(
 
 
 def test_the_store_reuses_labels_and_identical_requests_are_sent_once(tmp_path) -> None:
-    from alignzoo.engine.labelstore import LabelStore, labeler_identity, stored_requests
+    from alignzoo.labeling.store import LabelStore, labeler_identity, stored_requests
 
     head = Scripted([value])
     chain = [("l0", head, Hooks(build_plugin_manager([head])))]
@@ -342,7 +343,7 @@ def test_the_store_reuses_labels_and_identical_requests_are_sent_once(tmp_path) 
 
 
 def test_the_store_keeps_verdicts_not_failures_and_keys_by_params(tmp_path) -> None:
-    from alignzoo.engine.labelstore import LabelStore, labeler_identity, request_key
+    from alignzoo.labeling.store import LabelStore, labeler_identity, request_key
     from alignzoo.plugins.labelers.rules import FormatLabeler
 
     store = LabelStore(tmp_path / "l.sqlite")
@@ -372,7 +373,7 @@ def test_a_calls_labels_are_stored_in_one_transaction(tmp_path) -> None:
     refuses to bind) takes the rows before it back out with it."""
     import sqlite3
 
-    from alignzoo.engine.labelstore import LabelStore, request_key
+    from alignzoo.labeling.store import LabelStore, request_key
 
     store = LabelStore(tmp_path / "l.sqlite")
     reqs = requests(3)
@@ -390,7 +391,7 @@ def test_a_calls_labels_are_stored_in_one_transaction(tmp_path) -> None:
 def test_a_failed_commit_leaves_the_label_store_usable(tmp_path) -> None:
     import sqlite3
 
-    from alignzoo.engine.labelstore import LabelStore, request_key
+    from alignzoo.labeling.store import LabelStore, request_key
 
     class CommitFailsOnce:
         """The store's connection, whose first COMMIT fails (a full disk, say)."""

@@ -12,8 +12,8 @@ import yaml
 
 from alignzoo import cli
 from alignzoo.config.loader import load_experiment
-from alignzoo.engine.labelswap import CONTROL, request
 from alignzoo.engine.loop import run_one
+from alignzoo.labeling.swap import CONTROL, request
 from alignzoo.plugin import Modifier, hookimpl
 from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 

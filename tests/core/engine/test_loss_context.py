@@ -20,7 +20,8 @@ from alignzoo.engine.hooks import Hooks
 from alignzoo.engine.learner import Learner, build_scheduler
 from alignzoo.engine.models import Models, load_models
 from alignzoo.engine.modes import select_mode
-from alignzoo.engine.prepare import Scorer, prepare
+from alignzoo.engine.prepare import prepare
+from alignzoo.engine.scoring import Scorer
 from alignzoo.engine.tokenize import tokenized_batch
 from alignzoo.engine.update import update
 from alignzoo.ops import aggregate_loss

@@ -216,7 +216,7 @@ def test_sigkill_during_labeling_then_resume_scores_no_sample_twice(
     resumed runs replay from the label store, the server's call log holds each (prompt,
     response) once, the same set as an uninterrupted run's, and the history is the
     uninterrupted one."""
-    from alignzoo.serve import ServeConfig, build_app
+    from alignzoo.labeling.service import ServeConfig, build_app
 
     from .test_labeler_server import ARITHMETIC, running
 

@@ -13,13 +13,13 @@ from alignzoo.batch import RolloutBatch
 from alignzoo.config.schema import EmbeddedModelConfig, TrainingConfig
 from alignzoo.engine.forward import evaluating, policy_forward
 from alignzoo.engine.hooks import Hooks, check_layout
-from alignzoo.engine.labeling import label
 from alignzoo.engine.learner import Learner, build_scheduler
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import select_mode
 from alignzoo.engine.tokenize import tokenized_batch
 from alignzoo.engine.update import update
 from alignzoo.errors import RunError, UserError
+from alignzoo.labeling.orchestrator import label
 from alignzoo.ops import aggregate_loss
 from alignzoo.plugin import Algorithm, Labeler, hookimpl
 from alignzoo.plugins.backends.hf import HFBackend

@@ -8,8 +8,8 @@ import yaml
 
 from alignzoo import cli
 from alignzoo.config.loader import load_experiment
-from alignzoo.engine.labelstore import stored_requests
 from alignzoo.engine.loop import run_one
+from alignzoo.labeling.store import stored_requests
 from tests.core.engine.conftest import engine_cache, tiny_experiment, write_experiment  # noqa: F401 - fixtures
 
 

@@ -82,7 +82,7 @@ def test_every_arm_and_seed_runs_with_the_same_seeds(tmp_path: Path, log: Path) 
 def test_default_out_dir_and_engine_hook(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log: Path
 ) -> None:
-    monkeypatch.setattr(runner, "_run_one", fake_run_one)
+    monkeypatch.setattr(runner, "run_engine", fake_run_one)
     loaded = loaded_of(arms={"a": 1e-4}, seeds=(0,), output_dir=str(tmp_path / "runs"))
     result = run_experiment(loaded)
     assert result.out_dir == tmp_path / "runs" / "exp"

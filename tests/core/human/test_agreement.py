@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from alignzoo.agreement import consensus, krippendorff_alpha, pair_agreement
+from alignzoo.human.agreement import consensus, krippendorff_alpha, pair_agreement
 
 # Krippendorff (2011), "Computing Krippendorff's Alpha-Reliability": 4 observers, 12 units,
 # None where an observer gave no value. The paper's results: nominal 0.743, interval 0.849.

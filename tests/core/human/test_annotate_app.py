@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from alignzoo.annotate import MAX_BODY, create_app
-from alignzoo.humanqueue import HumanQueue
+from alignzoo.human.app import MAX_BODY, create_app
+from alignzoo.human.queue import HumanQueue
 from alignzoo.types import LabelRequest
 
 REQUESTS = [LabelRequest(prompt=f"{i}+1=", response=str(i + 1)) for i in range(3)]

@@ -16,8 +16,8 @@ import pytest
 
 from alignzoo.config.schema import DataConfig
 from alignzoo.engine.datasets import load_split
-from alignzoo.humanexport import export
-from alignzoo.humanqueue import HumanQueue
+from alignzoo.human.export import export
+from alignzoo.human.queue import HumanQueue
 from alignzoo.types import LabelRequest
 
 CHROMIUM = "/usr/bin/chromium"

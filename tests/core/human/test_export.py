@@ -12,8 +12,8 @@ import pytest
 
 from alignzoo.config.schema import DataConfig
 from alignzoo.engine.datasets import load_split
-from alignzoo.humanexport import SUMMARY_FILE, export
-from alignzoo.humanqueue import HumanQueue
+from alignzoo.human.export import SUMMARY_FILE, export
+from alignzoo.human.queue import HumanQueue
 from alignzoo.types import LabelRequest
 
 # (prompt, response) -> the two annotators' ratings on 1..5

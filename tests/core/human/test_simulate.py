@@ -8,9 +8,9 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from alignzoo.humanexport import agreement
-from alignzoo.humanqueue import HumanQueue
-from alignzoo.humansim import Simulation, rule_scorer, simulate
+from alignzoo.human.export import agreement
+from alignzoo.human.queue import HumanQueue
+from alignzoo.human.simulate import Simulation, rule_scorer, simulate
 from alignzoo.plugins.labelers.simulated import SimulatedAnnotatorsLabeler
 from alignzoo.types import LabelRequest, Outcome
 

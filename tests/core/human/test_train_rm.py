@@ -15,8 +15,14 @@ import torch
 
 from alignzoo.config.schema import ModelConfig, TaskConfig
 from alignzoo.engine.models import policy_path
+from alignzoo.human.reward_model import (
+    METRICS_FILE,
+    Pair,
+    calibration,
+    split_by_prompt,
+    with_negatives,
+)
 from alignzoo.plugins.labelers.reward_model import RewardModelLabeler
-from alignzoo.rewardmodel import METRICS_FILE, Pair, calibration, split_by_prompt, with_negatives
 from alignzoo.types import LabelRequest
 from alignzoo.world.task import make_examples, near_miss, wrong_answer
 

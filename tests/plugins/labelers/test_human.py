@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from alignzoo import LabelRequest, Outcome, Score
-from alignzoo.engine.labelstore import LabelStore
-from alignzoo.humanqueue import AlreadyJudged, HumanQueue, QueueError
+from alignzoo.human.queue import AlreadyJudged, HumanQueue, QueueError
+from alignzoo.labeling.store import LabelStore
 from alignzoo.plugins.labelers.human import HumanLabeler
 
 REQS = [LabelRequest(prompt=f"{i}+1=", response=str(i + 1), extra={"answer": str(i + 1)})

@@ -123,7 +123,7 @@ def test_panel_aggregates_and_filters_disagreement(tmp_path, monkeypatch):
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from alignzoo.agreement import largest_agreeing
+    from alignzoo.human.agreement import largest_agreeing
     from alignzoo.plugins.labelers.panel import PanelLabeler
 
     (tmp_path / "raters.py").write_text(

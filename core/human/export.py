@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from alignzoo.agreement import (
+from alignzoo.human.agreement import (
     Consensus,
     FilterCounts,
     consensus,
@@ -29,7 +29,7 @@ from alignzoo.agreement import (
     normalise,
     pair_agreement,
 )
-from alignzoo.humanqueue import HumanQueue, Item
+from alignzoo.human.queue import HumanQueue, Item
 
 SUMMARY_FILE = "alignzoo_export.json"
 Kind = Literal["preference", "unpaired"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from alignzoo.engine.labelstore import request_key
+from alignzoo.labeling.store import request_key
 from alignzoo.types import LabelRequest
 
 QUEUE_FILE = "queue.sqlite"

@@ -1,4 +1,10 @@
-"""Labeling that overlaps generation: ``labeling.overlap: true`` on an online arm.
+"""The collection stage: a step's batch, generated and labeled (or read from offline rows).
+
+:class:`Collector` draws the step's prompts (this rank's share of them) and lets the data mode
+sample and label them, or read its rows. :class:`LabelAhead` is the collector of an arm with
+``labeling.overlap: true``, described below; :func:`build_collector` picks one.
+
+Labeling that overlaps generation (``labeling.overlap: true`` on an online arm).
 
 Without overlap a step is generate → label → train, and the trainer waits for the labeler.
 With it, each step first generates the *next* step's samples and hands them to a labeling
@@ -31,13 +37,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from alignzoo import distributed
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.labeling import LabelReport, label
-from alignzoo.engine.modes import Collected, StepSource, labeled, sample
-from alignzoo.engine.prepare import Scorer, prepare
+from alignzoo.engine.modes import Collected, DataMode, StepSource, labeled, sample
+from alignzoo.engine.prepare import prepare
+from alignzoo.engine.scoring import Scorer
+from alignzoo.labeling import LabelReport, label
 
 if TYPE_CHECKING:
-    from alignzoo.engine.assemble import Run
+    from alignzoo.config.schema import TrainingConfig
+    from alignzoo.engine.hooks import Hooks
+    from alignzoo.engine.sampler import PromptSampler
 
 _UNLABELED = ("scores", "score_valid", "label_info")
 """Fields the labeling pass fills: a checkpoint keeps the batch without them."""
@@ -52,17 +62,40 @@ class _Ahead:
     future: Future[tuple[LabelReport, float]] | None = None
 
 
-class LabelAhead:
+@dataclass
+class Collector:
+    """Each step's prompts, sampled and labeled (or read) by the data mode when the step asks."""
+
+    hooks: Hooks
+    tokenizer: Any
+    cfg: TrainingConfig
+    sampler: PromptSampler
+    mode: DataMode
+
+    def source(self, seeds: list[int]) -> StepSource:
+        return StepSource(self.hooks, self.tokenizer, self.cfg, seeds)
+
+    def collect(self, scorer: Scorer) -> Collected:
+        """This step's batch, labeled; its behaviour snapshot is left to the scoring stage."""
+        rows, seeds = self.sampler.next_seeded(self.cfg.prompts_per_step)
+        rows, seeds = distributed.shard(rows), distributed.shard(seeds)  # this rank's share
+        return self.mode.collect(rows, self.source(seeds))
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
+
+
+class LabelAhead(Collector):
     """The look-ahead batch of an overlapping arm and the thread that labels it."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alignzoo-label")
         self.pending: _Ahead | None = None
 
     def _timed_label(self, batch: RolloutBatch) -> tuple[LabelReport, float]:
         start = time.perf_counter()
-        report = label(self.run.hooks, batch)
+        report = label(self.hooks, batch)
         return report, time.perf_counter() - start
 
     def _start(self, ahead: _Ahead) -> _Ahead:
@@ -72,10 +105,8 @@ class LabelAhead:
     def _generate(self, scorer: Scorer) -> _Ahead:
         """The next prompts' samples with the current weights, their behaviour snapshot taken
         now (on this thread: the models are never used from the labeling thread)."""
-        run = self.run
-        cfg = run.arm.training
-        rows, seeds = run.sampler.next_seeded(cfg.prompts_per_step)
-        batch, m = sample(rows, StepSource(run.hooks, run.models.tokenizer, cfg, seeds))
+        rows, seeds = self.sampler.next_seeded(self.cfg.prompts_per_step)
+        batch, m = sample(rows, self.source(seeds))
         m.update(prepare(scorer, batch, generated=True))
         return self._start(_Ahead(batch, m))
 
@@ -95,7 +126,9 @@ class LabelAhead:
         m["timing/label_wait"] = time.perf_counter() - start
         m["timing/label"] = seconds
         m["rollout/staleness"] = 1.0
-        return labeled(current.batch, report, m)
+        collected = labeled(current.batch, report, m)
+        collected.behaviour_taken = True
+        return collected
 
     def close(self) -> None:
         """Let a pass in flight finish (its labels reach the store) and stop the thread."""
@@ -117,3 +150,16 @@ class LabelAhead:
             return
         batch = RolloutBatch(**state["batch"]).to(state["device"])
         self.pending = _Ahead(batch, dict(state["metrics"]))
+
+
+def build_collector(
+    hooks: Hooks,
+    tokenizer: Any,
+    cfg: TrainingConfig,
+    sampler: PromptSampler,
+    mode: DataMode,
+    overlap: bool,
+) -> Collector:
+    """The arm's collector: a :class:`LabelAhead` with ``labeling.overlap``, else a plain one."""
+    cls = LabelAhead if overlap else Collector
+    return cls(hooks, tokenizer, cfg, sampler, mode)

@@ -24,419 +24,33 @@ dropped, by outcome); :meth:`LabelReport.metrics` puts it into the step's metric
 
 from __future__ import annotations
 
-import contextlib
 import math
-import multiprocessing
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.labelstore import LabelStore, labeler_identity, request_key
-from alignzoo.errors import LabelerTimeout, LabelerUnavailable, RunError, UserError
-from alignzoo.types import LabelRequest, Outcome, Score
+from alignzoo.errors import RunError
+from alignzoo.labeling.callers import (
+    FAILURES,
+    Breaker,
+    CallResult,
+    InlineCaller,
+    ProcessCaller,
+    Slot,
+)
+from alignzoo.labeling.interface import LabelRequest, Outcome, Score
+from alignzoo.labeling.report import SLOWEST, LabelReport, MetricsExporter, slowest_calls
+from alignzoo.labeling.store import LabelStore, labeler_identity, request_key
 
 if TYPE_CHECKING:
-    from alignzoo.config.schema import BreakerConfig, LabelingConfig
+    from alignzoo.config.schema import LabelingConfig
     from alignzoo.engine.hooks import Hooks
-
-WORKER_START_S = 120.0
-"""How long a labeler worker process may take to start (not part of a call's timeout)."""
-FAILURES = (Outcome.TIMEOUT, Outcome.ERROR)
-"""Outcomes that count against a labeler's circuit breaker (the call itself failed)."""
-
-
-def label_requests(batch: RolloutBatch) -> list[LabelRequest]:
-    """One request per sample: prompt text, response text and the dataset's extra columns."""
-    extras = batch.extras or [{} for _ in range(batch.size)]
-    return [
-        LabelRequest(prompt=p, response=r, extra=dict(e))
-        for p, r, e in zip(batch.prompts, batch.responses, extras, strict=True)
-    ]
-
-
-class StandaloneRun:
-    """What a labeler's ``on_run_start`` gets outside a training run (a labeler server, a
-    worker process, ``alignzoo relabel``): every role on ``device``, no folder, no console."""
-
-    def __init__(self, name: str = "labeler", device: str = "cpu") -> None:
-        self.name, self._device = name, device
-        self.out_dir = None
-        self.console = None
-        self.state: dict[str, Any] = {}
-        self.step = 0
-
-    def device(self, role: str) -> str:
-        return self._device
-
-
-def start_labeler(pm: Any, run: Any = None) -> None:
-    """Call the labeler's ``on_run_start`` (a reward model loads its weights there)."""
-    pm.hook.on_run_start(run=run if run is not None else StandaloneRun())
-
-
-# --------------------------------------------------------------------------- one labeler call
-
-
-@dataclass
-class CallResult:
-    """What one call of one labeler gave: a Score or an outcome per request."""
-
-    scores: list[Score]
-    retry_after: float | None = None
-
-
-def _failed(n: int, outcome: Outcome, reason: str, retry_after: float | None = None) -> CallResult:
-    return CallResult(
-        [Score(math.nan, False, {"reason": reason}, outcome) for _ in range(n)], retry_after
-    )
-
-
-def check_scores(scores: Any, n: int) -> list[Score] | str:
-    """One Score per request: what the labeler returned where usable, a ``rejected`` Score
-    (with the reason) for an item that is not a Score or whose value is not a finite number;
-    or the reason the whole answer is rejected (not a list, the wrong count)."""
-    if not isinstance(scores, (list, tuple)):
-        return f"returned {type(scores).__name__}, not a list of Score"
-    if len(scores) != n:
-        return f"returned {len(scores)} scores for {n} responses"
-    out = []
-    for i, s in enumerate(scores):
-        problem = None
-        if not isinstance(s, Score):
-            problem = f"returned {type(s).__name__} for response {i}, not a Score"
-        elif s.outcome == Outcome.VALUE:
-            try:
-                value = float(s.value)
-            except (TypeError, ValueError):
-                problem = f"returned Score(value={s.value!r}) for response {i}; expected a number"
-            else:
-                if not math.isfinite(value):
-                    problem = f"returned a non-finite score ({value}) for response {i}"
-        if problem is None:
-            out.append(s)
-        else:
-            out.append(
-                Score(math.nan, False, {"reason": f"the labeler {problem}"}, Outcome.REJECTED)
-            )
-    return out
-
-
-def _interpret(scores: Any, n: int) -> CallResult:
-    checked = check_scores(scores, n)
-    if isinstance(checked, str):
-        return _failed(n, Outcome.REJECTED, f"the labeler {checked}")
-    return CallResult(checked)
-
-
-class InlineCaller:
-    """Calls a labeler in this process (no timeout can end a synchronous call here)."""
-
-    def __init__(self, hooks: Hooks, component: Any = None) -> None:
-        self.hooks = hooks
-        self.component = component
-
-    def __call__(self, requests: list[LabelRequest], timeout: float | None) -> CallResult:
-        try:
-            scores = self.hooks.pm.hook.score_batch(requests=requests)
-        except LabelerTimeout as exc:
-            return _failed(len(requests), Outcome.TIMEOUT, str(exc), exc.retry_after)
-        except LabelerUnavailable as exc:
-            return _failed(len(requests), Outcome.ERROR, str(exc), exc.retry_after)
-        except (KeyboardInterrupt, SystemExit, UserError):
-            raise  # a problem the user must fix is not retried away
-        except Exception as exc:
-            return _failed(
-                len(requests), Outcome.ERROR, f"the labeler failed: {type(exc).__name__}: {exc}"
-            )
-        return _interpret(scores, len(requests))
-
-    def close(self) -> None:
-        """Let the labeler release what it holds (connections, pools): its ``close()``."""
-        close = getattr(self.component, "close", None)
-        if callable(close):
-            close()
-
-
-def _worker_main(conn: Any, cls: Any, params: dict[str, Any]) -> None:
-    """A labeler worker process: build the labeler, say it is ready, then answer calls until
-    told to stop."""
-    from alignzoo.registry import build_plugin_manager
-
-    try:
-        pm = build_plugin_manager([cls(cls.Params.model_validate(params))])
-        start_labeler(pm)
-    except Exception as exc:
-        conn.send(("error", f"the labeler did not start: {type(exc).__name__}: {exc}", None))
-        return
-    conn.send(("ready",))
-    while True:
-        try:
-            requests = conn.recv()
-        except EOFError:
-            return
-        if requests is None:
-            return
-        try:
-            conn.send(("ok", pm.hook.score_batch(requests=requests)))
-        except LabelerUnavailable as exc:
-            conn.send(("unavailable", str(exc), exc.retry_after))
-        except Exception as exc:
-            conn.send(("error", f"the labeler failed: {type(exc).__name__}: {exc}", None))
-
-
-class ProcessCaller:
-    """Calls a labeler in a worker process of its own, started on first use.
-
-    A call that runs past its timeout is ended: the worker is killed (and reaped), and the
-    next call starts a new one. A worker that dies gives ``error`` for its call. The time a
-    worker takes to start (imports, building the labeler) does not count against the call's
-    timeout; it has :data:`WORKER_START_S` of its own.
-    """
-
-    def __init__(self, component: Any) -> None:
-        self.cls = type(component)
-        self.params = component.params.model_dump(mode="json")
-        self.process: Any = None
-        self.conn: Any = None
-        self.started = 0  # how many workers were started (the first, then replacements)
-
-    def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_worker_main, args=(child, self.cls, self.params), daemon=True
-        )
-        self.process.start()
-        child.close()
-        self.conn = parent
-        self.started += 1
-
-    def _ready(self) -> str | None:
-        """Wait for a new worker's ready message; the reason it is not ready, or None."""
-        assert self.conn is not None
-        try:
-            if not self.conn.poll(WORKER_START_S):
-                return f"the labeler's worker did not start within {WORKER_START_S:.0f} s"
-            reply = self.conn.recv()
-        except (EOFError, OSError) as exc:
-            return f"the labeler's worker died while starting ({exc})"
-        return None if reply[0] == "ready" else str(reply[1])
-
-    def _kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.join(timeout=5)
-        if self.conn is not None:
-            self.conn.close()
-        self.process = self.conn = None
-
-    def __call__(self, requests: list[LabelRequest], timeout: float | None) -> CallResult:
-        if self.process is None or not self.process.is_alive():
-            self._kill()
-            self._start()
-            problem = self._ready()
-            if problem is not None:
-                self._kill()
-                return _failed(len(requests), Outcome.ERROR, problem)
-        assert self.conn is not None
-        try:
-            self.conn.send(requests)
-            ready = self.conn.poll(timeout)
-            reply = self.conn.recv() if ready else None
-        except (EOFError, OSError, BrokenPipeError) as exc:
-            self._kill()
-            return _failed(len(requests), Outcome.ERROR, f"the labeler's worker died ({exc})")
-        if reply is None:
-            self._kill()  # the call is ended, not abandoned
-            return _failed(len(requests), Outcome.TIMEOUT, f"no answer within {timeout} s")
-        kind, *rest = reply
-        if kind == "ok":
-            return _interpret(rest[0], len(requests))
-        outcome = Outcome.ERROR
-        return _failed(len(requests), outcome, str(rest[0]), rest[1])
-
-    def close(self) -> None:
-        if self.conn is not None and self.process is not None and self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(None)
-            self.process.join(timeout=2)
-        self._kill()
-
-
-# --------------------------------------------------------------------------- circuit breaker
-
-
-class Breaker:
-    """closed -> open (skip the labeler) -> half-open (one probe) -> closed or open again."""
-
-    def __init__(self, cfg: BreakerConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.cfg, self.clock = cfg, clock
-        self.calls: deque[bool] = deque(maxlen=cfg.window)  # True = the call failed
-        self.state = "closed"
-        self.opened_at = 0.0
-        self.trips = 0
-
-    def allow(self) -> bool:
-        """Whether a call may go to the labeler now (an open breaker past its cooldown lets
-        one probe through)."""
-        if self.state == "open" and self.clock() - self.opened_at >= self.cfg.cooldown_s:
-            self.state = "half-open"
-        return self.state != "open"
-
-    def record(self, failed: bool) -> None:
-        if self.state == "half-open":
-            if failed:
-                self._open()
-            else:
-                self.state = "closed"
-                self.calls.clear()
-            return
-        self.calls.append(failed)
-        if (
-            len(self.calls) >= self.cfg.min_calls
-            and sum(self.calls) / len(self.calls) >= self.cfg.error_rate
-        ):
-            self._open()
-
-    def _open(self) -> None:
-        self.state = "open"
-        self.opened_at = self.clock()
-        self.trips += 1
-        self.calls.clear()
-
-
-# --------------------------------------------------------------------------- the chain
-
-
-@dataclass
-class Slot:
-    """One labeler of an arm's chain."""
-
-    name: str
-    call: Any  # InlineCaller | ProcessCaller
-    breaker: Breaker
-    identity: str | None = None  # the label store's key for this labeler (None: not stored)
-    pool: list[Any] = field(default_factory=list)  # more worker processes (concurrency > 1)
-    values: list[float] = field(default_factory=list)  # the values it gave in this pass
-    in_flight_max: int = 0
-    queued_max: int = 0
-    running_mean: float | None = None  # of its per-pass mean values, for drift
-    drift: float | None = None  # this pass's mean minus the running mean before it
-    latencies: list[float] = field(default_factory=list)
-    slowest: list[tuple[float, int, LabelRequest]] = field(default_factory=list)  # (s, n, first)
-    calls: int = 0
-    retries: int = 0
-    outcomes: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass
-class LabelReport:
-    """One labeling pass: per sample its outcome and who valued it; what to keep; the ledger."""
-
-    scores: list[Score]
-    outcomes: list[Outcome]
-    valued_by: list[str | None]
-    keep: list[int]
-    dropped: Counter[str] = field(default_factory=Counter)  # by outcome
-    slots: list[Slot] = field(default_factory=list)
-    shadow: dict[str, float] = field(default_factory=dict)  # agreement of a shadow labeler
-    snapshot: dict[str, float] | None = None  # metrics() as the pass ended (set by the stage)
-    slowest: list[dict[str, Any]] = field(default_factory=list)  # the pass's slowest calls
-
-    def ledger(self) -> dict[str, int]:
-        """generated, valued (by the head), fallback-valued, dropped: they must balance."""
-        head = self.slots[0].name if self.slots else None
-        valued = sum(1 for v in self.valued_by if v is not None and v == head)
-        fallback = sum(1 for v in self.valued_by if v is not None and v != head)
-        return {
-            "generated": len(self.outcomes),
-            "valued": valued,
-            "fallback_valued": fallback,
-            "dropped": sum(self.dropped.values()),
-        }
-
-    def metrics(self) -> dict[str, float]:
-        """``label/*``: the ledger and drops by outcome (the same in a resumed run as in an
-        uninterrupted one). ``labeler/<name>/*``: how the labels were obtained, per labeler:
-        calls, retries, counts by outcome, ``stored`` (reused from the label store),
-        ``deduplicated`` (identical requests sent once), breaker state (0 closed, 1 half-open,
-        2 open), ``in_flight_max`` and ``queued_max`` (calls at once, chunks waiting), the
-        values it gave (``value_p10/p50/p90``, ``value_mean``, and ``drift``: this pass's mean
-        minus the running mean of its earlier passes), and whatever its ``stats()`` reports
-        (the judge's rate-limit waits); the latency of its calls (p50/p95/max) under
-        ``timing/labeler/<name>/``. These depend on what the process saw before (a resumed run
-        finds its labels stored), so resume comparisons leave them out.
-
-        Read after the pass, this is the snapshot the stage took when the pass ended (a later
-        pass, running ahead with ``labeling.overlap``, does not change it)."""
-        if self.snapshot is not None:
-            return dict(self.snapshot)
-        ledger = self.ledger()
-        out = {f"label/{k}": float(v) for k, v in ledger.items()}
-        for outcome, n in sorted(self.dropped.items()):
-            out[f"label/dropped/{outcome}"] = float(n)
-        out.update(self.shadow)
-        for slot in self.slots:
-            prefix = f"labeler/{slot.name}"  # how labels were obtained: calls, the store, ...
-            out[f"{prefix}/calls"] = float(slot.calls)
-            out[f"{prefix}/retries"] = float(slot.retries)
-            for outcome, n in sorted(slot.outcomes.items()):
-                out[f"{prefix}/{outcome}"] = float(n)
-            if slot.latencies:
-                ordered = sorted(slot.latencies)
-                timing = f"timing/labeler/{slot.name}"  # wall-clock: volatile, like timing/*
-                out[f"{timing}/p50"] = ordered[len(ordered) // 2]
-                out[f"{timing}/p95"] = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
-                out[f"{timing}/max"] = ordered[-1]
-            states = {"closed": 0.0, "half-open": 1.0, "open": 2.0}
-            out[f"{prefix}/breaker"] = states[slot.breaker.state]
-            out[f"{prefix}/in_flight_max"] = float(slot.in_flight_max)
-            out[f"{prefix}/queued_max"] = float(max(0, slot.queued_max))
-            if slot.values:
-                ordered = sorted(slot.values)
-                for q in (10, 50, 90):  # the distribution of the values it gave
-                    out[f"{prefix}/value_p{q}"] = ordered[
-                        min(len(ordered) - 1, len(ordered) * q // 100)
-                    ]
-                out[f"{prefix}/value_mean"] = sum(ordered) / len(ordered)
-                if slot.drift is not None:
-                    out[f"{prefix}/drift"] = slot.drift
-            stats = getattr(getattr(slot.call, "component", None), "stats", None)
-            if callable(stats):
-                for key, value in stats().items():  # the labeler's own counters (rate limits)
-                    out[f"{prefix}/{key}"] = float(value)
-        return out
-
-
-class MetricsExporter:
-    """The label path's metrics of the latest pass on a Prometheus endpoint (127.0.0.1)."""
-
-    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server
-
-        self.registry = CollectorRegistry()
-        self.gauge = Gauge(
-            "alignzoo_labeling",
-            "Label path metrics of the latest labeling pass",
-            ["metric"],
-            registry=self.registry,
-        )
-        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
-
-    def update(self, metrics: dict[str, float]) -> None:
-        for name, value in metrics.items():
-            self.gauge.labels(name).set(value)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class LabelingStage:
@@ -783,25 +397,12 @@ class LabelingStage:
 # --------------------------------------------------------------------------- the engine's entry
 
 
-SLOWEST = 3
-"""Calls kept per pass in :attr:`LabelReport.slowest` (and ``labels_slowest.jsonl``)."""
-
-
-def slowest_calls(slots: Sequence[Slot], chars: int = 200) -> list[dict[str, Any]]:
-    """The pass's :data:`SLOWEST` slowest labeler calls over the chain, slowest first: which
-    labeler, seconds, requests in the call, and the first request's prompt and response (cut to
-    ``chars``), so a slow input can be found."""
-    calls = [(seconds, n, first, slot.name) for slot in slots for seconds, n, first in slot.slowest]
-    calls.sort(key=lambda c: -c[0])
+def label_requests(batch: RolloutBatch) -> list[LabelRequest]:
+    """One request per sample: prompt text, response text and the dataset's extra columns."""
+    extras = batch.extras or [{} for _ in range(batch.size)]
     return [
-        {
-            "labeler": name,
-            "seconds": round(seconds, 6),
-            "requests": n,
-            "prompt": first.prompt[:chars],
-            "response": first.response[:chars],
-        }
-        for seconds, n, first, name in calls[:SLOWEST]
+        LabelRequest(prompt=p, response=r, extra=dict(e))
+        for p, r, e in zip(batch.prompts, batch.responses, extras, strict=True)
     ]
 
 

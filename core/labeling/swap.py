@@ -92,8 +92,8 @@ def request(folder: Path, action: str, labeler_file: Path | None = None) -> list
 
 def _slot(ref: ComponentRef, stage: Any, context: Any) -> Any:
     from alignzoo.engine.hooks import Hooks
-    from alignzoo.engine.labeling import Breaker, InlineCaller, ProcessCaller, Slot
-    from alignzoo.engine.labelstore import labeler_identity
+    from alignzoo.labeling.callers import Breaker, InlineCaller, ProcessCaller, Slot
+    from alignzoo.labeling.store import labeler_identity
     from alignzoo.registry import build_plugin_manager
 
     component = build_labeler(ref)

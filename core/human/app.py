@@ -15,7 +15,7 @@ JSON API (every call but ``GET /`` needs ``Authorization: Bearer <token>``):
   pair's response B, ``low`` and ``high`` of the scale);
 - ``POST /api/judge`` with ``{"item": id, "value": number | null}``: stores the judgement
   (null: cannot judge; for a pair 1 = A better, 0 = B better, 0.5 = a tie);
-- ``GET /api/stats``: the queue's progress and agreement (:func:`alignzoo.humanexport.agreement`).
+- ``GET /api/stats``: the queue's progress and agreement (:func:`alignzoo.human.export.agreement`).
 
 Refusals are JSON ``{"error": ...}`` with a 4xx status, and change nothing stored: 401 for a
 missing or unknown token, 400 for a body that is not JSON, 422 for one that does not say
@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from alignzoo.humanqueue import (
+from alignzoo.human.queue import (
     AlreadyJudged,
     HumanQueue,
     Item,
@@ -142,7 +142,7 @@ def create_app(queue_dir: str | Path) -> Starlette:
 
     @signed_in
     async def stats(request: Request, name: str) -> Response:
-        from alignzoo.humanexport import agreement
+        from alignzoo.human.export import agreement
 
         return JSONResponse({"progress": queue.progress(), "agreement": agreement(queue)})
 

@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo.config.schema import ComponentRef
-from alignzoo.humanqueue import HumanQueue, Item, QueueError
+from alignzoo.human.queue import HumanQueue, Item, QueueError
 from alignzoo.types import LabelRequest
 
 
@@ -169,7 +169,6 @@ def sample_pool(
     from alignzoo.engine.models import load_actor, load_tokenizer, policy_path
     from alignzoo.engine.modes import split_rows
     from alignzoo.engine.sampler import PromptSampler
-    from alignzoo.plugins.backends.hf import HFBackend
     from alignzoo.weights import PolicyWeights
 
     spec = loaded.spec
@@ -180,7 +179,8 @@ def sample_pool(
     rows, seeds = PromptSampler(load_split(spec.data, "train", "online", tokenizer), 0).next_seeded(
         prompts
     )
-    backend = HFBackend()
+    built = loaded.components[arm]["backend"]  # the arm's own backend, from the registry
+    backend: Any = type(built)(built.params)
     backend.on_run_start(
         SimpleNamespace(tokenizer=tokenizer, device=lambda role: "cpu", actor=actor)
     )

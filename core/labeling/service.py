@@ -154,8 +154,8 @@ def build_app(cfg: ServeConfig) -> Any:
     from starlette.responses import JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
 
-    from alignzoo.engine.labeling import start_labeler
-    from alignzoo.engine.labelstore import labeler_identity
+    from alignzoo.labeling.interface import start_labeler
+    from alignzoo.labeling.store import labeler_identity
     from alignzoo.registry import build_plugin_manager, get_registry
 
     cls = get_registry().get("labeler", cfg.labeler.name)

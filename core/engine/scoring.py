@@ -1,0 +1,78 @@
+"""No-grad forward passes of a run's models over a batch, in micro-batches and in eval mode
+(no dropout): the actor's per-token log-probs and entropy, the reference's log-probs, the
+critic's values and sequence log-probs. The scoring stage (:mod:`alignzoo.engine.prepare`) and
+the data modes that need more than one pass (KTO's mismatched pairs) use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from alignzoo.batch import RolloutBatch
+from alignzoo.engine.forward import (
+    chunks,
+    critic_forward,
+    evaluating,
+    no_grad_map,
+    policy_forward,
+    sequence_logprob,
+)
+from alignzoo.engine.models import Models
+
+
+@dataclass
+class Scorer:
+    """No-grad forward passes of the run's models over a batch, ``micro_batch_size`` at a time."""
+
+    models: Models
+    micro_batch_size: int
+
+    @torch.no_grad()
+    def behaviour(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The actor's per-token log-probs and entropy ``[B, R]`` (CPU, fp32)."""
+        actor, autocast = self.models.actor, self.models.autocast
+        logprobs, entropy = [], []
+        with evaluating(actor):
+            for index in chunks(batch.size, self.micro_batch_size):
+                lp, ent = policy_forward(
+                    actor, batch.select(index), entropy=True, autocast=autocast
+                )
+                assert ent is not None
+                logprobs.append(lp.detach().float().cpu())
+                entropy.append(ent.detach().float().cpu())
+        return torch.cat(logprobs), torch.cat(entropy)
+
+    def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The frozen reference's per-token log-probs ``[B, R]``."""
+        reference, autocast = self.models.reference, self.models.autocast
+        assert reference is not None
+        return no_grad_map(
+            lambda b: policy_forward(reference, b, autocast=autocast)[0],
+            batch,
+            self.micro_batch_size,
+        )
+
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
+        """The critic's values ``[B, R]`` (without dropout, like the behaviour log-probs)."""
+        critic, autocast = self.models.critic, self.models.autocast
+        assert critic is not None
+        with evaluating(critic):
+            return no_grad_map(
+                lambda b: critic_forward(critic, b, autocast=autocast), batch, self.micro_batch_size
+            )
+
+    def sequence_logprobs(
+        self, batch: RolloutBatch, role: Literal["actor", "ref"] = "actor"
+    ) -> torch.Tensor:
+        """Sum of response log-probs per sample ``[B]`` under the actor or the reference."""
+        model = self.models.actor if role == "actor" else self.models.reference
+        assert model is not None
+        with evaluating(model):
+            return no_grad_map(
+                lambda b: sequence_logprob(model, b, self.models.autocast),
+                batch,
+                self.micro_batch_size,
+            )
