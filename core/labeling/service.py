@@ -1,6 +1,7 @@
 """``alignzoo serve-labeler``: any labeler plugin over HTTP (Starlette on uvicorn).
 
-Protocol, version 1 (JSON; the ``http`` labeler is its client):
+Protocol, version 1 (JSON; the wire format is :mod:`alignzoo.labeling.protocol`; the ``http``
+labeler is its client):
 
 - ``POST /v1/score`` with ``{"version": 1, "requests": [{"prompt": str, "response": str,
   "extra": {...}}, ...]}`` answers ``{"version": 1, "labeler": <identity>, "scores":
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -34,9 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from alignzoo.config.schema import ComponentRef
 from alignzoo.errors import UserError
-from alignzoo.types import LabelRequest, Outcome, Score
-
-PROTOCOL_VERSION = 1
+from alignzoo.labeling.protocol import PROTOCOL_VERSION, ScoreRequest, score_to_json
+from alignzoo.types import LabelRequest, Score
 
 
 class BatchingConfig(BaseModel):
@@ -60,39 +59,12 @@ class ServeConfig(BaseModel):
     max_items: int = Field(4096, ge=1, description="Most requests in one POST.")
 
 
-class _Item(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str
-    response: str
-    extra: dict[str, Any] = Field(default_factory=dict)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    version: int = PROTOCOL_VERSION
-    requests: list[_Item]
-
-
 def load_config(path: Path) -> ServeConfig:
     """The server's YAML, validated."""
     from alignzoo.config.loader import load_yaml_model
 
     cfg: ServeConfig = load_yaml_model(path, ServeConfig, "labeler server")
     return cfg
-
-
-def score_to_json(score: Score) -> dict[str, Any]:
-    value = float(score.value) if score.outcome == Outcome.VALUE else None
-    if value is not None and not math.isfinite(value):
-        value = None  # JSON has no NaN; the client sees a value-less 'value' outcome: rejected
-    return {
-        "value": value,
-        "valid": bool(score.valid),
-        "outcome": score.outcome.value,
-        "info": score.info,
-    }
 
 
 class Batcher:
@@ -205,7 +177,7 @@ def build_app(cfg: ServeConfig) -> Any:
         if len(raw) > cfg.max_request_bytes:
             return reply(413, {"error": f"body over {cfg.max_request_bytes} bytes"})
         try:
-            body = _Body.model_validate(json.loads(raw))
+            body = ScoreRequest.model_validate(json.loads(raw))
         except (ValueError, ValidationError) as exc:
             return reply(400, {"error": f"invalid body: {exc}"})
         if body.version != PROTOCOL_VERSION:

@@ -12,7 +12,6 @@ gives ``parse_failure`` for the call's samples; a value that is null for a ``val
 
 from __future__ import annotations
 
-import math
 import os
 from collections import Counter
 from typing import Any
@@ -21,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo import Labeler, LabelRequest, Score, hookimpl
 from alignzoo.errors import LabelerTimeout, LabelerUnavailable, UserError
-from alignzoo.types import Outcome
+from alignzoo.labeling.protocol import request_body, score_from_json
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -104,12 +103,7 @@ class HTTPLabeler(Labeler):
     def _post(self, requests: list[LabelRequest]) -> list[Score]:
         import httpx
 
-        body = {
-            "version": 1,
-            "requests": [
-                {"prompt": r.prompt, "response": r.response, "extra": r.extra} for r in requests
-            ],
-        }
+        body = request_body(requests)
         try:
             reply = self._http().post("/v1/score", json=body)
         except httpx.TimeoutException as exc:
@@ -143,19 +137,4 @@ class HTTPLabeler(Labeler):
                 Score.parse_failure(f"the server's reply is not protocol JSON ({exc})")
                 for _ in requests
             ]
-        return [self._score(s) for s in scores]
-
-    @staticmethod
-    def _score(item: Any) -> Any:
-        if not isinstance(item, dict):
-            return item  # rejected by the stage
-        outcome = (
-            Outcome(item.get("outcome", "value"))
-            if item.get("outcome") in {o.value for o in Outcome}
-            else Outcome.VALUE
-        )
-        value = item.get("value")
-        if outcome != Outcome.VALUE:
-            return Score(math.nan, False, dict(item.get("info") or {}), outcome)
-        number = math.nan if value is None else value
-        return Score(number, bool(item.get("valid", True)), dict(item.get("info") or {}))
+        return [score_from_json(s) for s in scores]

@@ -5,6 +5,7 @@ imports a plugin, no module that imports another module's private names."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,17 @@ def test_no_module_imports_another_modules_private_names(tree: str) -> None:
             if private and target.startswith("alignzoo") and f"{target}.{imported}" not in modules:
                 offenders.append(f"{path.relative_to(ROOT)}:{line} imports {target}.{imported}")
     assert offenders == []
+
+
+def test_the_architecture_pages_tree_names_every_module_and_no_missing_one() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    tree = page.split("## The tree", 1)[1].split("```", 2)[1]
+    named = set(re.findall(r"\b([a-z_]+\.py)\b", tree))
+    files = {p.name for base in ("core", "plugins") for p in (ROOT / base).rglob("*.py")} - {
+        "__init__.py",
+        "__main__.py",
+    }
+    assert sorted(files - named) == [], "modules the tree does not show"
+    elsewhere = {p.name for p in (ROOT / "benchmarks").glob("*.py")} | {"__init__.py"}
+    example = {"file.py"}  # "file.py:name", the form of a user's callable
+    assert sorted(named - files - elsewhere - example) == [], "named files that do not exist"

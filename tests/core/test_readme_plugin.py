@@ -1,4 +1,5 @@
-"""The README's "write your own plugin" example works when copied into a package."""
+"""The README's "write your own plugin" example works when copied into a package, and the
+experiment file of docs/experiments.md validates."""
 
 from __future__ import annotations
 
@@ -82,12 +83,13 @@ def test_readme_plugin_installs_lists_and_passes_the_contract_suite(tmp_path):
     assert "FAIL" not in check.stdout and "pass" in check.stdout
 
 
-def test_readme_experiment_example_validates(tmp_path):
+def test_docs_experiment_example_validates(tmp_path):
+    """The experiment file of docs/experiments.md (its first YAML block) loads as written."""
     from alignzoo import load_experiment
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "experiments.md").read_text()
     example = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)[0]
-    path = tmp_path / "readme.yaml"
+    path = tmp_path / "experiment.yaml"
     path.write_text(example)
     loaded = load_experiment(path)
     assert loaded.components["dr_grpo"]["algorithm"].params.scale_rewards == "none"
