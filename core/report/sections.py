@@ -31,6 +31,7 @@ from alignzoo.experiment.runfiles import (
 )
 from alignzoo.report import plots, stats
 from alignzoo.report.document import Block, render_html, render_markdown
+from alignzoo.report.overoptimisation import overoptimisation_blocks
 from alignzoo.report.provenance import provenance_blocks
 
 TRAIN_PLOTS = (
@@ -309,6 +310,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks += _comparisons(exp, rows)
     blocks += _against_start(exp, rows)
     blocks += _reward_models(exp.runs)
+    blocks += overoptimisation_blocks(exp.run_dir, exp.arms, exp.runs, exp.key, _gold(exp))
     blocks += _health(exp.runs)
     blocks += _unreadable(exp.runs)
     blocks += _swaps(exp.runs)
@@ -317,6 +319,12 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks += _plots(exp.run_dir, exp.arms, exp.runs, exp.key)
     blocks += provenance_blocks(exp.run_dir, exp.runs)
     return blocks, f"alignzoo report: {exp.name}"
+
+
+def _gold(exp: _Experiment) -> str | None:
+    """The evaluation labeler every arm is measured by, when the experiment sets one."""
+    ref = exp.spec.evaluation.labeler if exp.spec is not None else None
+    return None if ref is None else ref.name
 
 
 def _arm_rows(exp: _Experiment) -> dict[str, ArmRow]:
