@@ -146,6 +146,16 @@ def all_equal(value: int, what: str) -> None:
         )
 
 
+def all_concat(items: Sequence[T]) -> list[T]:
+    """Every rank's ``items``, concatenated in rank order (``items`` in one process): the
+    inverse of :func:`shard`, for state every rank must compute from the whole step's data."""
+    if not active():
+        return list(items)
+    gathered: list[list[T] | None] = [None] * world_size()
+    _dist().all_gather_object(gathered, list(items))
+    return [item for part in gathered for item in (part or [])]
+
+
 def broadcast_object(value: T) -> T:
     """Rank 0's ``value`` on every rank (``value`` itself in one process): for decisions every
     rank must take alike, such as which runs to resume or whether a wall-clock budget is spent."""

@@ -367,6 +367,42 @@ class BreakerConfig(_Strict):
     )
 
 
+class NormalizeConfig(_Strict):
+    """How the values a labeler gives are put on a common scale before training sees them.
+
+    Applied by the labeling stage per labeler of the chain, to values only (not to abstains
+    or failures), in training passes only (evaluation scores raw values); the value the
+    labeler gave stays in ``Score.info["raw"]``. See :mod:`alignzoo.labeling.normalize`.
+    """
+
+    mode: Literal["none", "running", "fixed"] = Field(
+        "none",
+        description="'running': whiten by the running mean and std of the values this labeler "
+        "gave over the run's passes so far, this pass included (checkpointed); 'fixed': "
+        "(value - shift) * scale; 'none': values as given.",
+    )
+    shift: float = Field(0.0, description="'fixed': subtracted from each value.")
+    scale: float = Field(1.0, description="'fixed': multiplies each shifted value.")
+    momentum: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="'running': null weighs every value seen alike (Welford); a number makes "
+        "the mean and variance an exponential moving average over passes, each pass's own "
+        "mean and variance weighted by it.",
+    )
+    target_mean: float = Field(0.0, description="'running': the mean values are whitened to.")
+    target_std: float = Field(
+        1.0, gt=0, description="'running': the standard deviation values are whitened to."
+    )
+    eps: float = Field(
+        1e-6, gt=0, description="'running': the smallest standard deviation divided by."
+    )
+    clip: float | None = Field(
+        None, gt=0, description="Clip each normalised value to [-clip, clip] (null: no clip)."
+    )
+
+
 class LabelingConfig(_Strict):
     """How an arm labels: a chain of labelers, timeouts, retries, a breaker, outcome policies."""
 
@@ -425,6 +461,12 @@ class LabelingConfig(_Strict):
         "run",
         description="Where labels are persisted and reused (SQLite): 'run' (labels.sqlite in "
         "the run folder), a path shared by runs, or null to keep none.",
+    )
+    normalize: NormalizeConfig | None = Field(
+        None,
+        description="Reward scale: running whitening or a fixed scale of each labeler's "
+        "values, and clipping (null: the labeler's own default, none for most; the reward "
+        "model's is running whitening to mean 0.5, std 0.5, the scale of a 0/1 rule).",
     )
 
 

@@ -211,6 +211,8 @@ class _Loop:
         self.clock_start = time.monotonic()
         self.last_eval = _last_step(run.context.out_dir / EVAL_FILE)
         self.last_ckpt = state.step if state.step > 0 else None
+        if run.hooks.labeling is not None:  # its normalisation state is checkpointed with the run
+            run.hooks.labeling.attach(run.context)
 
     def tick(self) -> None:
         self.state.time_s = self.base_time + (time.monotonic() - self.clock_start)

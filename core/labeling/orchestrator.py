@@ -20,6 +20,12 @@ The result is a :class:`LabelReport`: per sample the outcome and which labeler v
 samples to keep, and a ledger that must balance (generated = valued + fallback-valued +
 dropped, by outcome); :meth:`LabelReport.metrics` puts it into the step's metrics under
 ``label/*``.
+
+In a training pass each labeler's values are then normalised and clipped as
+``labeling.normalize`` says (:mod:`~alignzoo.labeling.normalize`; the labeler's value stays in
+``Score.info["raw"]``, ``label/<labeler>/norm_mean`` and ``norm_std`` give the running state);
+the running state is the stage's :meth:`LabelingStage.state_dict`, mirrored into ``run.state``
+once the stage is attached to the run (:meth:`LabelingStage.attach`), so checkpoints keep it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from alignzoo import distributed
 from alignzoo.batch import RolloutBatch
 from alignzoo.errors import RunError
 from alignzoo.labeling.callers import (
@@ -45,6 +52,8 @@ from alignzoo.labeling.callers import (
     Slot,
 )
 from alignzoo.labeling.interface import LabelRequest, Outcome, Score
+from alignzoo.labeling.normalize import STATE_KEY as NORM_STATE_KEY
+from alignzoo.labeling.normalize import RunningStats, resolve, transform
 from alignzoo.labeling.report import SLOWEST, LabelReport, MetricsExporter, slowest_calls
 from alignzoo.labeling.store import LabelStore, labeler_identity, request_key
 
@@ -75,6 +84,8 @@ class LabelingStage:
         self.sleep, self.clock = sleep, clock
         self.rng = random.Random(seed)
         self.lock = threading.RLock()  # one pass at a time; a swap waits for the pass in flight
+        self.norm_stats: dict[str, RunningStats] = {}  # labeler name -> running mean and std
+        self.context: Any = None  # the run whose run.state mirrors norm_stats (attach)
 
     @classmethod
     def build(
@@ -128,14 +139,79 @@ class LabelingStage:
         return str(getattr(self.cfg.on, outcome.value))
 
     def label(
-        self, requests: list[LabelRequest], groups: Sequence[int] | None = None
+        self,
+        requests: list[LabelRequest],
+        groups: Sequence[int] | None = None,
+        normalize: bool = False,
     ) -> LabelReport:
         """Label every request through the chain; see :class:`LabelReport`. Thread-safe: one
-        pass runs at a time (with ``labeling.overlap`` a pass runs beside the main thread)."""
+        pass runs at a time (with ``labeling.overlap`` a pass runs beside the main thread).
+        ``normalize``: a training pass, whose values are normalised as ``labeling.normalize``
+        says (and update its running state); otherwise the values are the labelers' own."""
         with self.lock:
-            return self._label(requests, groups)
+            return self._label(requests, groups, normalize)
 
-    def _label(self, requests: list[LabelRequest], groups: Sequence[int] | None) -> LabelReport:
+    # ------------------------------------------------------------------ normalisation
+    def state_dict(self) -> dict[str, Any]:
+        """The normalisation state (plain data): per labeler name its count, mean and M2."""
+        with self.lock:
+            return {name: stats.state_dict() for name, stats in sorted(self.norm_stats.items())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            self.norm_stats = {
+                name: RunningStats.from_state(row) for name, row in (state or {}).items()
+            }
+
+    def attach(self, context: Any) -> None:
+        """Keep the normalisation state in ``context.state`` (saved with every checkpoint) and,
+        when it already holds one (a resumed run), continue from it. Idempotent: after each
+        training pass the stage writes its state there, so attaching again changes nothing."""
+        with self.lock:
+            self.context = context
+            saved = context.state.get(NORM_STATE_KEY)
+            if saved is not None:
+                self.load_state_dict(saved)
+
+    def _normalize(
+        self, scores: list[Score], outcomes: list[Outcome], valued_by: list[str | None]
+    ) -> dict[str, float]:
+        """Normalise each labeler's values of this pass in place; returns ``label/*`` metrics."""
+        metrics: dict[str, float] = {}
+        for slot in self.slots:
+            component = getattr(slot.call, "component", None) or getattr(slot.call, "cls", None)
+            cfg = resolve(self.cfg.normalize, component)
+            if cfg.mode == "none" and cfg.clip is None:
+                continue
+            mine = [
+                i
+                for i in range(len(scores))
+                if outcomes[i] == Outcome.VALUE and valued_by[i] == slot.name
+            ]
+            running = cfg.mode == "running"
+            stats = self.norm_stats.setdefault(slot.name, RunningStats()) if running else None
+            local = [float(scores[i].value) for i in mine]
+            if stats is not None:
+                # Data parallel: the running state is updated with every rank's values, in
+                # rank order (the one-process pass's order), so all ranks whiten alike.
+                stats.update(distributed.all_concat(local), cfg.momentum)
+            new = transform(cfg, local, stats or RunningStats(), update=False)
+            for i, value in zip(mine, new, strict=True):
+                old = scores[i]
+                info = {**old.info, "raw": old.info.get("raw", float(old.value))}
+                scores[i] = Score(value, old.valid, info, old.outcome)
+            if stats is not None:
+                metrics[f"label/{slot.name}/norm_mean"] = stats.mean
+                metrics[f"label/{slot.name}/norm_std"] = stats.std
+        if self.context is not None:  # a new dict each pass: a checkpoint copies a whole one
+            self.context.state[NORM_STATE_KEY] = {
+                name: stats.state_dict() for name, stats in sorted(self.norm_stats.items())
+            }
+        return metrics
+
+    def _label(
+        self, requests: list[LabelRequest], groups: Sequence[int] | None, normalize: bool = False
+    ) -> LabelReport:
         n = len(requests)
         scores: list[Score] = [Score(math.nan, False, {}, Outcome.ERROR) for _ in range(n)]
         outcomes: list[Outcome] = [Outcome.ERROR] * n
@@ -158,6 +234,8 @@ class LabelingStage:
             )
         for i in pending:  # no labeler of the chain gave a value
             final[i] = self.cfg.on.exhausted
+        given = {i: float(s.value) for i, s in enumerate(scores) if outcomes[i] == Outcome.VALUE}
+        norm_metrics = self._normalize(scores, outcomes, valued_by) if normalize else {}
         report = LabelReport(scores, outcomes, valued_by, [], slots=self.slots)
         fail = [i for i, what in final.items() if what == "fail"]
         if fail:
@@ -188,7 +266,7 @@ class LabelingStage:
         if ledger["generated"] != ledger["valued"] + ledger["fallback_valued"] + ledger["dropped"]:
             raise RunError(f"labeling: the ledger does not balance: {ledger}")  # a bug here
         if self.shadow is not None:
-            report.shadow = self._shadow_agreement(requests, report)
+            report.shadow = self._shadow_agreement(requests, report, given)
         for slot in self.slots:  # drift: once per pass, against the passes before
             slot.drift = None
             if slot.values:
@@ -198,23 +276,28 @@ class LabelingStage:
                     slot.running_mean = 0.9 * slot.running_mean + 0.1 * mean
                 else:
                     slot.running_mean = mean
-        report.snapshot = report.metrics()
+        report.snapshot = {**report.metrics(), **norm_metrics}
         report.slowest = slowest_calls(self.slots)
         if self.exporter is not None:
             self.exporter.update(report.snapshot)
         return report
 
     def _shadow_agreement(
-        self, requests: list[LabelRequest], report: LabelReport
+        self,
+        requests: list[LabelRequest],
+        report: LabelReport,
+        given: dict[int, float] | None = None,
     ) -> dict[str, float]:
-        """Score the kept samples with the shadow labeler (never trained on) and compare."""
+        """Score the kept samples with the shadow labeler (never trained on) and compare
+        (with the values the chain gave, ``given``, before normalisation)."""
         assert self.shadow is not None
         kept = [i for i in report.keep if report.outcomes[i] == Outcome.VALUE]
         if not kept:
             return {}
         result = self.shadow.call([requests[i] for i in kept], self.cfg.timeout_s)
+        given = given or {}
         pairs = [
-            (float(report.scores[i].value), float(s.value))
+            (given.get(i, float(report.scores[i].value)), float(s.value))
             for i, s in zip(kept, result.scores, strict=True)
             if s.outcome == Outcome.VALUE
         ]
@@ -298,11 +381,17 @@ class LabelingStage:
 
     def replace_head(self, slot: Slot) -> None:
         """Label with ``slot`` from the next pass on (the chain's fallbacks stay); waits for a
-        pass in flight."""
+        pass in flight.
+
+        A new labeler has a scale of its own: the running normalisation state of the head's
+        name starts over (a resumed run loads the state it had at its checkpoint after the
+        swap it restores, :meth:`attach`)."""
         with self.lock:
             old = self.slots[0]
             self.slots[0] = slot
             old.call.close()
+            self.norm_stats.pop(old.name, None)
+            self.norm_stats.pop(slot.name, None)
 
     def set_shadow(self, slot: Slot | None) -> None:
         """Score alongside the chain without training on it (None: stop); waits for a pass in
@@ -406,17 +495,24 @@ def label_requests(batch: RolloutBatch) -> list[LabelRequest]:
     ]
 
 
-def label(hooks: Hooks, batch: RolloutBatch, stage: LabelingStage | None = None) -> LabelReport:
+def label(
+    hooks: Hooks,
+    batch: RolloutBatch,
+    stage: LabelingStage | None = None,
+    normalize: bool = True,
+) -> LabelReport:
     """Fill ``batch.scores``, ``batch.score_valid`` and ``batch.label_info`` (in place) through
     ``stage``, by default the arm's labeling stage (``hooks.labeling``; a plain single-labeler
     stage when unset), and return the report. Samples without a value get score 0 and
-    ``info["outcome"]``; the report's ``keep`` says which samples may be trained on."""
+    ``info["outcome"]``; the report's ``keep`` says which samples may be trained on.
+    ``normalize``: a training pass (``labeling.normalize`` applies); evaluation passes False,
+    so it scores raw values and leaves the running state alone."""
     if stage is None:
         stage = getattr(hooks, "labeling", None)
     if stage is None:
         stage = default_stage(hooks)
     groups = batch.group_ids.tolist() if batch.group_ids is not None else None
-    report = stage.label(label_requests(batch), groups)
+    report = stage.label(label_requests(batch), groups, normalize=normalize)
     values = [float(s.value) if s.outcome == Outcome.VALUE else 0.0 for s in report.scores]
     batch.scores = torch.tensor(values, dtype=torch.float32)
     batch.score_valid = torch.tensor(

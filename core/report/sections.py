@@ -218,6 +218,9 @@ def _describe_arm(spec: ExperimentSpec | None, arm: str) -> str:
     labeling = _changed(a.labeling, LabelingConfig())
     if labeling:
         parts.append(f"labeling `{json.dumps(labeling, sort_keys=True)}`")
+    from alignzoo.labeling.normalize import arm_normalization
+
+    parts.append(f"reward normalisation {arm_normalization(a)}")
     for name in ("training", "model"):
         changed = _changed(getattr(a, name), getattr(spec, name))
         if changed:

@@ -106,11 +106,14 @@ def labeled(batch: RolloutBatch, report: LabelReport, m: dict[str, float]) -> Co
     if len(report.keep) < batch.size:  # samples without a value never reach the loss
         batch = batch.select(report.keep)
     assert batch.scores is not None and batch.score_valid is not None
+    given = labeler_units(batch)
+    if given is not batch.scores and batch.size:  # what training saw, beside the labeler's
+        m["reward/normalized_mean"] = float(batch.scores.mean())
     if distributed.active():
-        m.update(_global_sample_metrics(batch))
+        m.update(_global_sample_metrics(batch, given))
     elif batch.size:
-        m[canonical.REWARD_MEAN] = float(batch.scores.mean())
-        m[canonical.REWARD_STD] = float(batch.scores.std(unbiased=False))
+        m[canonical.REWARD_MEAN] = float(given.mean())
+        m[canonical.REWARD_STD] = float(given.std(unbiased=False))
         m[canonical.REWARD_VALID_FRAC] = float(batch.score_valid.float().mean())
         m[canonical.RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
     m[canonical.BATCH_RESPONSES] = float(batch.size)
@@ -121,12 +124,32 @@ def labeled(batch: RolloutBatch, report: LabelReport, m: dict[str, float]) -> Co
     )
 
 
-def _global_sample_metrics(batch: RolloutBatch) -> dict[str, float]:
-    """The reward and length metrics over the samples of every data-parallel rank."""
+def labeler_units(batch: RolloutBatch) -> Any:
+    """The batch's scores in the labelers' own units: ``info["raw"]`` where the labeling stage
+    (``labeling.normalize``) or the labeler rescaled the value, else the score. ``reward/mean``
+    is computed from these for every arm, so a normalised arm's training reward stays the
+    labeler's reward (the proxy of the over-optimisation picture); ``batch.scores`` itself
+    when nothing was rescaled."""
+    import torch
+
+    assert batch.scores is not None
+    info = batch.label_info or []
+    if not any(isinstance(row.get("raw"), (int, float)) for row in info):
+        return batch.scores
+    values = [
+        float(row["raw"]) if isinstance(row.get("raw"), (int, float)) else float(score)
+        for row, score in zip(info, batch.scores.tolist(), strict=True)
+    ]
+    return torch.tensor(values, dtype=batch.scores.dtype)
+
+
+def _global_sample_metrics(batch: RolloutBatch, given: Any) -> dict[str, float]:
+    """The reward and length metrics over the samples of every data-parallel rank (``given``:
+    the scores in the labelers' units, :func:`labeler_units`)."""
     import torch
 
     assert batch.scores is not None and batch.score_valid is not None
-    scores = batch.scores.double()
+    scores = given.double()
     local = torch.stack(
         [
             torch.tensor(float(batch.size), dtype=torch.float64),
