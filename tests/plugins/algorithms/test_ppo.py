@@ -170,13 +170,11 @@ def test_ppo_kl_in_reward_golden():
 
 
 def test_adaptive_kl_controller_golden():
-    ctl = AdaptiveKLController(init_kl_coef=0.2, kl_target=6.0, horizon=10000)
-    ctl.update(current_kl=6.6, n_steps=8)  # e = 6.6 / 6 - 1 = 0.1 (inside the clip)
-    assert ctl.value == pytest.approx(0.2 * (1 + 0.1 * 8 / 10000), abs=1e-12)
-    ctl.update(current_kl=1.2, n_steps=8)  # e = 1.2 / 6 - 1 = -0.8 -> clipped to -0.2
-    assert ctl.value == pytest.approx(
-        0.2 * (1 + 0.1 * 8 / 10000) * (1 - 0.2 * 8 / 10000), abs=1e-12
-    )
+    ctl = AdaptiveKLController(init_kl_coef=0.2, kl_target=6.0, horizon_steps=10)
+    ctl.update(current_kl=6.6)  # e = 6.6 / 6 - 1 = 0.1 (inside the clip), one step
+    assert ctl.value == pytest.approx(0.2 * (1 + 0.1 / 10), abs=1e-12)
+    ctl.update(current_kl=1.2)  # e = 1.2 / 6 - 1 = -0.8 -> clipped to -0.2
+    assert ctl.value == pytest.approx(0.2 * (1 + 0.1 / 10) * (1 - 0.2 / 10), abs=1e-12)
 
 
 def test_adaptive_kl_updates_from_observed_kl_and_resumes_from_state_dict():
@@ -189,20 +187,28 @@ def test_adaptive_kl_updates_from_observed_kl_and_resumes_from_state_dict():
             mask, scores=[1.0, 0.0], values=torch.zeros(2, 3), old_logprobs=old, ref_logprobs=ref
         )
 
-    params = {"kl_controller": "adaptive", "init_kl_coef": 0.2, "kl_target": 6.0, "horizon": 100}
+    params = {
+        "kl_controller": "adaptive",
+        "init_kl_coef": 0.2,
+        "kl_target": 6.0,
+        "kl_target_unit": "sequence",
+        "kl_horizon_steps": 50,
+    }
     algo = PPO(params)
     batch = algo.compute_advantages(fresh_batch())
     # the reward uses the coefficient before the update ...
     assert batch.token_rewards[1].tolist() == pytest.approx([-0.6, -0.6, -0.6], abs=1e-6)
-    # ... then e = clip(9 / 6 - 1, -0.2, 0.2) = 0.2 and beta <- 0.2 * (1 + 0.2 * 2 / 100)
-    expected = 0.2 * (1 + 0.2 * 2 / 100)
+    # ... then e = clip(9 / 6 - 1, -0.2, 0.2) = 0.2 and beta <- 0.2 * (1 + 0.2 / 50)
+    expected = 0.2 * (1 + 0.2 / 50)
     assert algo.state_dict() == {"kl_controller": {"kl_coef": pytest.approx(expected)}}
     out = algo.compute_loss(
         batch,
         PolicyOutputs(logprobs=old.clone(), values=torch.zeros(2, 3, requires_grad=True)),
         batch.loss_context(),
     )
-    assert out.metrics["ppo/kl_coef"] == pytest.approx(expected)
+    assert out.metrics["kl/coef"] == 0.2  # the coefficient of this step's reward
+    assert out.metrics["kl/measured"] == pytest.approx(9.0)  # nats per sequence
+    assert out.metrics["kl/target"] == 6.0
 
     resumed = PPO(params)
     resumed.load_state_dict(algo.state_dict())
@@ -276,7 +282,7 @@ def test_ppo_explained_variance_and_metric_names():
         "critic/vf_clipfrac",
         "critic/explained_variance",
         "ppo/kl_penalty",
-        "ppo/kl_coef",
+        "kl/coef",
     }
     assert expected <= set(out.metrics)
     assert not {"kl", "entropy", "kl/ref"} & set(out.metrics)  # canonical names are the engine's
