@@ -740,7 +740,7 @@ def annotate_pool(
 ) -> None:
     """Sample two responses per prompt from the arm's starting policy and queue them."""
     from alignzoo.config.loader import load_experiment
-    from alignzoo.human.queue import HumanQueue
+    from alignzoo.human.queue import HumanQueue, write_source
     from alignzoo.human.simulate import sample_pool
     from alignzoo.types import LabelRequest
 
@@ -764,6 +764,7 @@ def annotate_pool(
             ids = queue.enqueue_pairs(pairs, raters=raters, extras=extras)
     finally:
         queue.close()
+    write_source(queue_dir, experiment, name)
     kind = "rating" if ratings else "pair"
     skipped = "" if ratings else f" ({len(pool) - len(ids)} prompts gave two equal responses)"
     console.print(f"{len(ids)} {kind} items queued in {queue_dir}{skipped}", highlight=False)
@@ -874,7 +875,10 @@ def train_rm(
     ],
     base: Annotated[
         str,
-        typer.Option(help="Model folder, 'embedded', or an experiment YAML (its arm's policy)."),
+        typer.Option(
+            help="Model folder or an experiment YAML (its arm's policy); 'embedded' only when "
+            "the data records the experiment that produced it (else refused)."
+        ),
     ],
     out: Annotated[Path, typer.Option(help="Folder for the reward model (must not exist).")],
     arm: Annotated[str | None, typer.Option(help="With an experiment --base: the arm.")] = None,
@@ -889,45 +893,119 @@ def train_rm(
     negatives: Annotated[
         str | None,
         typer.Option(
-            help="Synthetic near-miss negatives: 'arithmetic', or 'file.py:fn' / 'module:fn' "
-            "(fn(prompt, response) -> str | None)."
+            help="Synthetic negatives, each a perturbation of a chosen response taken as a "
+            "second rejected one: 'arithmetic' (one near miss of the answer), "
+            "'arithmetic-shifts' (the answer moved by ±1, ±2, ±10, ±20, ±50, ±100), or "
+            "'file.py:fn' / 'module:fn' (fn(prompt, response) -> str | list[str] | None)."
         ),
     ] = None,
+    perturbations: Annotated[
+        str | None,
+        typer.Option(
+            help="Perturbations for the top-1 probe (the right response against them), as "
+            "--negatives names them, without training on them; default: --negatives."
+        ),
+    ] = None,
+    ensemble: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="K > 1: an ensemble of K reward models (OUT/member-i, seed + i, each on a "
+            "bootstrap of the training pairs; OUT/ensemble.json lists them).",
+        ),
+    ] = 1,
 ) -> None:
     """Train a Bradley-Terry reward model the reward_model labeler loads."""
-    from alignzoo.human.reward_model import train_reward_model
+    from alignzoo.human.reward_model import RewardModelReport, train_ensemble, train_reward_model
 
     if out.exists():
         raise UserError(f"--out {out} exists; choose a new folder for the reward model")
-    perturb = None
-    if negatives == "arithmetic":
-        from alignzoo.world.task import near_miss
 
-        perturb = near_miss
-    elif negatives is not None:
-        from alignzoo.callables import load_callable
+    def perturbation(name: str | None, option: str) -> Any:
+        from alignzoo.world.task import NEGATIVES
 
-        perturb = load_callable(negatives, "--negatives")
-    report = train_reward_model(
-        data,
-        _base_model(base, arm),
-        out,
-        epochs=epochs,
-        lr=lr,
-        batch_size=batch_size,
-        heldout=heldout,
-        max_length=max_length,
-        seed=seed,
-        negatives=perturb,
-        log=lambda m: console.print(m, highlight=False),
-    )
-    console.print(
-        f"reward model in {out}: held-out accuracy {report.heldout_accuracy:.3f} on "
-        f"{report.heldout_pairs} pairs (ECE {report.heldout_ece:.3f}, Brier "
-        f"{report.heldout_brier:.3f}); {report.train_pairs} training pairs, "
-        f"{report.synthetic_negatives} of them synthetic negatives",
-        highlight=False,
-    )
+        if name in NEGATIVES:
+            return NEGATIVES[name]
+        if name is not None:
+            from alignzoo.callables import load_callable
+
+            return load_callable(name, option)
+        return None
+
+    perturb = perturbation(negatives, "--negatives")
+    probe_with = perturbation(perturbations, "--perturbations")
+    if base == "embedded":
+        # The warm start must be the one the samples came from: the default embedded settings
+        # are another model unless the data says which experiment it was.
+        try:
+            export_info = json.loads((data / "alignzoo_export.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            export_info = {}
+        if not isinstance(export_info, dict):
+            export_info = {}
+        experiment = export_info.get("experiment")
+        if not (isinstance(experiment, str) and Path(experiment).is_file()):
+            raise UserError(
+                f"--base embedded: {data} does not record which experiment produced its "
+                "samples, and the default embedded warm start is not the one that "
+                "experiment used; pass the experiment file instead (--base "
+                "experiments/NAME.yaml, with --arm for another arm than the first)"
+            )
+        base = experiment
+        if arm is None and isinstance(export_info.get("arm"), str):
+            arm = export_info["arm"]
+        console.print(f"--base embedded: the warm start of {base} (arm {arm})", highlight=False)
+    say = lambda m: console.print(m, highlight=False)  # noqa: E731
+    settings: dict[str, Any] = {
+        "epochs": epochs,
+        "lr": lr,
+        "batch_size": batch_size,
+        "heldout": heldout,
+        "max_length": max_length,
+        "negatives": perturb,
+        "perturbations": probe_with,
+    }
+    model = _base_model(base, arm)
+    if ensemble > 1:
+        result = train_ensemble(data, model, out, ensemble, seed=seed, log=say, **settings)
+        reports: list[RewardModelReport] = result.members
+    else:
+        reports = [train_reward_model(data, model, out, seed=seed, log=say, **settings)]
+    for i, report in enumerate(reports):
+        where = out / f"member-{i}" if ensemble > 1 else out
+        lo, hi = report.heldout_interval
+        console.print(
+            f"reward model in {where}: held-out accuracy {report.heldout_accuracy:.3f} "
+            f"(95% interval [{lo:.3f}, {hi:.3f}]) on "
+            f"{report.heldout_pairs} pairs (ECE {report.heldout_ece:.3f}, Brier "
+            f"{report.heldout_brier:.3f}); {report.train_pairs} training pairs, "
+            f"{report.synthetic_negatives} of them synthetic negatives",
+            highlight=False,
+        )
+        probes = report.probes
+        if "top1_accuracy" in probes:
+            console.print(
+                f"  top-1 accuracy {probes['top1_accuracy']:.3f} over {probes['top1_sets']} "
+                f"candidate sets ({probes['top1_candidates']:.1f} candidates each: the chosen "
+                "response and its perturbations)",
+                highlight=False,
+            )
+        for name, row in probes.get("ood", {}).items():
+            console.print(
+                f"  out-of-distribution '{name}': score {row['mean_score_minus_chosen']:+.3f} "
+                f"against the chosen response, above it for "
+                f"{row['share_above_chosen']:.0%} of prompts",
+                highlight=False,
+            )
+        for warning in report.warnings:
+            console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+    if ensemble > 1:
+        console.print(
+            f"ensemble of {ensemble} in {out} ({out / 'ensemble.json'}): held-out accuracy "
+            f"{result.heldout_accuracy_mean:.3f} +- {result.heldout_accuracy_std:.3f} "
+            "across members",
+            highlight=False,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from alignzoo.human.agreement import (
     normalise,
     pair_agreement,
 )
-from alignzoo.human.queue import HumanQueue, Item
+from alignzoo.human.queue import HumanQueue, Item, read_source
 
 SUMMARY_FILE = "alignzoo_export.json"
 Kind = Literal["preference", "unpaired"]
@@ -82,6 +82,8 @@ class ExportSummary:
     pairs: FilterCounts = field(default_factory=FilterCounts)
     ties: int = 0
     agreement: dict[str, Any] = field(default_factory=dict)
+    experiment: str | None = None  # the experiment whose arm sampled the items (if recorded)
+    arm: str | None = None
 
 
 def _verdicts(
@@ -115,6 +117,8 @@ def export(
         summary = ExportSummary(rows=0, kind=kind, min_agree=min_agree, tolerance=tolerance)
         kept = _verdicts(queue, min_agree, tolerance, summary)
         summary.agreement = agreement(queue)
+        source = read_source(queue_dir)
+        summary.experiment, summary.arm = source.get("experiment"), source.get("arm")
     finally:
         queue.close()
     rows: list[dict[str, Any]] = []

@@ -39,6 +39,30 @@ from alignzoo.labeling.store import request_key
 from alignzoo.types import LabelRequest
 
 QUEUE_FILE = "queue.sqlite"
+SOURCE_FILE = "source.json"
+"""Beside the queue: which experiment and arm sampled its items (``annotate pool`` writes it,
+``annotate export`` carries it into its summary, ``train-rm --base embedded`` reads it)."""
+
+
+def write_source(queue_dir: str | Path, experiment: str | Path, arm: str) -> None:
+    """Record that ``experiment``'s arm ``arm`` (its starting policy) sampled the queue's
+    items."""
+    path = Path(queue_dir) / SOURCE_FILE
+    row = {"experiment": str(Path(experiment).resolve()), "arm": arm}
+    path.write_text(json.dumps(row, indent=2), encoding="utf-8")
+
+
+def read_source(queue_dir: str | Path) -> dict[str, str]:
+    """What :func:`write_source` recorded (empty when nothing was, or it cannot be read)."""
+    try:
+        row = json.loads((Path(queue_dir) / SOURCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(row, dict):
+        return {}
+    return {k: str(v) for k, v in row.items() if k in ("experiment", "arm") and v}
+
+
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS items (
         id INTEGER PRIMARY KEY,

@@ -20,6 +20,22 @@ tokenizer) is what the ``reward_model`` labeler loads; ``train_rm.json`` holds t
 
 Texts are encoded as the ``reward_model`` labeler encodes them (:func:`encode`): right padding,
 truncation from the left, the tokenizer's special tokens.
+
+Probes beyond pairwise accuracy (:func:`probe`, in ``train_rm.json`` under ``probes``): top-1
+accuracy over candidate sets (each held-out chosen response against perturbations of it from
+the same kind of function as ``negatives``, applied in a chain: a shortcut that ranks the pairs
+still fails to single the right response out), the scores of out-of-distribution responses
+(empty, one constant answer, a very long one) relative to the chosen response, and the Wilson
+95% interval of the held-out accuracy with a warning when the held-out set is too small to say
+anything (fewer than :data:`MIN_HELDOUT` pairs or an interval wider than
+:data:`MAX_INTERVAL`).
+
+Ensembles (:func:`train_ensemble`, ``train-rm --ensemble K``): K members, each a normal
+reward-model folder ``OUT/member-i`` trained with seed ``seed + i`` on a bootstrap resample of
+the training pairs (the held-out prompts are the same for all), listed in ``OUT/ensemble.json``.
+The ``reward_model`` labeler loads such a folder and aggregates the members' scores
+(:func:`aggregate`: the mean, or conservatively mean - lambda * std or the min, as in
+Coste et al. 2024, "Reward Model Ensembles Help Mitigate Overoptimization").
 """
 
 from __future__ import annotations
@@ -30,14 +46,22 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from alignzoo.errors import UserError
 
 METRICS_FILE = "train_rm.json"
-Negatives = Callable[[str, str], "str | None"]
+ENSEMBLE_FILE = "ensemble.json"
+Negatives = Callable[[str, str], "str | Sequence[str] | None"]
+Aggregate = Literal["mean", "mean_minus_std", "min"]
+# A held-out set is too small to say anything below this many pairs, or when the Wilson 95%
+# interval of its accuracy is wider than MAX_INTERVAL.
+MIN_HELDOUT = 30
+MAX_INTERVAL = 0.2
+# Candidates per top-1 set: the chosen response and up to this many perturbations of it.
+TOP1_PERTURBATIONS = 4
 
 
 def prepare(tokenizer: Any, model: Any | None = None) -> Any:
@@ -99,6 +123,10 @@ class RewardModelReport:
     heldout_loss: float
     seed: int
     train_accuracy: float = math.nan
+    heldout_interval: list[float] = field(default_factory=list)
+    probes: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    bootstrap: bool = False
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -166,6 +194,149 @@ def evaluate_pairs(
     }
 
 
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95% for z = 1.96) of a proportion ``successes / n``."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def heldout_warning(accuracy: float, n: int) -> str | None:
+    """Why ``n`` held-out pairs are too few to say anything (None when they are enough)."""
+    lo, hi = wilson(accuracy * n, n) if not math.isnan(accuracy) else (0.0, 1.0)
+    if n < MIN_HELDOUT or hi - lo > MAX_INTERVAL:
+        return (
+            f"held-out set too small to say much: {n} pair(s), accuracy "
+            f"{accuracy:.3f} with a 95% interval [{lo:.3f}, {hi:.3f}] (wanted at least "
+            f"{MIN_HELDOUT} pairs and an interval at most {MAX_INTERVAL} wide)"
+        )
+    return None
+
+
+def aggregate(values: Sequence[float], how: Aggregate = "mean", std_coef: float = 1.0) -> float:
+    """One score from the ensemble members' ``values``: their mean, mean - ``std_coef`` * std
+    (population std, over the members) or their min (Coste et al. 2024)."""
+    if not values:
+        raise ValueError("aggregate needs at least one member score")
+    mean = sum(values) / len(values)
+    if how == "mean":
+        return mean
+    if how == "min":
+        return min(values)
+    if how == "mean_minus_std":
+        return mean - std_coef * member_std(values)
+    raise ValueError(f"aggregate: unknown {how!r} (mean, mean_minus_std, min)")
+
+
+def member_std(values: Sequence[float]) -> float:
+    """The members' disagreement on one sample: the population std of their scores."""
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def perturbed(perturb: Negatives, prompt: str, response: str) -> list[str]:
+    """What ``perturb`` makes of ``response``, as a list: a function may return one
+    perturbation, several, or None (nothing to perturb)."""
+    made = perturb(prompt, response)
+    if made is None:
+        return []
+    return [made] if isinstance(made, str) else [str(m) for m in made]
+
+
+def candidates(
+    prompt: str, chosen: str, perturb: Negatives, k: int = TOP1_PERTURBATIONS
+) -> list[str]:
+    """``chosen`` and its distinct perturbations: every one of them when ``perturb`` returns
+    several, else up to ``k`` from applying it in a chain (to the chosen response, then to
+    each perturbation), so a deterministic near-miss function still gives several."""
+    out = [chosen]
+    first = perturbed(perturb, prompt, chosen)
+    if len(first) > 1:
+        return out + [c for c in dict.fromkeys(first) if c != chosen]
+    current = chosen
+    for _ in range(4 * k):
+        if len(out) > k:
+            break
+        made = perturbed(perturb, prompt, current)
+        if not made:
+            break
+        nxt = made[0]
+        if nxt not in out:
+            out.append(nxt)
+        current = nxt
+    return out
+
+
+def _scores(
+    model: Any, tokenizer: Any, texts: Sequence[str], max_length: int, batch_size: int
+) -> list[float]:
+    out: list[float] = []
+    for start in range(0, len(texts), batch_size):
+        out += rewards(model, tokenizer, texts[start : start + batch_size], max_length).tolist()
+    return out
+
+
+def probe(
+    model: Any,
+    tokenizer: Any,
+    held: Sequence[Pair],
+    perturb: Negatives | None,
+    max_length: int = 256,
+    batch_size: int = 32,
+) -> dict[str, Any]:
+    """Top-1 accuracy over candidate sets (with ``perturb``) and out-of-distribution scores on
+    the held-out chosen responses; see the module docstring."""
+    chosen = list(dict.fromkeys((p.prompt, p.chosen) for p in held))
+    result: dict[str, Any] = {}
+    if not chosen:
+        return result
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            base = _scores(model, tokenizer, [x + y for x, y in chosen], max_length, batch_size)
+            if perturb is not None:
+                made = [candidates(x, y, perturb) for x, y in chosen]
+                sets = [(i, c) for i, c in enumerate(made) if len(c) > 1]
+                texts = [chosen[i][0] + c for i, cs in sets for c in cs]
+                flat = _scores(model, tokenizer, texts, max_length, batch_size)
+                right, at = 0, 0
+                for _, cs in sets:
+                    scores = flat[at : at + len(cs)]
+                    at += len(cs)
+                    right += int(scores[0] > max(scores[1:]))
+                result["top1_accuracy"] = right / len(sets) if sets else math.nan
+                result["top1_sets"] = len(sets)
+                result["top1_candidates"] = (
+                    sum(len(cs) for _, cs in sets) / len(sets) if sets else 0.0
+                )
+            common = max(
+                sorted({y for _, y in chosen}), key=[y for _, y in chosen].count
+            )  # one constant answer, the same for every prompt
+            ood = {
+                "empty": ["" for _ in chosen],
+                "constant": [common for _ in chosen],
+                "long": [" ".join([y] * 64) for _, y in chosen],
+            }
+            result["ood"] = {}
+            for name, responses in ood.items():
+                texts = [x + r for (x, _), r in zip(chosen, responses, strict=True)]
+                scores = _scores(model, tokenizer, texts, max_length, batch_size)
+                gaps = [s - b for s, b in zip(scores, base, strict=True)]
+                result["ood"][name] = {
+                    "mean_score_minus_chosen": sum(gaps) / len(gaps),
+                    "share_above_chosen": sum(g > 0 for g in gaps) / len(gaps),
+                }
+            result["chosen_mean_score"] = sum(base) / len(base)
+    finally:
+        model.train(was_training)
+    return result
+
+
 def load_pairs(data: str | Path) -> list[Pair]:
     """Preference pairs from a file or ``save_to_disk`` folder with prompt, chosen, rejected
     (what ``alignzoo annotate export`` writes), read as an experiment's data is."""
@@ -177,21 +348,22 @@ def load_pairs(data: str | Path) -> list[Pair]:
 
 
 def with_negatives(pairs: Sequence[Pair], negatives: Negatives | None) -> tuple[list[Pair], int]:
-    """``pairs`` plus (chosen, near miss) for each pair whose chosen response ``negatives``
-    can perturb (a near miss equal to the chosen response is skipped)."""
+    """``pairs`` plus (chosen, perturbation) for each perturbation ``negatives`` makes of a
+    pair's chosen response (one, several or none; one equal to the chosen response, or a pair
+    already there, is skipped)."""
     out = list(pairs)
     added = 0
     if negatives is None:
         return out, 0
-    seen = set()
+    seen = {(p.prompt, p.chosen, p.rejected) for p in pairs}  # a pair the data has already
     for pair in pairs:
-        miss = negatives(pair.prompt, pair.chosen)
-        key = (pair.prompt, pair.chosen, miss)
-        if miss is None or miss == pair.chosen or key in seen:
-            continue
-        seen.add(key)
-        out.append(Pair(pair.prompt, pair.chosen, miss))
-        added += 1
+        for miss in perturbed(negatives, pair.prompt, pair.chosen):
+            key = (pair.prompt, pair.chosen, miss)
+            if miss == pair.chosen or key in seen:
+                continue
+            seen.add(key)
+            out.append(Pair(pair.prompt, pair.chosen, miss))
+            added += 1
     return out, added
 
 
@@ -207,15 +379,26 @@ def train_reward_model(
     seed: int = 0,
     negatives: Negatives | None = None,
     log: Callable[[str], None] = lambda _: None,
+    perturbations: Negatives | None = None,
+    bootstrap: bool = False,
+    split_seed: int | None = None,
 ) -> RewardModelReport:
     """Train a Bradley-Terry reward model from ``base`` (a model folder) on the pairs in
-    ``data`` into ``out``; returns the held-out metrics (also written to ``out/train_rm.json``)."""
+    ``data`` into ``out``; returns the held-out metrics (also written to ``out/train_rm.json``).
+
+    ``perturbations`` makes the top-1 probe's candidates (default: ``negatives``; no top-1
+    probe when both are None). ``bootstrap``: train on a resample (with replacement, drawn with
+    ``seed``) of the training pairs. ``split_seed`` (default ``seed``) draws the held-out
+    prompts."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     pairs = load_pairs(data)
     if len(pairs) < 2:
         raise UserError(f"{data}: {len(pairs)} preference pair(s); train-rm needs at least 2")
-    train, held = split_by_prompt(pairs, heldout, seed)
+    train, held = split_by_prompt(pairs, heldout, seed if split_seed is None else split_seed)
+    if bootstrap and train:
+        draw = random.Random(f"bootstrap/{seed}")
+        train = [train[draw.randrange(len(train))] for _ in train]
     train, added = with_negatives(train, negatives)
     torch.manual_seed(seed)
     try:
@@ -250,6 +433,9 @@ def train_reward_model(
             f"epoch {epoch + 1}: train loss {last:.4f}, held-out accuracy {row['heldout_accuracy']:.3f}"
         )
     final = evaluate_pairs(model, tokenizer, held, max_length)
+    lo, hi = wilson(final["accuracy"] * len(held), len(held)) if held else (0.0, 1.0)
+    warning = heldout_warning(final["accuracy"], len(held))
+    probes = probe(model, tokenizer, held, perturbations or negatives, max_length)
     report = RewardModelReport(
         base=str(base),
         data=str(data),
@@ -264,6 +450,10 @@ def train_reward_model(
         heldout_loss=final["loss"],
         seed=seed,
         train_accuracy=evaluate_pairs(model, tokenizer, train, max_length)["accuracy"],
+        heldout_interval=[lo, hi],
+        probes=probes,
+        warnings=[warning] if warning else [],
+        bootstrap=bootstrap,
         history=history,
     )
     out = Path(out)
@@ -273,3 +463,69 @@ def train_reward_model(
     tokenizer.save_pretrained(out)
     (out / METRICS_FILE).write_text(json.dumps(asdict(report), indent=2), encoding="utf-8")
     return report
+
+
+@dataclass
+class EnsembleReport:
+    """What :func:`train_ensemble` measured (``ensemble.json`` in the output lists members)."""
+
+    members: list[RewardModelReport]
+    heldout_accuracy_mean: float
+    heldout_accuracy_std: float
+
+
+def train_ensemble(
+    data: str | Path,
+    base: str,
+    out: str | Path,
+    k: int,
+    seed: int = 0,
+    log: Callable[[str], None] = lambda _: None,
+    **kwargs: Any,
+) -> EnsembleReport:
+    """``k`` reward models in ``out/member-0`` ... ``out/member-{k-1}``, member i trained with
+    seed ``seed + i`` on a bootstrap resample of the training pairs (the held-out prompts drawn
+    with ``seed``, the same for all); ``out/ensemble.json`` lists them. ``kwargs`` go to
+    :func:`train_reward_model`."""
+    if k < 2:
+        raise UserError(f"--ensemble {k}: an ensemble has at least 2 members")
+    out = Path(out)
+    reports = []
+    for i in range(k):
+        log(f"member {i + 1}/{k} (seed {seed + i}, bootstrap of the training pairs)")
+        reports.append(
+            train_reward_model(
+                data,
+                base,
+                out / f"member-{i}",
+                seed=seed + i,
+                split_seed=seed,
+                bootstrap=True,
+                log=log,
+                **kwargs,
+            )
+        )
+    accuracies = [r.heldout_accuracy for r in reports]
+    manifest = {
+        "members": [f"member-{i}" for i in range(k)],
+        "seeds": [seed + i for i in range(k)],
+        "bootstrap": True,
+        "heldout_accuracy": accuracies,
+    }
+    (out / ENSEMBLE_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    return EnsembleReport(reports, sum(accuracies) / k, member_std(accuracies))
+
+
+def ensemble_members(folder: str | Path) -> list[Path] | None:
+    """The member folders ``folder/ensemble.json`` lists (None when ``folder`` is one model)."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / ENSEMBLE_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{folder / ENSEMBLE_FILE}: cannot read the ensemble ({exc})") from None
+    members = manifest.get("members") if isinstance(manifest, dict) else None
+    if not isinstance(members, list) or not members:
+        raise UserError(f"{folder / ENSEMBLE_FILE}: 'members' must be a non-empty list")
+    return [folder / str(m) for m in members]

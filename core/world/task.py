@@ -203,6 +203,33 @@ def near_miss(prompt: str, response: str) -> str | None:
     return response[: last.start()] + wrong_answer(prompt, last.group()) + response[last.end() :]
 
 
+SHIFTS = (-100, -50, -20, -10, -2, -1, 1, 2, 10, 20, 50, 100)
+"""The offsets :func:`shifted_answers` applies: near misses and answers far off either way."""
+
+
+def shifted_answers(prompt: str, response: str) -> list[str]:
+    """``response`` with its last number moved by each of :data:`SHIFTS` (never below zero
+    when the number is not): synthetic negatives that leave no shortcut such as "a bigger
+    number is better", which pairs whose wrong side is always the same slip invite
+    (``alignzoo train-rm --negatives arithmetic-shifts``). Empty when the response has no
+    number."""
+    found = list(re.finditer(r"-?\d+", response))
+    if not found:
+        return []
+    last = found[-1]
+    value = int(last.group())
+    return [
+        response[: last.start()] + str(value + d) + response[last.end() :]
+        for d in SHIFTS
+        if value < 0 or value + d >= 0
+    ]
+
+
+NEGATIVES = {"arithmetic": near_miss, "arithmetic-shifts": shifted_answers}
+"""The embedded task's named perturbations, for ``train-rm --negatives`` and
+``--perturbations``."""
+
+
 def wrong_answer(prompt: str, answer: str) -> str:
     """A plausible wrong answer to ``prompt``: off by a small amount, the same on every call.
 

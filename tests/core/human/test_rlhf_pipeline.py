@@ -70,11 +70,15 @@ def test_the_pipeline_runs_end_to_end(tmp_path: Path, engine_cache: Path) -> Non
     exported = json.loads((tmp_path / "prefs" / "alignzoo_export.json").read_text())
     assert exported["rows"] >= 4, f"premise: enough agreed, non-tied pairs ({exported})"
     assert exported["agreement"]["pairs"]["annotator_pairs"] > 0
-    _cli(
+    # The pool recorded which experiment and arm sampled the pairs; the export carries it, so
+    # --base embedded is that experiment's warm start (not the default embedded settings).
+    assert Path(exported["experiment"]) == (tmp_path / "exp.yaml").resolve()
+    assert exported["arm"] == "ppo_rule"
+    trained_rm = _cli(
         "train-rm",
         "prefs",
         "--base",
-        "exp.yaml",
+        "embedded",
         "--out",
         "rm",
         "--epochs",
@@ -83,6 +87,7 @@ def test_the_pipeline_runs_end_to_end(tmp_path: Path, engine_cache: Path) -> Non
         "3e-3",
         cwd=tmp_path,
     )
+    assert "exp.yaml (arm ppo_rule)" in " ".join(trained_rm.stdout.split())
     trained = json.loads((tmp_path / "rm" / "train_rm.json").read_text())
 
     _cli("run", "exp.yaml", "--out", "ab", cwd=tmp_path)
