@@ -98,3 +98,19 @@ ENGINE_NAMESPACES = ("reward/", "batch/", "timing/", "throughput/", "eval/", "he
 def owned_by_engine(name: str) -> bool:
     """True when ``name`` is a canonical metric or lies in a namespace the engine owns."""
     return name in CANONICAL or name in GRAD_NORMS or name.startswith(ENGINE_NAMESPACES)
+
+
+_LOWER_IS_BETTER = ("loss", "error", "perplexity", "ppl", "wall_clock", "memory", "length")
+
+
+def higher_is_better(metric: str) -> bool:
+    """Default direction of a metric: lower is better for losses, errors, time and memory."""
+    name = metric.lower()
+    return not any(word in name for word in _LOWER_IS_BETTER)
+
+
+def evaluation_key(metric: str | None) -> str:
+    """The eval.jsonl key of an evaluation metric ('exact_match' -> 'eval/exact_match'; the
+    default, None, is exact match)."""
+    metric = metric or "exact_match"
+    return metric if "/" in metric else f"eval/{metric}"

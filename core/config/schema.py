@@ -305,6 +305,20 @@ class EvaluationConfig(_Strict):
     max_new_tokens: PositiveInt | None = Field(
         None, description="Longest evaluation response; default: training.sampling.max_new_tokens."
     )
+    compare_at: Literal["final", "best_checkpoint"] = Field(
+        "final",
+        description="Which evaluation of each run the report compares arms on: 'final' (the "
+        "last), or 'best_checkpoint' (the best by the metric among the steps with a kept "
+        "checkpoint, the one `alignzoo export --step best` writes; chosen on the evaluation "
+        "prompts themselves, so optimistic, and the report says so).",
+    )
+    stop_after_falls: PositiveInt | None = Field(
+        None,
+        description="End a run once its metric has been worse than its best so far for this "
+        "many evaluations in a row (an over-optimisation stop; the run is recorded as stopped "
+        "early, at that step, and a checkpoint is kept there; other runs keep their budget). "
+        "Null: every run trains its whole budget.",
+    )
 
 
 class WandbConfig(_Strict):

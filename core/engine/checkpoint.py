@@ -96,13 +96,15 @@ def save_checkpoint(
     scheduler: Any,
     components: dict[str, Any],
     gathered: GatheredState | None = None,
+    keep_step: int | None = None,
 ) -> Path:
-    """Write checkpoint ``step-<n>`` atomically, point ``latest`` at it, keep the last two.
+    """Write checkpoint ``step-<n>`` atomically, point ``latest`` at it, keep the last two
+    (and the one of ``keep_step``: the best evaluated so far, for ``export --step best``).
 
     ``gathered``: the full weights and optimizer state of sharded models (from
     :func:`gather_sharded`), written in place of the modules' own."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    name = f"step-{state.step:06d}"
+    name = checkpoint_name(state.step)
     final = ckpt_dir / name
     tmp = ckpt_dir / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -146,14 +148,19 @@ def save_checkpoint(
     os.replace(tmp, final)
     _fsync_dir(ckpt_dir)
     _write_text_atomic(ckpt_dir / LATEST, name + "\n")
-    _prune(ckpt_dir, keep=name)
+    _prune(ckpt_dir, keep={name, *([] if keep_step is None else [checkpoint_name(keep_step)])})
     return final
 
 
-def _prune(ckpt_dir: Path, keep: str) -> None:
+def checkpoint_name(step: int) -> str:
+    """The folder name of step ``step``'s checkpoint."""
+    return f"step-{step:06d}"
+
+
+def _prune(ckpt_dir: Path, keep: set[str]) -> None:
     complete = sorted(p for p in ckpt_dir.glob("step-*") if p.is_dir())
     for old in complete[:-KEEP]:
-        if old.name != keep:
+        if old.name not in keep:
             shutil.rmtree(old, ignore_errors=True)
     for leftover in [*ckpt_dir.glob(".tmp-step-*"), *ckpt_dir.glob(".old-step-*")]:
         shutil.rmtree(leftover, ignore_errors=True)

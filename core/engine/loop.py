@@ -23,6 +23,7 @@ import yaml
 from rich.console import Console
 
 from alignzoo import distributed, provenance
+from alignzoo import metrics as canonical
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import Budget
 from alignzoo.engine.assemble import Run, assemble
@@ -76,12 +77,19 @@ def resolved_config(loaded: LoadedExperiment, arm: str, seed: int) -> dict[str, 
 
 
 def write_status(
-    out_dir: Path, status: str, state: TrainingState, error: str | None, device: str
+    out_dir: Path,
+    status: str,
+    state: TrainingState,
+    error: str | None,
+    device: str,
+    stopped_early: str | None = None,
 ) -> None:
-    """status.json, written atomically."""
+    """status.json, written atomically (``stopped_early``: why a finished run ended before its
+    budget, under ``evaluation.stop_after_falls``)."""
     row = {
         "status": status,
         "error": error,
+        "stopped_early": stopped_early,
         "step": state.step,
         "wall_clock_s": state.time_s,
         "tokens_per_s": state.tokens / state.time_s if state.time_s > 0 else 0.0,
@@ -101,6 +109,34 @@ def budget_spent(budget: Budget, state: TrainingState) -> bool:
         return state.samples >= budget.samples
     assert budget.wall_clock_s is not None
     return state.time_s >= budget.wall_clock_s
+
+
+def fell_from_best(values: list[float], falls: int, higher: bool) -> str | None:
+    """Why a run stops under ``evaluation.stop_after_falls``: its last ``falls`` evaluations
+    were each worse than the best before them (None while that is not so)."""
+    if len(values) <= falls:
+        return None
+    before = values[:-falls]
+    best = max(before) if higher else min(before)
+    if all((v < best) if higher else (v > best) for v in values[-falls:]):
+        return f"worse than its best so far ({best:.4g}) for {falls} evaluations in a row"
+    return None
+
+
+def _evaluated(path: Path, key: str) -> dict[int, float]:
+    """Step -> value of ``key`` in an eval.jsonl, in order (a resumed run's history)."""
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+            step, value = int(row["step"]), row.get(key)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[step] = float(value)
+    return out
 
 
 def _last_step(path: Path) -> int | None:
@@ -213,6 +249,15 @@ class _Loop:
         self.last_ckpt = state.step if state.step > 0 else None
         if run.hooks.labeling is not None:  # its normalisation state is checkpointed with the run
             run.hooks.labeling.attach(run.context)
+        evaluation = run.spec.evaluation
+        self.metric = canonical.evaluation_key(evaluation.metric)
+        self.higher = (
+            evaluation.higher_is_better
+            if evaluation.higher_is_better is not None
+            else canonical.higher_is_better(self.metric)
+        )
+        self.evaluated = _evaluated(run.context.out_dir / EVAL_FILE, self.metric)
+        self.stopped_early: str | None = None
 
     def tick(self) -> None:
         self.state.time_s = self.base_time + (time.monotonic() - self.clock_start)
@@ -236,6 +281,36 @@ class _Loop:
         row = {"step": self.state.step, "time_s": self.state.time_s, "samples": self.state.samples}
         self.sinks.evaluation({**row, **metrics})
         self.last_eval = self.state.step
+        value = metrics.get(self.metric)
+        if isinstance(value, (int, float)):
+            self.evaluated[self.state.step] = float(value)
+
+    def best_checkpoint_step(self) -> int | None:
+        """The step of the best evaluation at a checkpoint kept so far or saved now (the
+        earliest of equals): pruning keeps it, so ``export --step best`` and the report's
+        ``compare_at: best_checkpoint`` can reach a peak that lies many checkpoints back."""
+        folder = self.run.context.out_dir / CHECKPOINTS
+        steps = {self.state.step}
+        for path in folder.glob("step-*"):
+            tail = path.name.split("-", 1)[1]
+            if tail.isdigit():
+                steps.add(int(tail))
+        scored = [(v if self.higher else -v, -s) for s, v in self.evaluated.items() if s in steps]
+        return -max(scored)[1] if scored else None
+
+    def stop_rule(self) -> bool:
+        """Whether ``evaluation.stop_after_falls`` ends the run now (rank 0 decides for every
+        rank, as it alone evaluates); sets :attr:`stopped_early`."""
+        falls = self.run.spec.evaluation.stop_after_falls
+        if falls is None:
+            return False
+        history = list(self.evaluated.values())
+        why = fell_from_best(history, falls, self.higher) if distributed.is_main() else None
+        why = distributed.broadcast_object(why)
+        if why is not None:
+            self.stopped_early = f"stopped early at step {self.state.step}: {self.metric} {why}"
+            self.log(self.stopped_early)
+        return why is not None
 
     def checkpoint(self) -> None:
         run = self.run
@@ -258,6 +333,7 @@ class _Loop:
             run.learner.scheduler,
             run.stateful(),
             gathered,
+            keep_step=self.best_checkpoint_step(),
         )
         self.last_ckpt = self.state.step
         write_status(run.context.out_dir, "running", self.state, None, run.models.device("actor"))
@@ -288,10 +364,14 @@ class _Loop:
             run.hooks.on_step_end(run.context, step, row)
             self.sinks.step(row, step)
             self.sinks.samples(result.sample_rows)
+            stop = False
             if step % spec.evaluation.every == 0:
                 self.evaluate()
+                stop = self.stop_rule()
             if step % run.arm.training.checkpoint_every == 0:
                 self.checkpoint()
+            if stop:
+                break
         if self.last_eval != self.state.step:
             self.evaluate()
         if self.last_ckpt != self.state.step:
@@ -329,6 +409,7 @@ def run_one(
     config = resolved_config(loaded, arm, seed)
     (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     state = TrainingState()
+    stopped_early: str | None = None
     run: Run | None = None
     sinks: Sinks | None = None
     device = "cpu"
@@ -353,8 +434,9 @@ def run_one(
             config,
             watched=getattr(run.components.get("algorithm"), "watched_metrics", ()),
         )
-        _Loop(run, state, sinks).loop()
-        status, error = "finished", None
+        loop = _Loop(run, state, sinks)
+        loop.loop()
+        status, error, stopped_early = "finished", None, loop.stopped_early
     except KeyboardInterrupt:
         if run is not None:
             run.hooks.on_run_end(run.context, "interrupted")
@@ -383,7 +465,7 @@ def run_one(
         except Exception as exc:  # a plugin failing at the end must not hide the run's result
             if status == "finished":
                 status, error = "failed", f"on_run_end: {type(exc).__name__}: {exc}"
-    write_status(out_dir, status, state, error, device)
+    write_status(out_dir, status, state, error, device, stopped_early)
     return RunSummary(
         status=status,
         error=error,

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from alignzoo import metrics as canonical
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
 
@@ -196,7 +197,7 @@ def find_runs(run_dir: Path, arms: list[str]) -> list[RunData]:
 
 def metric_key(metric: str) -> str:
     """The eval.jsonl key of the spec's evaluation metric ('exact_match' -> 'eval/exact_match')."""
-    return metric if "/" in metric else f"eval/{metric}"
+    return canonical.evaluation_key(metric)
 
 
 def number(value: Any) -> float | None:

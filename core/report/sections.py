@@ -91,12 +91,50 @@ def final_value(run: RunData, key: str) -> float | None:
     return None
 
 
+def kept_checkpoint_steps(run: RunData) -> set[int]:
+    """The steps of the run's complete checkpoints (``checkpoints/step-N/state.json``)."""
+    steps = set()
+    for folder in (run.path / "checkpoints").glob("step-*"):
+        tail = folder.name.split("-", 1)[1]
+        if tail.isdigit() and (folder / "state.json").is_file():
+            steps.add(int(tail))
+    return steps
+
+
+def best_checkpoint_value(run: RunData, key: str, higher: bool) -> float | None:
+    """The best value of ``key`` among the run's evaluations at a kept checkpoint (the
+    checkpoint ``alignzoo export --step best`` writes); the final value when none has one."""
+    kept = kept_checkpoint_steps(run)
+    values = [
+        v
+        for row in run.evals
+        if number(row.get("step")) in kept and (v := number(row.get(key))) is not None
+    ]
+    if not values:
+        return final_value(run, key)
+    return max(values) if higher else min(values)
+
+
+def compared_value(run: RunData, key: str, higher: bool, at: str = "final") -> float | None:
+    """The value a run is compared on: its final evaluation, or (``at='best_checkpoint'``)
+    its best at a kept checkpoint (``evaluation.compare_at``)."""
+    if at == "best_checkpoint":
+        return best_checkpoint_value(run, key, higher)
+    return final_value(run, key)
+
+
 def arm_row(
-    arm: str, runs: list[RunData], key: str, higher: bool, planned: int | None = None
+    arm: str,
+    runs: list[RunData],
+    key: str,
+    higher: bool,
+    planned: int | None = None,
+    at: str = "final",
 ) -> ArmRow:
-    """Summarise an arm's finished runs (``planned``: the runs the experiment asks for)."""
+    """Summarise an arm's finished runs (``planned``: the runs the experiment asks for; ``at``:
+    which evaluation of each run is compared, see :func:`compared_value`)."""
     done = [r for r in runs if r.status == "finished"]
-    finals = [(r, final_value(r, key)) for r in done]
+    finals = [(r, compared_value(r, key, higher, at)) for r in done]
     values = [v for _, v in finals if v is not None]
     # Best step: where the mean over the finished seeds is best (the earliest such step).
     per_step: dict[int, list[float]] = {}
@@ -333,10 +371,16 @@ def _gold(exp: _Experiment) -> str | None:
 def _arm_rows(exp: _Experiment) -> dict[str, ArmRow]:
     """Every arm's :class:`ArmRow`, in the experiment's order."""
     planned = len(exp.spec.seeds) if exp.spec is not None else None
+    at = _compare_at(exp)
     return {
-        arm: arm_row(arm, [r for r in exp.runs if r.arm == arm], exp.key, exp.higher, planned)
+        arm: arm_row(arm, [r for r in exp.runs if r.arm == arm], exp.key, exp.higher, planned, at)
         for arm in exp.arms
     }
+
+
+def _compare_at(exp: _Experiment) -> str:
+    """``evaluation.compare_at`` of the experiment ('final' without a spec)."""
+    return exp.spec.evaluation.compare_at if exp.spec is not None else "final"
 
 
 def _against_baseline(exp: _Experiment, rows: dict[str, ArmRow]) -> list[stats.Comparison | str]:
@@ -455,7 +499,8 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
             "arm",
             "seeds finished",
             f"start {key}",
-            f"final {key} (mean ± 95% CI)",
+            f"{'best-checkpoint' if _compare_at(exp) == 'best_checkpoint' else 'final'} "
+            f"{key} (mean ± 95% CI)",
             "best step (mean)",
             "samples",
             "tokens/s",
@@ -478,9 +523,23 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
             for arm, r in rows.items()
         ],
     )
+    compared = (
+        f"Arms are compared on each run's best {key} at a kept checkpoint "
+        "(evaluation.compare_at: best_checkpoint; the checkpoint `alignzoo export --step best` "
+        "writes). It is chosen on the evaluation prompts themselves, so it is optimistic: a "
+        "fresh set of prompts would likely score it a little lower. "
+        if _compare_at(exp) == "best_checkpoint"
+        else f"Arms are compared on each run's final {key}. "
+    )
+    stopped = [r for r in exp.runs if r.info.get("stopped_early")]
+    if stopped:
+        compared += (
+            "Stopped early (evaluation.stop_after_falls), their final evaluation being their "
+            "last: " + "; ".join(f"{r.name} ({r.info['stopped_early']})" for r in stopped) + ". "
+        )
     note = Block(
         "p",
-        "Start: the first evaluation (before training), mean over seeds. "
+        compared + "Start: the first evaluation (before training), mean over seeds. "
         "The 95% CI is the t-interval of the mean over seeds (n/a with one seed). Best step: "
         "the evaluation step where the mean over seeds is best. Samples: responses generated "
         "(online) or read from the dataset (offline), mean over seeds, as a samples budget "

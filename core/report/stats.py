@@ -51,6 +51,8 @@ import numpy as np
 from scipy import special
 from scipy import stats as sps
 
+from alignzoo import metrics as canonical
+
 Values = Sequence[float] | np.ndarray
 Verdict = Literal["better", "worse", "no detectable difference"]
 
@@ -1081,10 +1083,4 @@ def _seeds_advice(
     )
 
 
-_LOWER_IS_BETTER = ("loss", "error", "perplexity", "ppl", "wall_clock", "memory", "length")
-
-
-def higher_is_better(metric: str) -> bool:
-    """Default direction of a metric: lower is better for losses, errors, time and memory."""
-    name = metric.lower()
-    return not any(word in name for word in _LOWER_IS_BETTER)
+higher_is_better = canonical.higher_is_better  # the report's and the engine's default alike
