@@ -417,6 +417,45 @@ class NormalizeConfig(_Strict):
     )
 
 
+class IterateConfig(_Strict):
+    """Iterated RLHF (:mod:`alignzoo.human.iterate`): every ``every`` steps, fresh responses of
+    the live policy go to the human queue as pairs, the reward model is retrained on every
+    agreed judgement so far (warm-started from the one in use), checked, and hot-swapped into
+    the run. The arm's labeler must be ``reward_model``."""
+
+    every: PositiveInt = Field(description="Training steps between rounds.")
+    prompts: PositiveInt = Field(
+        64, description="Training prompts per round, two fresh responses each (a pair)."
+    )
+    annotators: str | None = Field(
+        None,
+        description="A simulation YAML (as `alignzoo annotate simulate` reads): simulated "
+        "annotators judge each round's pairs at once. Null: people judge them in the run's "
+        "queue (`alignzoo annotate RUN/rlhf/queue`) and each round trains on the judgements "
+        "given by then.",
+    )
+    raters: PositiveInt = Field(3, description="Judgements wanted per pair.")
+    min_agree: PositiveInt = Field(2, description="Judgements that must agree to keep a pair.")
+    data: str | None = Field(
+        None,
+        description="The preference data the first reward model was trained on (a folder or "
+        "file of prompt, chosen, rejected): every round trains on it plus the queue's agreed "
+        "pairs. Null: the queue's pairs alone.",
+    )
+    epochs: PositiveInt = Field(2, description="Epochs of each retraining.")
+    lr: float = Field(3e-4, gt=0, description="Learning rate of each retraining.")
+    negatives: str | None = Field(
+        None, description="Synthetic negatives, as `train-rm --negatives` names them."
+    )
+    min_heldout_accuracy: float = Field(
+        0.6,
+        ge=0,
+        le=1,
+        description="The check: a retrained reward model whose held-out pairwise accuracy is "
+        "below this is not swapped in (the one in use stays; the round says why).",
+    )
+
+
 class LabelingConfig(_Strict):
     """How an arm labels: a chain of labelers, timeouts, retries, a breaker, outcome policies."""
 
@@ -482,6 +521,11 @@ class LabelingConfig(_Strict):
         "values, and clipping (null: the labeler's own default, none for most; the reward "
         "model's is running whitening to mean 0.5, std 0.5, the scale of a 0/1 rule).",
     )
+    iterate: IterateConfig | None = Field(
+        None,
+        description="Iterated RLHF: retrain the reward model on fresh judgements of the live "
+        "policy every N steps and hot-swap it in (null: the reward model stays as it is).",
+    )
 
 
 class ArmSpec(_Strict):
@@ -530,6 +574,17 @@ class ArmSpec(_Strict):
         "compared like any others.",
     )
     description: str = Field("", description="Free text shown in the report.")
+
+    @model_validator(mode="after")
+    def _iterate_needs_a_reward_model(self) -> ArmSpec:
+        if self.labeling.iterate is not None and (
+            self.labeler.name != "reward_model" or "path" not in self.labeler.params
+        ):
+            raise ValueError(
+                "labeling.iterate retrains and swaps the arm's reward model: the labeler must "
+                f"be reward_model with a params.path (it is {self.labeler.name!r})"
+            )
+        return self
 
     def component_refs(self) -> list[tuple[str, str, ComponentRef]]:
         """(kind, field path, ref) for every component the arm names."""

@@ -258,6 +258,11 @@ class _Loop:
         )
         self.evaluated = _evaluated(run.context.out_dir / EVAL_FILE, self.metric)
         self.stopped_early: str | None = None
+        self.rounds = None  # iterated RLHF (labeling.iterate)
+        if run.arm.labeling.iterate is not None:
+            from alignzoo.human.iterate import Rounds
+
+            self.rounds = Rounds(run.arm.labeling.iterate, run, self.log)
 
     def tick(self) -> None:
         self.state.time_s = self.base_time + (time.monotonic() - self.clock_start)
@@ -353,6 +358,8 @@ class _Loop:
         while not self.spent():
             step = self.state.step + 1
             run.context.step = step
+            if self.rounds is not None:  # a round may request a swap of the reward model
+                self.rounds.before_step(step)
             labelswap.poll(run.hooks.labeling, run.context, self.log)  # a swap between steps
             result = train_step(run, step)
             self.state.step = step

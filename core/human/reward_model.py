@@ -423,7 +423,7 @@ def train_reward_model(
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         last = sum(losses) / len(losses)
         row = {"epoch": epoch + 1, "train_loss": last}
         held_metrics = evaluate_pairs(model, tokenizer, held, max_length)

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignzoo.config.schema import ModelConfig, TaskConfig
-from alignzoo.engine.models import policy_path
+from alignzoo.config.schema import TaskConfig
 from alignzoo.human.reward_model import (
     METRICS_FILE,
     Pair,
@@ -31,14 +30,9 @@ from alignzoo.plugins.labelers.reward_model import RewardModelLabeler
 from alignzoo.types import LabelRequest
 from alignzoo.world.task import make_examples, near_miss, wrong_answer
 
-from ..engine.conftest import TINY_MODEL, TINY_TASK
+from ..engine.conftest import TINY_TASK
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def base(engine_cache: Path) -> str:
-    return policy_path(ModelConfig(embedded=TINY_MODEL), TaskConfig(**TINY_TASK), lambda _: None)
 
 
 def _pairs(path: Path) -> None:
