@@ -49,15 +49,23 @@ demo: setup
 	$(VENV)/bin/alignzoo run experiments/quickstart.yaml --resume --jobs 2
 
 ## The classic RLHF pipeline (experiments/rlhf_pipeline.yaml): the warm start's samples as pairs,
-## judged by simulated annotators, kept where two agree, a reward model, then PPO on it vs the rule.
+## judged by simulated annotators, kept where two agree, three reward models (near-miss negatives,
+## shifted negatives, an ensemble of three), then PPO against each (one arm retraining its reward
+## model on the policy's own samples every 50 steps) vs PPO against the rule, judged by the rule.
 ## Steps whose output exists are kept (rerun to continue; remove runs/rlhf_pipeline to start over).
 RLHF ?= runs/rlhf_pipeline
+RM_OLD ?= --base embedded --epochs 6 --lr 3e-4
+RM_TRAIN ?= --base embedded --epochs 4 --lr 5e-4 --batch-size 32
 rlhf: setup
-	$(VENV)/bin/alignzoo annotate pool experiments/rlhf_pipeline.yaml $(RLHF)/queue --prompts 6000
+	test -d $(RLHF)/queue || $(VENV)/bin/alignzoo annotate pool experiments/rlhf_pipeline.yaml $(RLHF)/queue --prompts 6000
 	$(VENV)/bin/alignzoo annotate simulate $(RLHF)/queue experiments/annotators/rlhf_pipeline.yaml
 	test -d $(RLHF)/preferences || $(VENV)/bin/alignzoo annotate export $(RLHF)/queue $(RLHF)/preferences
-	test -d $(RLHF)/rm || $(VENV)/bin/alignzoo train-rm $(RLHF)/preferences \
-		--base experiments/rlhf_pipeline.yaml --out $(RLHF)/rm --negatives arithmetic --epochs 6 --lr 3e-4
+	test -d $(RLHF)/rm-naive || $(VENV)/bin/alignzoo train-rm $(RLHF)/preferences $(RM_OLD) \
+		--out $(RLHF)/rm-naive --negatives arithmetic --perturbations arithmetic-shifts
+	test -d $(RLHF)/rm || $(VENV)/bin/alignzoo train-rm $(RLHF)/preferences $(RM_TRAIN) \
+		--out $(RLHF)/rm --negatives arithmetic-shifts
+	test -d $(RLHF)/rm-ensemble || $(VENV)/bin/alignzoo train-rm $(RLHF)/preferences $(RM_TRAIN) \
+		--out $(RLHF)/rm-ensemble --negatives arithmetic-shifts --ensemble 3
 	$(VENV)/bin/alignzoo run experiments/rlhf_pipeline.yaml --out $(RLHF)/ab --resume --jobs 2
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.

@@ -899,6 +899,14 @@ def train_rm(
             "'file.py:fn' / 'module:fn' (fn(prompt, response) -> str | list[str] | None)."
         ),
     ] = None,
+    max_negatives: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="At most this many of --negatives' perturbations per training pair (a seeded "
+            "draw; default: all). The top-1 probe still uses all of them.",
+        ),
+    ] = None,
     perturbations: Annotated[
         str | None,
         typer.Option(
@@ -963,6 +971,7 @@ def train_rm(
         "heldout": heldout,
         "max_length": max_length,
         "negatives": perturb,
+        "max_negatives": max_negatives,
         "perturbations": probe_with,
     }
     model = _base_model(base, arm)

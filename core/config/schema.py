@@ -447,6 +447,10 @@ class IterateConfig(_Strict):
     negatives: str | None = Field(
         None, description="Synthetic negatives, as `train-rm --negatives` names them."
     )
+    max_negatives: PositiveInt | None = Field(
+        None, description="At most this many negatives per pair (`train-rm --max-negatives`)."
+    )
+    batch_size: PositiveInt = Field(16, description="Pairs per optimizer step of retraining.")
     min_heldout_accuracy: float = Field(
         0.6,
         ge=0,

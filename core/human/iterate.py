@@ -244,8 +244,10 @@ class Rounds:
             tmp,
             epochs=self.cfg.epochs,
             lr=self.cfg.lr,
+            batch_size=self.cfg.batch_size,
             seed=self.run.context.seed,
             negatives=negatives,
+            max_negatives=self.cfg.max_negatives,
         )
         tmp.replace(out)  # complete, or absent: a killed retraining is done again
 

@@ -347,17 +347,27 @@ def load_pairs(data: str | Path) -> list[Pair]:
     return [Pair(r["prompt"], r["chosen"], r["rejected"]) for r in rows.to_list()]
 
 
-def with_negatives(pairs: Sequence[Pair], negatives: Negatives | None) -> tuple[list[Pair], int]:
+def with_negatives(
+    pairs: Sequence[Pair],
+    negatives: Negatives | None,
+    max_per_pair: int | None = None,
+    seed: int = 0,
+) -> tuple[list[Pair], int]:
     """``pairs`` plus (chosen, perturbation) for each perturbation ``negatives`` makes of a
     pair's chosen response (one, several or none; one equal to the chosen response, or a pair
-    already there, is skipped)."""
+    already there, is skipped). ``max_per_pair``: at most that many of a pair's
+    perturbations, drawn with ``seed`` (all of them when None)."""
     out = list(pairs)
     added = 0
     if negatives is None:
         return out, 0
     seen = {(p.prompt, p.chosen, p.rejected) for p in pairs}  # a pair the data has already
     for pair in pairs:
-        for miss in perturbed(negatives, pair.prompt, pair.chosen):
+        made = perturbed(negatives, pair.prompt, pair.chosen)
+        if max_per_pair is not None and len(made) > max_per_pair:
+            draw = random.Random(f"negatives/{seed}/{pair.prompt}/{pair.chosen}")
+            made = draw.sample(made, max_per_pair)
+        for miss in made:
             key = (pair.prompt, pair.chosen, miss)
             if miss == pair.chosen or key in seen:
                 continue
@@ -382,6 +392,7 @@ def train_reward_model(
     perturbations: Negatives | None = None,
     bootstrap: bool = False,
     split_seed: int | None = None,
+    max_negatives: int | None = None,
 ) -> RewardModelReport:
     """Train a Bradley-Terry reward model from ``base`` (a model folder) on the pairs in
     ``data`` into ``out``; returns the held-out metrics (also written to ``out/train_rm.json``).
@@ -389,7 +400,8 @@ def train_reward_model(
     ``perturbations`` makes the top-1 probe's candidates (default: ``negatives``; no top-1
     probe when both are None). ``bootstrap``: train on a resample (with replacement, drawn with
     ``seed``) of the training pairs. ``split_seed`` (default ``seed``) draws the held-out
-    prompts."""
+    prompts. ``max_negatives``: at most that many of ``negatives``' perturbations per training
+    pair (drawn with ``seed``; the top-1 probe still uses every one)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     pairs = load_pairs(data)
@@ -399,7 +411,7 @@ def train_reward_model(
     if bootstrap and train:
         draw = random.Random(f"bootstrap/{seed}")
         train = [train[draw.randrange(len(train))] for _ in train]
-    train, added = with_negatives(train, negatives)
+    train, added = with_negatives(train, negatives, max_negatives, seed)
     torch.manual_seed(seed)
     try:
         tokenizer = AutoTokenizer.from_pretrained(base)

@@ -155,10 +155,52 @@ def _plot(path: Path, arms: list[str], series: dict[str, list[list[GoldPoint]]],
     fig.savefig(path, format="png", metadata={"Software": None})
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def in_words(arm: str, summaries: list[SeedSummary], series: list[list[GoldPoint]]) -> str:
+    """One arm's outcome in plain words: did the gold improve over the start on every seed,
+    did it fall from its peak (over-optimisation), and did the proxy rise meanwhile."""
+    n = len(summaries)
+    changes = [s.final - s.start for s in summaries]
+    up = sum(c > 0 for c in changes)
+    span = f"{min(changes):+.3f} to {max(changes):+.3f}"
+    if up == n:
+        text = f"{arm} improved the gold over its start on every seed ({n}), by {span}"
+    elif up == 0:
+        text = f"{arm} improved the gold on no seed ({n}): its change was {span}"
+    else:
+        text = f"{arm} improved the gold on {up} of {n} seeds (change {span})"
+    fell = [s for s in summaries if s.fell]
+    if fell:
+        peaks = ", ".join(str(s.peak_step) for s in fell)
+        text += (
+            f"; it over-optimised on {len(fell)} of {n} seeds, whose final gold is more than "
+            f"{FELL_BY} below the peak (reached at step {peaks})"
+        )
+    else:
+        text += f"; no seed fell more than {FELL_BY} below its peak"
+    proxies = [[p.proxy for p in points if p.proxy is not None] for points in series]
+    proxies = [p for p in proxies if len(p) >= 2]
+    if proxies:
+        first, last = _mean([p[0] for p in proxies]), _mean([p[-1] for p in proxies])
+        text += f". Its training reward went from {first:.3g} to {last:.3g}"
+        if last > first and _mean(changes) < 0:
+            text += " while the gold fell: the proxy was optimised against the gold"
+    return text + "."
+
+
 def overoptimisation_blocks(
-    run_dir: Path, arms: list[str], runs: list[RunData], key: str, gold: str | None
+    run_dir: Path,
+    arms: list[str],
+    runs: list[RunData],
+    key: str,
+    gold: str | None,
+    compare_at: str = "final",
 ) -> list[Block]:
-    """The report's section; ``gold`` is the evaluation labeler's name (None: not set)."""
+    """The report's section; ``gold`` is the evaluation labeler's name (None: not set);
+    ``compare_at``: where the comparisons above are made (``evaluation.compare_at``)."""
     blocks = [Block("h2", "Gold against proxy (over-optimisation)")]
     if gold is None:
         blocks.append(
@@ -173,6 +215,7 @@ def overoptimisation_blocks(
         return blocks
     series: dict[str, list[list[GoldPoint]]] = {}
     rows = []
+    words = []
     for arm in arms:
         summaries = []
         for run in runs:
@@ -188,6 +231,7 @@ def overoptimisation_blocks(
             continue
         n = len(summaries)
         fell = sum(s.fell for s in summaries)
+        words.append(in_words(arm, summaries, series.get(arm, [])))
         rows.append(
             [
                 arm,
@@ -209,12 +253,19 @@ def overoptimisation_blocks(
                 "labeler's reward (the proxy). Peak: each seed's highest gold value (mean over seeds) "
                 f"and the step it was first reached; 'fell': seeds whose final gold is more than "
                 f"{FELL_BY} below their peak, the mark of a proxy optimised past the point where it "
-                "tracks the gold. The comparisons above are at the final step."
+                "tracks the gold. The comparisons above are at "
+                + (
+                    "each run's best kept checkpoint (evaluation.compare_at); the final gold "
+                    "here is the last evaluation."
+                    if compare_at == "best_checkpoint"
+                    else "the final step."
+                )
             ),
         )
     )
     headers = ["arm", "gold at start", "peak gold", "peak step per seed", "final gold", "fell"]
     blocks.append(Block("table", headers=headers, rows=rows))
+    blocks.append(Block("ul", items=words))
     path = run_dir / "plots" / "gold_vs_proxy.png"
     _plot(path, arms, series, key)
     blocks.append(

@@ -27,6 +27,7 @@ from alignzoo.experiment.runfiles import (
     load_spec,
     metric_key,
     number,
+    read_jsonl,
     write_atomic,
 )
 from alignzoo.report import plots, stats
@@ -351,7 +352,10 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks += _comparisons(exp, rows)
     blocks += _against_start(exp, rows)
     blocks += _reward_models(exp.runs)
-    blocks += overoptimisation_blocks(exp.run_dir, exp.arms, exp.runs, exp.key, _gold(exp))
+    blocks += overoptimisation_blocks(
+        exp.run_dir, exp.arms, exp.runs, exp.key, _gold(exp), _compare_at(exp)
+    )
+    blocks += _rlhf_rounds(exp)
     blocks += _health(exp.runs)
     blocks += _unreadable(exp.runs)
     blocks += _swaps(exp.runs)
@@ -778,6 +782,7 @@ REWARD_MODEL_HEADERS = [
     "held-out accuracy",
     "held-out pairs",
     "ECE",
+    "top-1 accuracy",
     "training pairs",
     "synthetic negatives",
 ]
@@ -797,14 +802,17 @@ def _reward_models(runs: list[RunData]) -> list[Block]:
         except (OSError, ValueError):
             continue
         trained = row.get("trained") or {}
+        members = trained.get("members")
+        path = str(row.get("path")) + (f" (ensemble of {members}, means)" if members else "")
         rows.setdefault(
             (run.arm, str(row.get("path"))),
             [
                 run.arm,
-                str(row.get("path")),
+                path,
                 _number(trained.get("heldout_accuracy")),
                 str(trained.get("heldout_pairs", "-")),
                 _number(trained.get("heldout_ece")),
+                _number((trained.get("probes") or {}).get("top1_accuracy")),
                 str(trained.get("train_pairs", "-")),
                 str(trained.get("synthetic_negatives", "-")),
             ],
@@ -814,7 +822,9 @@ def _reward_models(runs: list[RunData]) -> list[Block]:
     text = (
         "Arms labeled by a reward model, and how well it ranks preference pairs it was not "
         "trained on (accuracy: chosen scored above rejected; ECE: calibration of "
-        "P(chosen > rejected); '-' for a model trained outside alignzoo)."
+        "P(chosen > rejected); top-1: the held-out right response scored above every "
+        "perturbation of it, the probe a shortcut fails; '-' for a model trained outside "
+        "alignzoo or not probed). An ensemble shows its members' means."
     )
     table = Block(
         "table",
@@ -822,6 +832,67 @@ def _reward_models(runs: list[RunData]) -> list[Block]:
         rows=list(rows.values()),
     )
     return [Block("h2", "Reward models"), Block("p", text), table]
+
+
+def _rlhf_rounds(exp: _Experiment) -> list[Block]:
+    """Iterated RLHF (``labeling.iterate``): per arm and round, the means over seeds of what
+    the round queued, judged and trained on, the retrained reward model's held-out accuracy
+    and top-1, and on how many seeds it was swapped in (nothing without rounds)."""
+    from alignzoo.human.iterate import STREAM
+
+    by_round: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for run in exp.runs:
+        for row in read_jsonl(run.path / f"{STREAM}.jsonl"):
+            if isinstance(row.get("round"), int):
+                by_round.setdefault((run.arm, row["round"]), []).append(row)
+    if not by_round:
+        return []
+
+    def mean(rows: list[dict[str, Any]], field_name: str) -> str:
+        found = [v for r in rows if (v := number(r.get(field_name))) is not None]
+        return fmt(sum(found) / len(found)) if found else "-"
+
+    table = Block(
+        "table",
+        headers=[
+            "arm",
+            "round",
+            "after step",
+            "pairs queued",
+            "judgements",
+            "training pairs",
+            "held-out accuracy",
+            "top-1 accuracy",
+            "swapped in",
+        ],
+        rows=[
+            [
+                arm,
+                str(k),
+                mean(rows, "after_step"),
+                mean(rows, "pairs_queued"),
+                mean(rows, "judgements_stored"),
+                mean(rows, "training_pairs"),
+                mean(rows, "heldout_accuracy"),
+                mean(rows, "top1_accuracy"),
+                f"{sum(bool(r.get('swapped')) for r in rows)} of {len(rows)} seeds",
+            ]
+            for (arm, k), rows in sorted(
+                by_round.items(),
+                key=lambda item: (
+                    exp.arms.index(item[0][0]) if item[0][0] in exp.arms else 0,
+                    item[0][1],
+                ),
+            )
+        ],
+    )
+    text = (
+        "Arms with labeling.iterate: before each round's step, the policy's fresh pairs were "
+        "judged, the reward model retrained on every agreed pair so far and, when it passed "
+        "its check, swapped in (the labeler changes below). Means over the seeds that ran the "
+        "round; each run's rounds are in its rlhf_rounds.jsonl."
+    )
+    return [Block("h2", "Iterated RLHF rounds"), Block("p", text), table]
 
 
 def _unreadable(runs: list[RunData]) -> list[Block]:

@@ -128,6 +128,14 @@ class RewardModelLabeler(Labeler):
                 "aggregate": self.params.aggregate,
                 "std_coef": self.params.std_coef,
             }
+            members = []
+            for member in row["ensemble"].get("members", []):
+                try:
+                    members.append(json.loads((folder / member / METRICS_FILE).read_text("utf-8")))
+                except (OSError, ValueError):
+                    continue
+            if members:  # the members' mean: what the report shows for an ensemble
+                row["trained"] = members_mean(members)
         (out_dir / "reward_model.json").write_text(json.dumps(row, indent=2), encoding="utf-8")
 
     def load(self, device: str = "cpu") -> None:
@@ -271,3 +279,24 @@ class RewardModelLabeler(Labeler):
                 input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]
             ).logits
         return [float(x) for x in logits[:, 0].float().cpu()]
+
+
+def members_mean(members: list[dict[str, Any]]) -> dict[str, Any]:
+    """An ensemble's ``train_rm.json`` figures as one row: the members' means of the held-out
+    metrics and the top-1 probe, their held-out and training pair counts, and how many."""
+
+    def mean(values: list[Any]) -> float | None:
+        found = [float(v) for v in values if isinstance(v, (int, float))]
+        return sum(found) / len(found) if found else None
+
+    return {
+        "members": len(members),
+        "heldout_accuracy": mean([m.get("heldout_accuracy") for m in members]),
+        "heldout_ece": mean([m.get("heldout_ece") for m in members]),
+        "heldout_pairs": members[0].get("heldout_pairs"),
+        "train_pairs": members[0].get("train_pairs"),
+        "synthetic_negatives": members[0].get("synthetic_negatives"),
+        "probes": {
+            "top1_accuracy": mean([(m.get("probes") or {}).get("top1_accuracy") for m in members])
+        },
+    }

@@ -73,7 +73,7 @@ def test_the_pipeline_runs_end_to_end(tmp_path: Path, engine_cache: Path) -> Non
     # The pool recorded which experiment and arm sampled the pairs; the export carries it, so
     # --base embedded is that experiment's warm start (not the default embedded settings).
     assert Path(exported["experiment"]) == (tmp_path / "exp.yaml").resolve()
-    assert exported["arm"] == "ppo_rule"
+    assert exported["arm"] == next(iter(spec["arms"]))  # annotate pool's default: the first
     trained_rm = _cli(
         "train-rm",
         "prefs",
@@ -87,7 +87,7 @@ def test_the_pipeline_runs_end_to_end(tmp_path: Path, engine_cache: Path) -> Non
         "3e-3",
         cwd=tmp_path,
     )
-    assert "exp.yaml (arm ppo_rule)" in " ".join(trained_rm.stdout.split())
+    assert f"exp.yaml (arm {exported['arm']})" in " ".join(trained_rm.stdout.split())
     trained = json.loads((tmp_path / "rm" / "train_rm.json").read_text())
 
     _cli("run", "exp.yaml", "--out", "ab", cwd=tmp_path)

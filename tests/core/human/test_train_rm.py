@@ -197,3 +197,17 @@ def test_shifted_answers_leave_no_bigger_is_better_shortcut() -> None:
     assert added == len(shifted_answers("12+7=", "19")) - 1  # "9" was the rejected one already
     assert len({p.rejected for p in pairs}) == len(pairs)
     assert candidates("12+7=", "19", shifted_answers) == ["19", *shifted_answers("12+7=", "19")]
+
+
+def test_max_negatives_draws_a_seeded_subset_of_each_pairs_perturbations() -> None:
+    from alignzoo.world.task import shifted_answers
+
+    pairs = [Pair("12+7=", "19", "9"), Pair("3+4=", "7", "8")]
+    capped, added = with_negatives(pairs, shifted_answers, max_per_pair=3, seed=1)
+    assert added == 6 and len(capped) == 8
+    again, _ = with_negatives(pairs, shifted_answers, max_per_pair=3, seed=1)
+    assert again == capped  # the same draw for the same seed
+    other, _ = with_negatives(pairs, shifted_answers, max_per_pair=3, seed=2)
+    assert other != capped
+    for pair in capped[2:]:
+        assert pair.rejected in shifted_answers(pair.prompt, pair.chosen)
