@@ -779,11 +779,12 @@ def annotate_simulate(
     import yaml
     from pydantic import ValidationError
 
+    from alignzoo.config.loader import safe_load
     from alignzoo.human.queue import HumanQueue
     from alignzoo.human.simulate import Simulation, rule_scorer, simulate
 
     try:
-        simulation = Simulation.model_validate(yaml.safe_load(config.read_text(encoding="utf-8")))
+        simulation = Simulation.model_validate(safe_load(config.read_text(encoding="utf-8")))
     except (OSError, yaml.YAMLError, ValidationError) as exc:
         raise UserError(f"{config}: not a simulation (rule, annotators, seed): {exc}") from None
     queue = HumanQueue(_existing_queue(queue_dir))

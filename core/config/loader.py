@@ -55,6 +55,28 @@ class _LineIndex:
         return None
 
 
+class _KeysAsWritten(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a mapping key YAML 1.1 would read as a boolean (``on``,
+    ``off``, ``yes``, ``no``, ``y``, ``n``, ``true``, ``false``) stays the text it was written
+    as: ``labeling.on`` is the key ``"on"``, not ``True``. Values are read as before."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag == BOOL_TAG:
+                key_node.tag = STR_TAG
+        return super().construct_mapping(node, deep=deep)
+
+
+BOOL_TAG = "tag:yaml.org,2002:bool"
+STR_TAG = "tag:yaml.org,2002:str"
+
+
+def safe_load(text: str) -> Any:
+    """``yaml.safe_load``, with mapping keys such as ``on`` kept as written (YAML 1.1 would
+    make them booleans); every YAML file alignzoo reads goes through it."""
+    return yaml.load(text, Loader=_KeysAsWritten)
+
+
 def _index_node(node: yaml.Node, path: Path_, index: _LineIndex, issues: list[str]) -> None:
     index.lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
@@ -174,7 +196,7 @@ def read_yaml(path: str | Path) -> tuple[dict[str, Any], _LineIndex]:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is not None:
             _check_size(node, file)
-        data = yaml.safe_load(text)
+        data = safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
@@ -228,7 +250,7 @@ def load_yaml_model(path: str | Path, model: type[BaseModel], what: str) -> Any:
     naming the file, the field and what was expected."""
     file = Path(path)
     try:
-        data = yaml.safe_load(file.read_bytes().decode("utf-8"))
+        data = safe_load(file.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"{what} file not found: {file}") from None
     except (UnicodeDecodeError, yaml.YAMLError) as exc:
@@ -383,7 +405,7 @@ def parse_override(text: str) -> tuple[tuple[str | int, ...], Any]:
             "training.lr=1e-5 or arms.grpo.algorithm.params.beta=0"
         )
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = safe_load(value) if value.strip() else ""
     except yaml.YAMLError as exc:
         raise UserError(f"--set {text!r}: the value is not YAML ({exc})") from None
     return tuple(int(p) if p.isdigit() else p for p in parts), parsed

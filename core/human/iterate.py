@@ -264,10 +264,11 @@ def _read_simulation(path: str) -> Any:
     import yaml
     from pydantic import ValidationError
 
+    from alignzoo.config.loader import safe_load
     from alignzoo.human.simulate import Simulation
 
     try:
-        return Simulation.model_validate(yaml.safe_load(Path(path).read_text(encoding="utf-8")))
+        return Simulation.model_validate(safe_load(Path(path).read_text(encoding="utf-8")))
     except (OSError, yaml.YAMLError, ValidationError) as exc:
         raise UserError(
             f"labeling.iterate.annotators: {path} is not a simulation (rule, annotators, "

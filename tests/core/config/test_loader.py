@@ -205,3 +205,22 @@ def test_unreadable_file_is_a_user_error(tmp_path):
     path.write_bytes(b"name: \xff\xfe demo\n")
     with pytest.raises(UserError, match="not a UTF-8 text file"):
         load_experiment(path, registry=toy_registry())
+
+
+def test_the_labeling_on_key_loads_as_written_yaml_1_1_booleans_stay_keys(tmp_path):
+    # YAML 1.1 reads the key `on` (and off, yes, no) as a boolean; the loader keeps keys as
+    # written, so the documented `labeling.on:` works, while values still read as booleans.
+    text = VALID.replace(
+        "    algorithm: ppo\n",
+        "    algorithm: ppo\n"
+        "    labeling:\n"
+        "      overlap: yes\n"
+        "      on: {abstain: drop_sample, exhausted: fail}\n",
+    )
+    loaded = load_experiment(write(tmp_path, text), registry=toy_registry())
+    labeling = loaded.spec.arms["ppo"].labeling
+    assert labeling.on.abstain == "drop_sample" and labeling.on.exhausted == "fail"
+    assert labeling.overlap is True
+    from alignzoo.config.loader import safe_load
+
+    assert safe_load("on: 1\noff: [yes, no]\n") == {"on": 1, "off": [True, False]}
