@@ -149,3 +149,40 @@ def test_panel_aggregates_and_filters_disagreement(tmp_path, monkeypatch):
             assert sum(1 for w in values if v <= w <= v + within) <= len(kept)
 
     spread_is_bounded_and_maximal()
+
+
+def test_python_labeler_calls_by_keyword_as_trl_does(tmp_path, monkeypatch):
+    # TRL's documented reward function, verbatim: completions by keyword, the rest in kwargs.
+    (tmp_path / "trl_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            def reward_len(completions, **kwargs):
+                return [-abs(20 - len(completion)) for completion in completions]
+
+            def by_answer(completions, answer):  # no **kwargs: only what it names
+                return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+            def wants_a_column(completions, solution):
+                return [1.0 for _ in completions]
+
+            seen = {}
+
+            def records(**kwargs):
+                seen.update(kwargs)
+                return [0.0 for _ in kwargs["completions"]]
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    out = score(PythonLabeler(PythonLabeler.Params(function="trl_rewards.py:reward_len")), REQS)
+    assert [s.value for s in out] == [-19.0, -17.0, -17.0]
+    out = score(PythonLabeler(PythonLabeler.Params(function="trl_rewards.py:by_answer")), REQS)
+    assert [s.value for s in out] == [1.0, 0.0, 0.0]
+    labeler = PythonLabeler(PythonLabeler.Params(function="trl_rewards.py:records"))
+    score(labeler, REQS)
+    seen = labeler.fn.__globals__["seen"]
+    assert set(seen) == {"prompts", "completions", "answer"}
+    assert seen["prompts"] == ["1+1=", "2+2=", "3+3="]
+    broken = PythonLabeler(PythonLabeler.Params(function="trl_rewards.py:wants_a_column"))
+    with pytest.raises(TypeError, match=r"asks for solution.*offers answer, completions, prompts"):
+        broken._arguments({"prompts": [], "completions": [], "answer": []})
