@@ -30,6 +30,11 @@ class CombineLabeler(Labeler):
 
         labelers: list[ComponentRef] = Field(min_length=1, description="The parts, in order.")
         weights: list[float] | None = Field(None, description="One per part (default: all 1).")
+        names: list[str] | None = Field(
+            None,
+            description="One per part: its metric name, reward/<name> (default: a python "
+            "part's function name, else the labeler's name; a repeat gets _<position>).",
+        )
 
         @model_validator(mode="after")
         def _one_weight_per_part(self) -> CombineLabeler.Params:
@@ -39,6 +44,12 @@ class CombineLabeler(Labeler):
                 )
             if self.weights is not None and not all(math.isfinite(w) for w in self.weights):
                 raise ValueError("weights must be finite numbers")
+            if self.names is not None and len(self.names) != len(self.labelers):
+                raise ValueError(
+                    f"names has {len(self.names)} entries for {len(self.labelers)} labelers"
+                )
+            if self.names is not None and len(set(self.names)) != len(self.names):
+                raise ValueError("names must differ from each other")
             return self
 
     params: Params
@@ -53,7 +64,8 @@ class CombineLabeler(Labeler):
                 raise UserError("combine: a part may not be another combine")
             cls = registry.get("labeler", ref.name)
             part = cls(cls.Params.model_validate(ref.params))
-            name = ref.name if ref.name not in names else f"{ref.name}_{i + 1}"
+            name = part_name(ref) if self.params.names is None else self.params.names[i]
+            name = name if name not in names else f"{name}_{i + 1}"
             names.append(name)
             self.parts.append((name, build_plugin_manager([part])))
         self.weights = self.params.weights or [1.0] * len(self.parts)
@@ -88,3 +100,12 @@ class CombineLabeler(Labeler):
                 info["correct"] = correct
             out.append(Score(value, valid=all(s.valid for s in parts), info=info))
         return out
+
+
+def part_name(ref: ComponentRef) -> str:
+    """A part's default metric name: a python part's function name (``file.py:fn`` -> ``fn``),
+    else the labeler's name."""
+    function = ref.params.get("function") if ref.name == "python" else None
+    if isinstance(function, str) and ":" in function:
+        return function.rsplit(":", 1)[1] or ref.name
+    return ref.name

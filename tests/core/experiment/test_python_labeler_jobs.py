@@ -75,6 +75,6 @@ def test_python_labelers_from_files_with_two_jobs(tmp_path: Path) -> None:
         json.loads(x)
         for x in (tmp_path / "out" / "mixed" / "seed-0" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert all("reward/python" in r and "reward/python_2" in r for r in mixed)
+    assert all("reward/exact" in r and "reward/short" in r for r in mixed)  # function names
     for r in mixed:  # the combined reward is the weighted sum of the parts' means
-        assert abs(r["reward/mean"] - (r["reward/python"] + 0.1 * r["reward/python_2"])) < 1e-5
+        assert abs(r["reward/mean"] - (r["reward/exact"] + 0.1 * r["reward/short"])) < 1e-5

@@ -186,3 +186,28 @@ def test_python_labeler_calls_by_keyword_as_trl_does(tmp_path, monkeypatch):
     broken = PythonLabeler(PythonLabeler.Params(function="trl_rewards.py:wants_a_column"))
     with pytest.raises(TypeError, match=r"asks for solution.*offers answer, completions, prompts"):
         broken._arguments({"prompts": [], "completions": [], "answer": []})
+
+
+def test_each_combine_part_has_its_own_metric_name(tmp_path, monkeypatch):
+    (tmp_path / "parts.py").write_text(
+        "def reward_len(completions, **kw):\n    return [float(len(c)) for c in completions]\n"
+        "def reward_digit(completions, **kw):\n    return [float(c.strip().isdigit()) for c in completions]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    parts = [
+        {"name": "python", "params": {"function": "parts.py:reward_len"}},
+        {"name": "python", "params": {"function": "parts.py:reward_digit"}},
+        "arithmetic",
+        "arithmetic",
+    ]
+    out = score(CombineLabeler(CombineLabeler.Params(labelers=parts)), REQS)
+    assert list(out[0].info["rewards"]) == [
+        "reward_len",
+        "reward_digit",
+        "arithmetic",
+        "arithmetic_4",
+    ]
+    named = CombineLabeler(CombineLabeler.Params(labelers=parts, names=["n", "d", "a", "b"]))
+    assert list(score(named, REQS)[0].info["rewards"]) == ["n", "d", "a", "b"]
+    with pytest.raises(ValidationError, match="names must differ"):
+        CombineLabeler.Params(labelers=parts, names=["n", "n", "a", "b"])
