@@ -29,6 +29,13 @@ The properties (check names):
   ``compute_loss`` given the whole batch's :class:`~alignzoo.types.LossContext`, gives shares
   that add up to the whole batch's loss and gradients that add up to its gradient (gradient
   accumulation changes nothing, for every loss aggregation).
+- ``direction``: one gradient-descent step on the loss moves the policy the way the algorithm's
+  kind promises, on an on-policy batch built for it (every log-prob -1, the reference and the
+  behaviour policy equal to the policy, values 0; the group structure and lengths drawn):
+  online algorithms raise the log-probability of each group's best-scored sample more than the
+  others' (scores 1 and 0: a baseline may sit anywhere, the order may not flip); preference algorithms raise each pair's chosen-minus-rejected
+  margin; unpaired ones raise the desirable completions and lower the undesirable. A loss with
+  its sign flipped, or advantages with theirs, fails it.
 - ``state_roundtrip``: an instance that has seen one batch, saved with ``state_dict`` (through
   ``torch.save`` / ``torch.load(weights_only=True)``, as a checkpoint does) and restored into a
   fresh instance with ``load_state_dict``, gives the same losses and metrics on the next batches
@@ -51,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import math
 import traceback
@@ -106,6 +114,7 @@ CHECKS = (
     "sample_permutation",
     "group_permutation",
     "micro_batch_invariance",
+    "direction",
     "state_roundtrip",
 )
 """The names of the checks, in the order :func:`check_algorithm` reports them."""
@@ -304,6 +313,82 @@ def _prop_finite(factory: Callable[[], Any], case: BatchCase) -> None:
     for name, extra in ev.extra_grads.items():
         if not torch.isfinite(extra).all():
             raise ContractViolation(f"the gradient w.r.t. outputs.{name} is not finite")
+
+
+ON_POLICY_LOGPROB = -1.0
+"""Every log-prob of the ``direction`` check's batch (policy, behaviour and reference alike)."""
+
+
+def directional(case: BatchCase, data: str) -> BatchCase:
+    """``case`` made into the ``direction`` check's batch (see the module docstring): on
+    policy, log-probs :data:`ON_POLICY_LOGPROB`, values 0, no weights; online scores 1 for the
+    first sample of each group and 0 for the others."""
+
+    def rows(value: float) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(value for _ in range(case.width)) for _ in range(case.size))
+
+    logp = rows(ON_POLICY_LOGPROB)
+    updates: dict[str, Any] = {"logprobs": logp, "weights": None}
+    for name in ("old_logprobs", "ref_logprobs"):
+        if getattr(case, name) is not None:
+            updates[name] = logp
+    for name in ("values", "policy_values"):
+        if getattr(case, name) is not None:
+            updates[name] = rows(0.0)
+    if case.mismatched_ref_logprobs is not None and case.mismatched_logprobs is not None:
+        updates["mismatched_ref_logprobs"] = case.mismatched_logprobs
+    if data == "online":
+        seen: set[int] = set()
+        scores = []
+        for group in case.group_ids:
+            scores.append(0.0 if group in seen else 1.0)
+            seen.add(group)
+        updates["scores"] = tuple(scores)
+    return dataclasses.replace(case, **updates)
+
+
+def _prop_direction(factory: Callable[[], Any], case: BatchCase, data: str) -> None:
+    """See ``direction`` in the module docstring."""
+    built = directional(case, data)
+    ev = evaluate(factory(), built)
+    mask = ev.batch.response_mask.detach()
+    # The change of each sample's log-probability under a small descent step: -dL/dlogp summed
+    # over its real tokens.
+    step = (-_grad(ev) * mask).sum(dim=1).tolist()
+    hint = "is the loss's sign, or the advantages', flipped?"
+
+    def fail(i: int, what: str) -> ContractViolation:
+        return ContractViolation(
+            f"direction: a gradient step on the loss {what} (sample {i}, change "
+            f"{step[i]:+.3g}; {built.size} samples, lengths {list(built.lengths)}, groups "
+            f"{list(built.group_ids)}); {hint}"
+        )
+
+    if data == "online":
+        assert built.scores is not None
+        best = {g: i for i, (g, sc) in enumerate(zip(built.group_ids, built.scores, strict=True))
+                if sc == 1.0}  # fmt: skip
+        for i, (group, score) in enumerate(zip(built.group_ids, built.scores, strict=True)):
+            if score == 0.0 and not step[best[group]] > step[i]:
+                raise fail(
+                    i,
+                    f"raises this worse sample's log-probability at least as much as its "
+                    f"group's best one's (sample {best[group]}, change {step[best[group]]:+.3g})",
+                )
+    elif data == "preference":
+        assert built.labels is not None
+        pairs = zip(built.group_ids, built.labels, strict=True)
+        chosen = {g: i for i, (g, y) in enumerate(pairs) if y == 1.0}
+        for i, (group, label) in enumerate(zip(built.group_ids, built.labels, strict=True)):
+            if label == 0.0 and not step[chosen[group]] - step[i] > 0:
+                raise fail(i, "does not raise the chosen-minus-rejected margin of this pair")
+    else:
+        assert built.labels is not None
+        for i, label in enumerate(built.labels):
+            if label == 1.0 and not step[i] > 0:
+                raise fail(i, "does not raise a desirable completion's log-probability")
+            if label == 0.0 and not step[i] < 0:
+                raise fail(i, "does not lower an undesirable completion's log-probability")
 
 
 def _prop_padding(factory: Callable[[], Any], case: BatchCase, padded: BatchCase) -> None:
@@ -635,6 +720,12 @@ def check_algorithm(
             _micro_split(cases, by_group=requirements.data == "preference"),
             lambda ex: _prop_micro_batches(factory, *ex),
             "example = (batch, the rows of each micro-batch)",
+        ),
+        (
+            "direction",
+            cases,
+            lambda c: _prop_direction(factory, c, requirements.data),
+            "example = one batch, before it is made on-policy with scores 1 and 0",
         ),
         (
             "state_roundtrip",
