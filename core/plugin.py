@@ -147,3 +147,7 @@ class Modifier(Component):
 
     kind = "modifier"
     default_on: ClassVar[bool] = False
+    sets_weights: ClassVar[bool] = False
+    """True for a modifier that sets ``batch.weights``: ``alignzoo validate`` refuses it around
+    an algorithm whose requirements do not declare ``weights`` (the weights would apply to
+    nothing)."""

@@ -43,6 +43,11 @@ class AlgorithmRequirements:
             one optimizer step, the engine takes the behaviour log-probs from the update's own
             forward pass instead of a separate one, and ``old_logprobs`` is first set when
             ``compute_loss`` is called.
+        weights: ``compute_loss`` multiplies each sample's loss (a pair's, by its samples')
+            by ``batch.weights`` when they are set, so a modifier that sets sample weights (such
+            as ``reweight``) may wrap it; ``alignzoo validate`` refuses that modifier around an
+            algorithm that does not declare this, and the contract's ``weights_honoured`` check
+            holds it to it.
         rollout_correction: ``compute_loss`` multiplies its policy-gradient surrogate by
             ``batch.rollout_is_weights`` when they are set (truncated importance sampling
             between the rollout backend's and the trainer's probabilities), so the arm may turn
@@ -55,6 +60,7 @@ class AlgorithmRequirements:
     entropy: bool = True
     old_logprobs_in_advantages: bool = False
     rollout_correction: bool = False
+    weights: bool = False
 
 
 @dataclass(frozen=True)

@@ -843,4 +843,41 @@ def _build_components(
             issues.append(
                 ConfigIssue(file, index.line_of(where), ".".join(map(str, where)), str(exc))
             )
+    issues += _weights_without_a_taker(file, index, arm_name, arm, built)
     return built, issues
+
+
+def _weights_without_a_taker(
+    file: str, index: _LineIndex, arm_name: str, arm: ArmSpec, built: dict[str, Any]
+) -> list[ConfigIssue]:
+    """A modifier that sets sample weights around an algorithm that does not declare it
+    multiplies them in (``AlgorithmRequirements.weights``): the weights would change nothing."""
+    algorithm = built.get("algorithm")
+    setters = [
+        (i, ref.name)
+        for i, ref in enumerate(arm.modifiers)
+        if getattr(built.get(f"modifiers.{i}"), "sets_weights", False)
+    ]
+    if algorithm is None or not setters:
+        return []
+    try:
+        requirements = build_plugin_manager([algorithm]).hook.algorithm_requirements()
+    except Exception:  # reported by the checks above, or when the run is assembled
+        return []
+    if getattr(requirements, "weights", False):
+        return []
+    out = []
+    for i, name in setters:
+        where: Path_ = ("arms", arm_name, "modifiers", i)
+        out.append(
+            ConfigIssue(
+                file,
+                index.line_of(where),
+                ".".join(map(str, where)),
+                f"modifier {name!r} sets sample weights, but algorithm {arm.algorithm.name!r} "
+                "does not declare that its loss multiplies them in (AlgorithmRequirements"
+                "(weights=True)): the weights would apply to nothing; drop the modifier or make "
+                "the algorithm honour batch.weights",
+            )
+        )
+    return out

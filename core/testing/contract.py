@@ -36,6 +36,10 @@ The properties (check names):
   others' (scores 1 and 0: a baseline may sit anywhere, the order may not flip); preference algorithms raise each pair's chosen-minus-rejected
   margin; unpaired ones raise the desirable completions and lower the undesirable. A loss with
   its sign flipped, or advantages with theirs, fails it.
+- ``weights_honoured``: for an algorithm whose requirements declare ``weights``, a sample
+  (a pair, for preference data) given weight 0 in ``batch.weights`` gets no gradient; an
+  algorithm that does not declare it passes with that said (a weight-setting modifier around it
+  is refused by ``alignzoo validate``).
 - ``state_roundtrip``: an instance that has seen one batch, saved with ``state_dict`` (through
   ``torch.save`` / ``torch.load(weights_only=True)``, as a checkpoint does) and restored into a
   fresh instance with ``load_state_dict``, gives the same losses and metrics on the next batches
@@ -115,6 +119,7 @@ CHECKS = (
     "group_permutation",
     "micro_batch_invariance",
     "direction",
+    "weights_honoured",
     "state_roundtrip",
 )
 """The names of the checks, in the order :func:`check_algorithm` reports them."""
@@ -389,6 +394,25 @@ def _prop_direction(factory: Callable[[], Any], case: BatchCase, data: str) -> N
                 raise fail(i, "does not raise a desirable completion's log-probability")
             if label == 0.0 and not step[i] < 0:
                 raise fail(i, "does not lower an undesirable completion's log-probability")
+
+
+def _prop_weights(factory: Callable[[], Any], case: BatchCase, data: str) -> None:
+    """See ``weights_honoured`` in the module docstring."""
+    assert case.weights is not None
+    zeroed = [0] if data != "preference" else [
+        i for i, g in enumerate(case.group_ids) if g == case.group_ids[0]
+    ]  # fmt: skip
+    weights = tuple(0.0 if i in zeroed else w for i, w in enumerate(case.weights))
+    ev = evaluate(factory(), dataclasses.replace(case, weights=weights))
+    grad = _grad(ev)
+    leaked = float(grad[zeroed].abs().nan_to_num(math.inf).max())
+    if leaked > 0.0:
+        what = "sample 0" if data != "preference" else f"the pair of samples {zeroed}"
+        raise ContractViolation(
+            f"weights_honoured: {what} has weight 0 in batch.weights but gets gradient up to "
+            f"{leaked:.3g}; multiply each sample's loss by batch.weights, or do not declare "
+            "AlgorithmRequirements(weights=True)"
+        )
 
 
 def _prop_padding(factory: Callable[[], Any], case: BatchCase, padded: BatchCase) -> None:
@@ -734,11 +758,30 @@ def check_algorithm(
             "example = three batches, one per step; saved and restored after the first",
         ),
     ]
+    if requirements.weights:
+        properties.insert(
+            -1,
+            (
+                "weights_honoured",
+                batch_cases(requirements, weighted=True),
+                lambda c: _prop_weights(factory, c, requirements.data),
+                "example = one weighted batch, sample 0 (or its pair) then given weight 0",
+            ),
+        )
     results = [CheckResult("instantiate", True, f"{label}: {requirements}")]
+    if "weights_honoured" in selected and not requirements.weights:
+        results.append(
+            CheckResult(
+                "weights_honoured",
+                True,
+                "not declared (AlgorithmRequirements.weights is False): a modifier that sets "
+                "weights is refused around it",
+            )
+        )
     for name, strategy, prop, legend in properties:
         if name in selected:
             results.append(run_property(name, strategy, prop, max_examples, shrink_seconds, legend))
-    return results
+    return sorted(results, key=lambda r: CHECKS.index(r.name))  # in the order of CHECKS
 
 
 def assert_algorithm_contract(

@@ -160,7 +160,7 @@ class DPO(Algorithm):
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:
         return AlgorithmRequirements(
-            reference=not self.params.reference_free, data="preference", entropy=False
+            reference=not self.params.reference_free, data="preference", entropy=False, weights=True
         )
 
     @hookimpl

@@ -183,7 +183,11 @@ class GRPO(Algorithm):
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:
         return AlgorithmRequirements(
-            reference=self.params.beta > 0, critic=False, data="online", rollout_correction=True
+            reference=self.params.beta > 0,
+            critic=False,
+            data="online",
+            rollout_correction=True,
+            weights=True,
         )
 
     @hookimpl

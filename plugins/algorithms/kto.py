@@ -125,7 +125,9 @@ class KTO(Algorithm):
     Params = KTOParams
     params: KTOParams
     watched_metrics = ("kto/rewards/margin", "kto/z0")
-    requirements = AlgorithmRequirements(reference=True, data="unpaired", entropy=False)
+    requirements = AlgorithmRequirements(
+        reference=True, data="unpaired", entropy=False, weights=True
+    )
 
     def __init__(self, params: KTOParams | dict | None = None) -> None:
         super().__init__(params)

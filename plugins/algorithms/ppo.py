@@ -360,6 +360,7 @@ class PPO(Algorithm):
             data="online",
             old_logprobs_in_advantages=True,
             rollout_correction=True,
+            weights=True,
         )
 
     @hookimpl

@@ -86,7 +86,11 @@ class ReinforcePlusPlus(Algorithm):
     def algorithm_requirements(self) -> AlgorithmRequirements:
         kl = self.params.kl_coef > 0  # the KL penalty in the reward reads old_logprobs
         return AlgorithmRequirements(
-            reference=kl, critic=False, old_logprobs_in_advantages=kl, rollout_correction=True
+            reference=kl,
+            critic=False,
+            old_logprobs_in_advantages=kl,
+            rollout_correction=True,
+            weights=True,
         )
 
     @hookimpl

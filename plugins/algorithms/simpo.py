@@ -97,7 +97,9 @@ class SimPO(Algorithm):
     Params = SimPOParams
     params: SimPOParams
     watched_metrics = ("simpo/rewards/accuracy", "simpo/rewards/margin")
-    requirements = AlgorithmRequirements(reference=False, data="preference", entropy=False)
+    requirements = AlgorithmRequirements(
+        reference=False, data="preference", entropy=False, weights=True
+    )
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:

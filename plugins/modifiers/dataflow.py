@@ -231,6 +231,7 @@ class Reweight(_Counting):
         normalize: bool = Field(True, description="Scale the weights to mean 1 over the batch.")
 
     params: Params
+    sets_weights: ClassVar[bool] = True
 
     def _weights(self, batch: Any) -> list[float]:
         if self.params.by == "info":

@@ -8,6 +8,7 @@ import pytest
 
 from alignzoo.config.loader import load_experiment
 from alignzoo.errors import ConfigError, UserError
+from alignzoo.types import AlgorithmRequirements
 from tests.core.helpers import toy_registry
 
 VALID = """\
@@ -224,3 +225,23 @@ def test_the_labeling_on_key_loads_as_written_yaml_1_1_booleans_stay_keys(tmp_pa
     from alignzoo.config.loader import safe_load
 
     assert safe_load("on: 1\noff: [yes, no]\n") == {"on": 1, "off": [True, False]}
+
+
+def test_a_weight_setting_modifier_around_an_algorithm_that_ignores_weights_is_refused(tmp_path):
+    from alignzoo.plugins.modifiers.dataflow import Reweight
+    from tests.core.helpers import ToyAlgorithm
+
+    class Weighted(ToyAlgorithm):
+        requirements = AlgorithmRequirements(weights=True)
+
+    registry = toy_registry()
+    registry.register(Reweight, "reweight", provider="toy")
+    registry.register(Weighted, "weighted", provider="toy")
+    text = VALID.replace("    algorithm: ppo\n", "    algorithm: ppo\n    modifiers: [reweight]\n")
+    with pytest.raises(ConfigError) as info:
+        load_experiment(write(tmp_path, text), registry=registry)
+    [issue] = info.value.issues
+    assert issue.path == "arms.ppo.modifiers.0"
+    assert "'reweight' sets sample weights" in issue.message and "'ppo'" in issue.message
+    ok = text.replace("    algorithm: ppo\n", "    algorithm: weighted\n")
+    assert load_experiment(write(tmp_path, ok), registry=registry).spec.arms["ppo"].modifiers

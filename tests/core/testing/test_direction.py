@@ -82,3 +82,27 @@ def test_flipped_advantages_are_caught(name: str) -> None:
     result = direction(flipped_advantages(get_registry().get("algorithm", name)))
     assert not result.passed
     assert "direction:" in result.detail
+
+
+@pytest.mark.parametrize("name", BUILT_INS)
+def test_every_built_in_declares_and_honours_sample_weights(name: str) -> None:
+    cls = get_registry().get("algorithm", name)
+    [result] = [r for r in check_algorithm(name, max_examples=15, checks=["weights_honoured"])
+                if r.name == "weights_honoured"]  # fmt: skip
+    assert result.passed and "examples" in result.detail, result.detail
+    assert cls().algorithm_requirements().weights
+
+
+def test_an_algorithm_that_declares_weights_but_ignores_them_is_caught() -> None:
+    from alignzoo.plugins.algorithms.grpo import GRPO
+
+    class IgnoresWeights(GRPO):
+        @hookimpl
+        def compute_loss(self, batch: RolloutBatch, outputs: Any, context: Any) -> LossOutput:
+            batch.weights = None
+            return super().compute_loss(batch, outputs, context)
+
+    [result] = [r for r in check_algorithm(IgnoresWeights, max_examples=15,
+                                           checks=["weights_honoured"])
+                if r.name == "weights_honoured"]  # fmt: skip
+    assert not result.passed and result.detail.startswith("weights_honoured: sample 0")
