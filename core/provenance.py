@@ -143,6 +143,45 @@ def collect(
     return entry
 
 
+def component_fields(components: dict[str, Any]) -> dict[str, Any]:
+    """``components``: per slot of the arm (``algorithm``, ``labeler``, ``modifiers.0``, ...)
+    the component's kind, registered name, class, the distribution and version that provide
+    it, and, for one imported from a git checkout (an editable or local install, or a plugin
+    file beside the experiment), that checkout's commit and whether it had uncommitted
+    changes: what tells two runs of an outside plugin apart."""
+    import inspect
+
+    from alignzoo.registry import get_registry
+
+    entries: dict[type, Any] = {}
+    try:
+        for entry in get_registry().entries():
+            if entry.component is not None:
+                entries.setdefault(entry.component, entry)
+    except Exception:  # a broken registry must not stop a run from recording the rest
+        entries = {}
+    out: dict[str, Any] = {}
+    for slot, component in sorted(components.items()):
+        cls = type(component)
+        entry = next((entries[c] for c in cls.__mro__ if c in entries), None)
+        row: dict[str, Any] = {
+            "kind": getattr(component, "kind", None),
+            "name": entry.name if entry is not None else None,
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "distribution": entry.distribution if entry is not None else None,
+            "version": (entry.version or None) if entry is not None else None,
+        }
+        try:
+            source = Path(inspect.getfile(cls)).resolve()
+        except (TypeError, OSError):
+            source = None
+        if source is not None:
+            row["source"] = str(source)
+            row["git"] = git_state(source.parent)
+        out[slot] = row
+    return {"components": out}
+
+
 def policy_fields(policy: str | Path) -> dict[str, Any]:
     """``policy`` (the folder a run loaded its starting weights from) and its ``policy_sha256``."""
     folder = Path(policy)

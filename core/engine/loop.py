@@ -426,6 +426,7 @@ def run_one(
         run = assemble(loaded, arm, seed, out_dir, console=console, log=log)
         device = run.models.device("actor")
         session.update(provenance.policy_fields(run.models.policy_path))
+        session.update(provenance.component_fields(run.components))
         provenance.record(out_dir, session, resume)
         recorded = True
         state = start_or_resume(run, resume, log, point)

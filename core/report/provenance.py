@@ -93,4 +93,38 @@ def provenance_blocks(run_dir: Path, runs: list[RunData]) -> list[Block]:
         )
     if policies:
         blocks.append(Block("p", "Starting policy: " + "; ".join(sorted(policies)) + "."))
+    outside = _outside_components(runs)
+    if outside:
+        blocks.append(
+            Block(
+                "p",
+                "Components from outside alignzoo (each run's provenance.json lists every "
+                "component): " + "; ".join(outside) + ".",
+            )
+        )
     return blocks
+
+
+def _outside_components(runs: list[RunData]) -> list[str]:
+    """One line per distinct component not provided by alignzoo itself: arm, slot, name,
+    distribution and version, and the commit of its source checkout (dirty said)."""
+    seen: dict[str, None] = {}
+    for run in runs:
+        for entry in read_sessions(run.path)[-1:]:
+            for slot, row in (entry.get("components") or {}).items():
+                if not isinstance(row, dict) or row.get("distribution") == "alignzoo":
+                    continue
+                git = row.get("git") or {}
+                commit = str(git.get("commit", ""))[:12]
+                where = (
+                    f", commit {commit}{' with uncommitted changes' if git.get('dirty') else ''}"
+                    if commit
+                    else ""
+                )
+                seen[
+                    f"{run.arm} {slot} `{row.get('name') or row.get('class')}` from "
+                    f"{row.get('distribution') or 'no registered distribution'} "
+                    f"{row.get('version') or ''}".rstrip()
+                    + where
+                ] = None
+    return list(seen)

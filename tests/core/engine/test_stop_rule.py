@@ -69,6 +69,12 @@ def test_a_run_stops_once_its_metric_fell_twice_and_keeps_a_checkpoint_there(
     assert status["step"] == 2 and summary.steps == 2
     assert status["stopped_early"].startswith("stopped early at step 2: eval/score")
     assert (tmp_path / "run" / "checkpoints" / "step-000002" / "state.json").is_file()
+    # provenance names every component of the arm and what provided it
+    session = json.loads((tmp_path / "run" / "provenance.json").read_text())["sessions"][-1]
+    components = session["components"]
+    assert components["algorithm"]["name"] == "grpo"
+    assert components["algorithm"]["distribution"] == "alignzoo"
+    assert {"labeler", "backend", "devices"} <= set(components)
 
 
 def test_the_report_compares_at_the_best_kept_checkpoint_when_asked(tmp_path: Path) -> None:

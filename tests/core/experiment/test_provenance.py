@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from alignzoo import provenance
@@ -96,3 +97,58 @@ def test_a_report_without_provenance_says_so(tmp_path: Path) -> None:
     assert "No run folder records its provenance" in render_markdown(
         provenance_blocks(tmp_path, [run])
     )
+
+
+def test_each_component_records_its_distribution_version_and_source_commit(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import importlib.util
+
+    from alignzoo import registry as registry_module
+    from alignzoo.plugins.algorithms.grpo import GRPO
+    from alignzoo.registry import Registry
+
+    repo = tmp_path / "outside"
+    repo.mkdir()
+    (repo / "my_labeler.py").write_text(
+        "from alignzoo import Labeler, Score\n\n"
+        "class Mine(Labeler):\n"
+        "    def score(self, request):\n"
+        "        return Score(1.0)\n"
+    )
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", "my_labeler.py")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x")
+    spec = importlib.util.spec_from_file_location("my_labeler", repo / "my_labeler.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "my_labeler", module)  # imported as a plugin would be
+    spec.loader.exec_module(module)
+    registry = Registry(entry_points=[])
+    registry.register(GRPO, "grpo", provider="alignzoo")
+    registry.register(module.Mine, "mine", provider="my-plugins")
+    monkeypatch.setattr(registry_module, "get_registry", lambda: registry)
+
+    fields = provenance.component_fields({"algorithm": GRPO(), "labeler": module.Mine()})
+    rows = fields["components"]
+    assert rows["algorithm"]["name"] == "grpo" and rows["algorithm"]["kind"] == "algorithm"
+    assert rows["algorithm"]["distribution"] == "alignzoo"
+    mine = rows["labeler"]
+    assert (mine["name"], mine["distribution"], mine["kind"]) == ("mine", "my-plugins", "labeler")
+    assert mine["source"] == str((repo / "my_labeler.py").resolve())
+    assert len(mine["git"]["commit"]) == 40 and mine["git"]["dirty"] is False
+    (repo / "my_labeler.py").write_text("# the sign bug, uncommitted\n")
+    assert provenance.component_fields({"labeler": module.Mine()})["components"]["labeler"]["git"][
+        "dirty"
+    ]
+
+    # the report names components from outside alignzoo, with their commit
+    run = _run(tmp_path, "a", 0, **fields)
+    text = render_markdown(provenance_blocks(tmp_path, [run]))
+    assert "Components from outside alignzoo" in text
+    assert "a labeler `mine` from my-plugins, commit " in text
+    assert "grpo" not in text.split("Components from outside alignzoo")[1]
