@@ -776,17 +776,10 @@ def annotate_simulate(
     config: Annotated[Path, typer.Argument(help="YAML: rule, annotators, seed, tie_margin.")],
 ) -> None:
     """Judge the open items as simulated annotators (a rule labeler plus noise and bias)."""
-    import yaml
-    from pydantic import ValidationError
-
-    from alignzoo.config.loader import safe_load
     from alignzoo.human.queue import HumanQueue
-    from alignzoo.human.simulate import Simulation, rule_scorer, simulate
+    from alignzoo.human.simulate import read_simulation, rule_scorer, simulate
 
-    try:
-        simulation = Simulation.model_validate(safe_load(config.read_text(encoding="utf-8")))
-    except (OSError, yaml.YAMLError, ValidationError) as exc:
-        raise UserError(f"{config}: not a simulation (rule, annotators, seed): {exc}") from None
+    simulation = read_simulation(config)
     queue = HumanQueue(_existing_queue(queue_dir))
     try:
         stored = simulate(queue, simulation, rule_scorer(simulation.rule))

@@ -157,6 +157,17 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def complete_checkpoints(ckpt_dir: Path) -> dict[int, Path]:
+    """Step -> folder of every complete checkpoint of ``ckpt_dir`` (a ``step-<n>`` folder with
+    its ``state.json``), in step order."""
+    found = {}
+    for folder in ckpt_dir.glob("step-*"):
+        tail = folder.name.split("-", 1)[1]
+        if tail.isdigit() and (folder / "state.json").is_file():
+            found[int(tail)] = folder
+    return dict(sorted(found.items()))
+
+
 def _prune(ckpt_dir: Path, keep: set[str]) -> None:
     complete = sorted(p for p in ckpt_dir.glob("step-*") if p.is_dir())
     for old in complete[:-KEEP]:
@@ -279,7 +290,7 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
         folder = ckpt_dir / name
         if name.startswith("step-") and (folder / "state.json").is_file():
             return folder
-    complete = sorted(p for p in ckpt_dir.glob("step-*") if (p / "state.json").is_file())
+    complete = list(complete_checkpoints(ckpt_dir).values())
     return complete[-1] if complete else None
 
 

@@ -30,6 +30,7 @@ from alignzoo.engine.assemble import Run, assemble
 from alignzoo.engine.checkpoint import (
     ResumePoint,
     TrainingState,
+    complete_checkpoints,
     find_resume_point,
     gather_sharded,
     load_checkpoint,
@@ -294,12 +295,7 @@ class _Loop:
         """The step of the best evaluation at a checkpoint kept so far or saved now (the
         earliest of equals): pruning keeps it, so ``export --step best`` and the report's
         ``compare_at: best_checkpoint`` can reach a peak that lies many checkpoints back."""
-        folder = self.run.context.out_dir / CHECKPOINTS
-        steps = {self.state.step}
-        for path in folder.glob("step-*"):
-            tail = path.name.split("-", 1)[1]
-            if tail.isdigit():
-                steps.add(int(tail))
+        steps = {self.state.step, *complete_checkpoints(self.run.context.out_dir / CHECKPOINTS)}
         scored = [(v if self.higher else -v, -s) for s, v in self.evaluated.items() if s in steps]
         return -max(scored)[1] if scored else None
 

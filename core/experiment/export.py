@@ -49,13 +49,12 @@ def _evaluations(run: Path) -> list[dict[str, Any]]:
 def _checkpoint(run: Path, step: str, metric: str, higher: bool) -> Path:
     """The checkpoint folder for ``step``: last, best (by the run's evaluation metric, among
     the checkpoints kept) or a step number."""
-    from alignzoo.engine.checkpoint import latest_checkpoint
+    from alignzoo.engine.checkpoint import complete_checkpoints, latest_checkpoint
 
     folder = run / "checkpoints"
-    kept = sorted(p for p in folder.glob("step-*") if (p / "state.json").is_file())
-    if not kept:
+    steps = complete_checkpoints(folder)
+    if not steps:
         raise UserError(f"{run}: no checkpoint to export (checkpoints/ is empty)")
-    steps = {int(p.name.split("-")[1]): p for p in kept}
     if step == "last":
         latest = latest_checkpoint(folder)
         assert latest is not None

@@ -64,13 +64,6 @@ class Rounds:
     """The rounds of one run (built by the training loop when ``labeling.iterate`` is set)."""
 
     def __init__(self, cfg: IterateConfig, run: Any, log: Any = print) -> None:
-        arm = run.context.arm_spec
-        if arm.labeler.name != "reward_model" or "path" not in arm.labeler.params:
-            raise UserError(
-                f"arms.{run.context.arm}.labeling.iterate: the arm's labeler must be "
-                f"reward_model with a params.path (it is {arm.labeler.name!r}): a round "
-                "retrains and swaps that reward model"
-            )
         from alignzoo import distributed
 
         if distributed.world_size() > 1:
@@ -83,7 +76,9 @@ class Rounds:
         self.queue_dir = self.folder / "queue"
         self.simulation = None
         if cfg.annotators is not None:
-            self.simulation = _read_simulation(cfg.annotators)
+            from alignzoo.human.simulate import read_simulation
+
+            self.simulation = read_simulation(cfg.annotators, "labeling.iterate.annotators")
 
     # ------------------------------------------------------------------ the round
     def before_step(self, step: int) -> None:
@@ -258,19 +253,3 @@ class Rounds:
         head = (self.run.context.state.get(swap.STATE_KEY) or {}).get("head") or {}
         path = (head.get("params") or {}).get("path")
         return str(path or self.run.context.arm_spec.labeler.params["path"])
-
-
-def _read_simulation(path: str) -> Any:
-    import yaml
-    from pydantic import ValidationError
-
-    from alignzoo.config.loader import safe_load
-    from alignzoo.human.simulate import Simulation
-
-    try:
-        return Simulation.model_validate(safe_load(Path(path).read_text(encoding="utf-8")))
-    except (OSError, yaml.YAMLError, ValidationError) as exc:
-        raise UserError(
-            f"labeling.iterate.annotators: {path} is not a simulation (rule, annotators, "
-            f"seed): {exc}"
-        ) from None

@@ -20,11 +20,13 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo.config.schema import ComponentRef
+from alignzoo.errors import UserError
 from alignzoo.human.queue import HumanQueue, Item, QueueError
 from alignzoo.types import LabelRequest
 
@@ -56,6 +58,23 @@ class Simulation(BaseModel):
 
 
 Scorer = Callable[[list[LabelRequest]], list[float | None]]
+
+
+def read_simulation(path: str | Path, what: str = "") -> Simulation:
+    """The simulation YAML at ``path`` (UserError naming ``what`` and the file when it cannot
+    be read or is not one)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from alignzoo.config.loader import safe_load
+
+    try:
+        return Simulation.model_validate(safe_load(Path(path).read_text(encoding="utf-8")))
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        prefix = f"{what}: " if what else ""
+        raise UserError(
+            f"{prefix}{path}: not a simulation (rule, annotators, seed): {exc}"
+        ) from None
 
 
 def rule_scorer(ref: ComponentRef, run: Any = None) -> Scorer:

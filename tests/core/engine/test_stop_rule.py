@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -28,6 +29,18 @@ def falling(prompts, completions, **columns):
 """
 
 
+def _falling_run(tmp_path: Path, name: str, **overrides: Any) -> Any:
+    """Run the tiny GRPO arm, evaluated every step by the falling labeler, into tmp/run."""
+    (tmp_path / "falling.py").write_text(FALLING, encoding="utf-8")
+    labeler = {"name": "python", "params": {"function": f"{tmp_path / 'falling.py'}:falling"}}
+    evaluation = {"every": 1, "num_prompts": 4, "labeler": labeler, "metric": "score"}
+    evaluation.update(overrides.pop("evaluation", {}))
+    spec = tiny_experiment(name=name, evaluation=evaluation, **overrides)
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    return run_one(load_experiment(path), "grpo", 0, tmp_path / "run")
+
+
 def test_fell_from_best_counts_the_evaluations_below_the_best_before_them() -> None:
     assert fell_from_best([0.5, 0.4, 0.3], 2, higher=True) is not None
     assert fell_from_best([0.5, 0.4], 2, higher=True) is None  # nothing before the two
@@ -42,23 +55,13 @@ def test_fell_from_best_counts_the_evaluations_below_the_best_before_them() -> N
 def test_a_run_stops_once_its_metric_fell_twice_and_keeps_a_checkpoint_there(
     tmp_path: Path, engine_cache: Path
 ) -> None:
-    (tmp_path / "falling.py").write_text(FALLING, encoding="utf-8")
-    labeler = {"name": "python", "params": {"function": f"{tmp_path / 'falling.py'}:falling"}}
-    spec = tiny_experiment(
-        name="stop",
+    summary = _falling_run(
+        tmp_path,
+        "stop",
         budget={"steps": 8},
         training={"checkpoint_every": 4},
-        evaluation={
-            "every": 1,
-            "num_prompts": 4,
-            "labeler": labeler,
-            "metric": "score",
-            "stop_after_falls": 2,
-        },
+        evaluation={"stop_after_falls": 2},
     )
-    path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(spec), encoding="utf-8")
-    summary = run_one(load_experiment(path), "grpo", 0, tmp_path / "run")
     assert summary.status == "finished", summary.error
     evals = read_jsonl(tmp_path / "run" / "eval.jsonl")
     scores = [e["eval/score"] for e in evals]
@@ -105,17 +108,7 @@ def test_pruning_keeps_the_best_evaluated_checkpoint_for_export_step_best(
 ) -> None:
     from alignzoo.experiment.export import _checkpoint
 
-    (tmp_path / "falling.py").write_text(FALLING, encoding="utf-8")
-    labeler = {"name": "python", "params": {"function": f"{tmp_path / 'falling.py'}:falling"}}
-    spec = tiny_experiment(
-        name="keep",
-        budget={"steps": 5},
-        training={"checkpoint_every": 1},
-        evaluation={"every": 1, "num_prompts": 4, "labeler": labeler, "metric": "score"},
-    )
-    path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(spec), encoding="utf-8")
-    summary = run_one(load_experiment(path), "grpo", 0, tmp_path / "run")
+    summary = _falling_run(tmp_path, "keep", budget={"steps": 5}, training={"checkpoint_every": 1})
     assert summary.status == "finished", summary.error
     scores = [e["eval/score"] for e in read_jsonl(tmp_path / "run" / "eval.jsonl")]
     assert scores == sorted(scores, reverse=True), f"premise: the score falls ({scores})"

@@ -21,19 +21,27 @@ from alignzoo.human.queue import HumanQueue
 from alignzoo.human.reward_model import train_reward_model
 
 from ..engine.conftest import read_jsonl, tiny_experiment
+from .test_rlhf_pipeline import ANNOTATORS as PIPELINE_ANNOTATORS
 from .test_train_rm import _pairs
 
-ODD = {"name": "regex", "params": {"pattern": "[13579]"}}
+# The pipeline test's annotators, every one of whom judges every pair (no "cannot judge"), so
+# each round's pairs get exactly three judgements.
 ANNOTATORS = {
-    "rule": ODD,
-    "seed": 0,
-    "tie_margin": 0.2,
+    **PIPELINE_ANNOTATORS,
     "annotators": [
-        {"name": "careful", "noise": 0.05},
-        {"name": "hurried", "noise": 0.3},
-        {"name": "generous", "noise": 0.15, "bias": 0.2},
+        {k: v for k, v in a.items() if k != "cannot_judge"}
+        for a in PIPELINE_ANNOTATORS["annotators"]
     ],
 }
+
+
+def test_iterate_needs_an_arm_labeled_by_a_reward_model() -> None:
+    from pydantic import ValidationError
+
+    from alignzoo.config.schema import ArmSpec
+
+    with pytest.raises(ValidationError, match="the labeler must be reward_model"):
+        ArmSpec.model_validate({"algorithm": "ppo", "labeling": {"iterate": {"every": 2}}})
 
 
 def test_a_round_is_due_after_every_n_steps_but_not_after_the_last() -> None:
