@@ -180,7 +180,17 @@ class Registry:
     @staticmethod
     def _check_component(entry: ComponentEntry, obj: Any) -> None:
         if not (isinstance(obj, type) and issubclass(obj, Component)):
-            raise PluginLoadError(f"{entry.target} is not an alignzoo Component subclass")
+            message = f"{entry.target} is not an alignzoo Component subclass"
+            if callable(obj) and not isinstance(obj, type):
+                module, _, function = entry.target.partition(":")
+                message += (
+                    f"; it is a function. A reward function needs no entry point: name it "
+                    f"with the python labeler (labeler: {{name: python, params: {{function: "
+                    f"'{module}:{function}'}}}}), or register a Labeler subclass"
+                    if entry.kind == "labeler"
+                    else "; it is a function: register a class (see alignzoo scaffold)"
+                )
+            raise PluginLoadError(message)
         component: type[Component] = obj
         if component.kind != entry.kind:
             raise PluginLoadError(

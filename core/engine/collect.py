@@ -59,6 +59,7 @@ class _Ahead:
 
     batch: RolloutBatch
     metrics: dict[str, float]  # generation and behaviour-snapshot metrics
+    step: int | None = None  # the training step the batch is for
     future: Future[tuple[LabelReport, float]] | None = None
 
 
@@ -72,14 +73,14 @@ class Collector:
     sampler: PromptSampler
     mode: DataMode
 
-    def source(self, seeds: list[int]) -> StepSource:
-        return StepSource(self.hooks, self.tokenizer, self.cfg, seeds)
+    def source(self, seeds: list[int], step: int | None) -> StepSource:
+        return StepSource(self.hooks, self.tokenizer, self.cfg, seeds, step)
 
-    def collect(self, scorer: Scorer) -> Collected:
-        """This step's batch, labeled; its behaviour snapshot is left to the scoring stage."""
+    def collect(self, scorer: Scorer, step: int | None = None) -> Collected:
+        """Step ``step``'s batch, labeled; its behaviour snapshot is left to the scoring stage."""
         rows, seeds = self.sampler.next_seeded(self.cfg.prompts_per_step)
         rows, seeds = distributed.shard(rows), distributed.shard(seeds)  # this rank's share
-        return self.mode.collect(rows, self.source(seeds))
+        return self.mode.collect(rows, self.source(seeds, step))
 
     def close(self) -> None:
         """Nothing runs in the background."""
@@ -93,32 +94,32 @@ class LabelAhead(Collector):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alignzoo-label")
         self.pending: _Ahead | None = None
 
-    def _timed_label(self, batch: RolloutBatch) -> tuple[LabelReport, float]:
+    def _timed_label(self, batch: RolloutBatch, step: int | None) -> tuple[LabelReport, float]:
         start = time.perf_counter()
-        report = label(self.hooks, batch)
+        report = label(self.hooks, batch, step=step)
         return report, time.perf_counter() - start
 
     def _start(self, ahead: _Ahead) -> _Ahead:
-        ahead.future = self.executor.submit(self._timed_label, ahead.batch)
+        ahead.future = self.executor.submit(self._timed_label, ahead.batch, ahead.step)
         return ahead
 
-    def _generate(self, scorer: Scorer) -> _Ahead:
-        """The next prompts' samples with the current weights, their behaviour snapshot taken
-        now (on this thread: the models are never used from the labeling thread)."""
+    def _generate(self, scorer: Scorer, step: int | None) -> _Ahead:
+        """The samples of step ``step`` with the current weights, their behaviour snapshot
+        taken now (on this thread: the models are never used from the labeling thread)."""
         rows, seeds = self.sampler.next_seeded(self.cfg.prompts_per_step)
-        batch, m = sample(rows, self.source(seeds))
+        batch, m = sample(rows, self.source(seeds, step))
         m.update(prepare(scorer, batch, generated=True))
-        return self._start(_Ahead(batch, m))
+        return self._start(_Ahead(batch, m, step=step))
 
-    def collect(self, scorer: Scorer) -> Collected:
-        """This step's batch: generated one step ago (or now, on the first step), labeled and
-        with its behaviour snapshot; the next step's batch is generated before returning."""
+    def collect(self, scorer: Scorer, step: int | None = None) -> Collected:
+        """Step ``step``'s batch: generated one step ago (or now, on the first step), labeled
+        and with its behaviour snapshot; the next step's batch is generated before returning."""
         if self.pending is None:
-            self.pending = self._generate(scorer)
+            self.pending = self._generate(scorer, step)
         elif self.pending.future is None:  # restored from a checkpoint: label it again
             self._start(self.pending)
         current = self.pending
-        self.pending = self._generate(scorer)
+        self.pending = self._generate(scorer, None if step is None else step + 1)
         assert current.future is not None
         start = time.perf_counter()
         report, seconds = current.future.result()  # a labeling failure surfaces here
@@ -142,14 +143,19 @@ class LabelAhead(Collector):
         device = str(self.pending.batch.response_mask.device)
         batch = self.pending.batch.to("cpu")
         plain = {f.name: getattr(batch, f.name) for f in fields(batch) if f.name not in _UNLABELED}
-        return {"batch": plain, "metrics": dict(self.pending.metrics), "device": device}
+        return {
+            "batch": plain,
+            "metrics": dict(self.pending.metrics),
+            "device": device,
+            "step": self.pending.step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             self.pending = None
             return
         batch = RolloutBatch(**state["batch"]).to(state["device"])
-        self.pending = _Ahead(batch, dict(state["metrics"]))
+        self.pending = _Ahead(batch, dict(state["metrics"]), step=state.get("step"))
 
 
 def build_collector(

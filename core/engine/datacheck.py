@@ -4,13 +4,17 @@ Every arm reads ``data.train`` in the columns of its data mode (online prompts, 
 pairs, unpaired feedback) and ``data.eval`` as prompts. Each source is opened and checked the
 way a run reads it (:func:`alignzoo.engine.datasets.load_split`: columns, types, empty prompts,
 split names), once per kind of data rather than once per arm or seed; conversational data is
-also checked against the arm's policy tokenizer (it needs a chat template). A problem is a
+also checked against the arm's policy tokenizer (it needs a chat template). Every ``python``
+labeler an arm uses (its labeler, fallbacks and ``combine`` parts) is called once on the first
+row of the data it will label, as a training step calls it, so a reward function that cannot
+be called is refused here rather than minutes into a run. A problem is a
 :class:`~alignzoo.errors.ConfigError` naming the experiment field, the data file, the row and
 the column (exit 2).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +71,21 @@ def check_data(loaded: LoadedExperiment) -> None:
                     seen[key] = None
                     issues.append(ConfigIssue(loaded.source, None, field, f"{exc} ({wanted} data)"))
             dataset = seen[key]
-            if dataset is None or not is_conversational(dataset):
+            if dataset is None:
                 continue
             policy = spec.arms[arm].model.policy
+            labels_it = (split == "train") == (kind == "online")  # what the labelers score
+            if not is_conversational(dataset):
+                if labels_it and len(dataset):
+                    issues += _dry_call_issues(loaded, arm, dict(dataset[0]), policy, field)
+                continue
             try:
                 tokenizer = _tokenizer(policy)
                 if tokenizer is not None:
-                    render(dataset.select(range(min(len(dataset), 8))), tokenizer, wanted,
-                           getattr(spec.data, split))  # fmt: skip
+                    rendered = render(dataset.select(range(min(len(dataset), 8))), tokenizer,
+                                      wanted, getattr(spec.data, split))  # fmt: skip
+                    if labels_it and len(rendered):
+                        issues += _dry_call_issues(loaded, arm, dict(rendered[0]), policy, field)
             except UserError as exc:
                 issues.append(ConfigIssue(loaded.source, None, field, f"arm {arm}: {exc}"))
             except OSError as exc:
@@ -87,3 +98,52 @@ def check_data(loaded: LoadedExperiment) -> None:
     unique = list({str(i): i for i in issues}.values())
     if unique:
         raise ConfigError(unique)
+
+
+DRY_RESPONSE = "a response"
+"""The completion a validate-time call of a reward function scores."""
+
+
+def _python_labelers(component: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """(experiment field, labeler) for every ``python`` labeler in ``component``, looking
+    inside ``combine`` parts."""
+    from alignzoo.plugins.labelers.python_fn import PythonLabeler
+
+    if isinstance(component, PythonLabeler):
+        yield path, component
+    for i, (_, manager) in enumerate(getattr(component, "parts", None) or []):
+        for part in manager.get_plugins():
+            yield from _python_labelers(part, f"{path}.params.labelers.{i}")
+
+
+def _dry_call_issues(
+    loaded: LoadedExperiment, arm: str, row: dict[str, Any], policy: str, source: str
+) -> list[ConfigIssue]:
+    """Call each python labeler of ``arm`` once on ``row`` (the first of ``source``) with a
+    placeholder completion (its ids from the policy's tokenizer when that can be read without
+    a model, else none)."""
+    from alignzoo.engine.modes.base import split_rows
+    from alignzoo.labeling import LabelRequest
+
+    labelers = [
+        found
+        for field, component in loaded.components.get(arm, {}).items()
+        if field == "labeler" or field.startswith("labeling.fallbacks.")
+        for found in _python_labelers(component, f"arms.{arm}.{field}")
+        if found[1].params.validate_call
+    ]
+    if not labelers:
+        return []
+    try:
+        tokenizer = _tokenizer(policy)
+    except OSError:
+        tokenizer = None
+    ids = tokenizer(DRY_RESPONSE, add_special_tokens=False)["input_ids"] if tokenizer else []
+    (prompt,), (extra,) = split_rows([row])
+    request = LabelRequest(prompt, DRY_RESPONSE, extra, completion_ids=list(ids), step=1)
+    issues = []
+    for path, labeler in labelers:
+        problem = labeler.dry_call(request, f"the first row of {source}")
+        if problem:
+            issues.append(ConfigIssue(loaded.source, None, path, problem))
+    return issues

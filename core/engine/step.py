@@ -66,7 +66,7 @@ def train_step(run: Run, step: int) -> StepResult:
     start = time.perf_counter()
     cfg = run.context.arm_spec.training
     scorer = Scorer(run.models, cfg.micro_batch_size)
-    collected = run.collector.collect(scorer)  # 1. generate → label (or read)
+    collected = run.collector.collect(scorer, step)  # 1. generate → label (or read)
     result = StepResult(
         metrics=collected.metrics,
         sample_rows=sample_rows(collected.batch, step),

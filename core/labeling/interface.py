@@ -21,11 +21,20 @@ from typing import Any
 
 @dataclass
 class LabelRequest:
-    """One thing to score: the prompt, the response and any extra dataset columns."""
+    """One thing to score: the prompt, the response and any extra dataset columns.
+
+    In a training pass two more fields are set (None elsewhere: evaluation, relabel, a
+    served labeler): ``completion_ids``, the token ids the policy sampled for the response
+    (what TRL passes as ``completion_ids``), and ``step``, the training step the sample is
+    for. Neither is part of the request's identity: the label store keys on prompt, response
+    and extra only.
+    """
 
     prompt: str
     response: str
     extra: dict[str, Any] = field(default_factory=dict)
+    completion_ids: list[int] | None = None
+    step: int | None = None
 
 
 class Outcome(str, Enum):

@@ -486,12 +486,15 @@ class LabelingStage:
 # --------------------------------------------------------------------------- the engine's entry
 
 
-def label_requests(batch: RolloutBatch) -> list[LabelRequest]:
-    """One request per sample: prompt text, response text and the dataset's extra columns."""
+def label_requests(batch: RolloutBatch, step: int | None = None) -> list[LabelRequest]:
+    """One request per sample: prompt text, response text, the dataset's extra columns, the
+    response's sampled token ids and ``step``."""
     extras = batch.extras or [{} for _ in range(batch.size)]
+    lengths = batch.response_mask.sum(dim=1).long().tolist()
+    ids = [row[:n] for row, n in zip(batch.response_ids.tolist(), lengths, strict=True)]
     return [
-        LabelRequest(prompt=p, response=r, extra=dict(e))
-        for p, r, e in zip(batch.prompts, batch.responses, extras, strict=True)
+        LabelRequest(prompt=p, response=r, extra=dict(e), completion_ids=i, step=step)
+        for p, r, e, i in zip(batch.prompts, batch.responses, extras, ids, strict=True)
     ]
 
 
@@ -500,19 +503,21 @@ def label(
     batch: RolloutBatch,
     stage: LabelingStage | None = None,
     normalize: bool = True,
+    step: int | None = None,
 ) -> LabelReport:
     """Fill ``batch.scores``, ``batch.score_valid`` and ``batch.label_info`` (in place) through
     ``stage``, by default the arm's labeling stage (``hooks.labeling``; a plain single-labeler
     stage when unset), and return the report. Samples without a value get score 0 and
     ``info["outcome"]``; the report's ``keep`` says which samples may be trained on.
     ``normalize``: a training pass (``labeling.normalize`` applies); evaluation passes False,
-    so it scores raw values and leaves the running state alone."""
+    so it scores raw values and leaves the running state alone. ``step``: the training step
+    the samples are for, given to labelers with each request."""
     if stage is None:
         stage = getattr(hooks, "labeling", None)
     if stage is None:
         stage = default_stage(hooks)
     groups = batch.group_ids.tolist() if batch.group_ids is not None else None
-    report = stage.label(label_requests(batch), groups, normalize=normalize)
+    report = stage.label(label_requests(batch, step), groups, normalize=normalize)
     values = [float(s.value) if s.outcome == Outcome.VALUE else 0.0 for s in report.scores]
     batch.scores = torch.tensor(values, dtype=torch.float32)
     batch.score_valid = torch.tensor(

@@ -5,20 +5,33 @@
 (so ``alignzoo validate`` reports a missing file or name), never before a YAML names it.
 
 Signature: ``fn(prompts, completions, **columns) -> list[float | None]`` with one list entry
-per response; ``columns`` holds the dataset's other columns as lists (e.g. ``answer``). The
-function is called by keyword, as TRL calls reward functions: ``prompts=``, ``completions=``,
-each column and ``kwargs`` by name, so ``def reward(completions, **kwargs)`` from TRL's
-documentation works as written; a function without ``**kwargs`` gets only the arguments it
-names (and a clear error naming what it asks for that the data does not have). A
-``None`` entry abstains (the arm's policy decides: by default the next labeler of the chain).
-An ``async def`` function is awaited. A function may also return :class:`alignzoo.Score`
-objects. With ``--jobs > 1`` each worker imports the function again from the same place.
+per response. The function is called by keyword, exactly as TRL calls reward functions:
+
+- ``prompts``, ``completions``: texts; for conversational data (rows whose prompt is a list
+  of messages) the prompt's messages and ``[{"role": "assistant", "content": text}]`` per
+  completion, as TRL passes them;
+- ``completion_ids``: the token ids the policy sampled for each completion;
+- each dataset column by its name (e.g. ``answer``), as a list;
+- ``trainer_state``: an object whose ``global_step`` is the training step the samples are
+  for (TRL's ``TrainerState`` carries the same attribute; None outside training, e.g. in
+  evaluation), and ``step``, the same number as a plain int;
+- ``params.kwargs`` by name.
+
+So ``def reward(completions, **kwargs)`` from TRL's documentation works as written; a
+function without ``**kwargs`` gets only the arguments it names (and a clear error naming
+what it asks for that the data does not have). ``alignzoo validate`` calls every python
+function once on a real row of the arm's data, so a function that cannot be called is
+refused before any model loads. A ``None`` entry abstains (the arm's policy decides: by
+default the next labeler of the chain). An ``async def`` function is awaited. A function may
+also return :class:`alignzoo.Score` objects. With ``--jobs > 1`` each worker imports the
+function again from the same place.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +52,11 @@ class PythonLabeler(Labeler):
         kwargs: dict[str, Any] = Field(
             default_factory=dict, description="Extra keyword arguments passed on every call."
         )
+        validate_call: bool = Field(
+            True,
+            description="alignzoo validate calls the function once on a real row of the data; "
+            "false for a function whose calls cost something (a paid API).",
+        )
 
     params: Params
 
@@ -49,22 +67,40 @@ class PythonLabeler(Labeler):
 
     @hookimpl
     def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
-        prompts = [r.prompt for r in requests]
-        completions = [r.response for r in requests]
-        names = sorted({k for r in requests for k in r.extra})
-        columns = {k: [r.extra.get(k) for r in requests] for k in names}
-        offered = {
-            "prompts": prompts,
-            "completions": completions,
-            **columns,
-            **self.params.kwargs,
-        }
-        result = self.fn(**self._arguments(offered))
+        result = self.fn(**self._arguments(offered_arguments(requests, self.params.kwargs)))
         if inspect.isawaitable(result):
             result = asyncio.run(_wait(result))
         if not isinstance(result, (list, tuple)):
             return result  # type: ignore[no-any-return]  # the stage rejects it, saying why
         return [_as_score(v) for v in result]
+
+    def dry_call(self, request: LabelRequest, where: str = "a row of the data") -> str:
+        """Call the function once on ``request`` (from ``where``) as a training step would;
+        '' when the answer is usable, else what went wrong and how to fix it (for
+        ``alignzoo validate``)."""
+        try:
+            scores = self.score_batch([request])
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            hint = ""
+            if isinstance(exc, TypeError) and not isinstance(exc, MissingArguments):
+                hint = (
+                    "; a reward function is called by keyword, as TRL calls it (prompts=, "
+                    "completions=, completion_ids=, trainer_state=, each data column): take "
+                    "**kwargs, or name only arguments the call gives"
+                )
+            return f"calling {self.params.function} on {where} raised {text}{hint}"
+        if not isinstance(scores, (list, tuple)) or len(scores) != 1:
+            return (
+                f"{self.params.function} returned {type(scores).__name__} for one completion; "
+                "expected a list with one number (or None) per completion"
+            )
+        if not isinstance(scores[0], Score):
+            return (
+                f"{self.params.function} returned {scores[0]!r} for a completion; expected a "
+                "number, None (abstain) or an alignzoo.Score"
+            )
+        return ""
 
     def _arguments(self, offered: dict[str, Any]) -> dict[str, Any]:
         """What the function is called with: everything offered when it takes ``**kwargs``,
@@ -75,12 +111,48 @@ class PythonLabeler(Labeler):
         names, required = self.accepts
         missing = [n for n in required if n not in offered]
         if missing:
-            raise TypeError(
+            raise MissingArguments(
                 f"{self.params.function} asks for {', '.join(missing)}, which the call does not "
                 f"have (it offers {', '.join(sorted(offered))}): name a column of the data, "
                 "give it in params.kwargs, or add **kwargs"
             )
         return {k: v for k, v in offered.items() if k in names}
+
+
+class MissingArguments(TypeError):
+    """The function names an argument the call cannot give (the message says which)."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward function gets as ``trainer_state``: the step, under TRL's name."""
+
+    global_step: int | None
+
+
+def offered_arguments(requests: list[LabelRequest], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Everything a reward function may be called with for ``requests`` (TRL's names)."""
+    conversational = bool(requests) and all(
+        isinstance(r.extra.get("prompt_messages"), list) for r in requests
+    )
+    if conversational:
+        prompts: list[Any] = [r.extra["prompt_messages"] for r in requests]
+        completions: list[Any] = [[{"role": "assistant", "content": r.response}] for r in requests]
+    else:
+        prompts = [r.prompt for r in requests]
+        completions = [r.response for r in requests]
+    names = sorted({k for r in requests for k in r.extra})
+    columns = {k: [r.extra.get(k) for r in requests] for k in names}
+    step = requests[0].step if requests else None
+    return {
+        **columns,
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": [r.completion_ids for r in requests],
+        "trainer_state": TrainerState(step),
+        "step": step,
+        **kwargs,
+    }
 
 
 def accepted_arguments(fn: Any) -> tuple[set[str], list[str]] | None:

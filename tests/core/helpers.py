@@ -50,3 +50,8 @@ def toy_registry() -> Registry:
 
 def entry_point(name: str, value: str) -> metadata.EntryPoint:
     return metadata.EntryPoint(name=name, value=value, group="alignzoo")
+
+
+def reward_len(completions: list[str], **kwargs: object) -> list[float]:
+    """A TRL-style reward function (what a bare-function entry point would name)."""
+    return [-abs(20 - len(c)) for c in completions]

@@ -99,6 +99,22 @@ def test_entry_point_of_the_wrong_kind_is_rejected():
         registry.get("labeler", "oops")
 
 
+def test_a_bare_reward_function_as_an_entry_point_points_to_the_python_labeler():
+    registry = Registry(
+        entry_points=[
+            entry_point("labeler.reward_len", "tests.core.helpers:reward_len"),
+            entry_point("algorithm.fn", "tests.core.helpers:reward_len"),
+        ]
+    )
+    with pytest.raises(PluginLoadError) as info:
+        registry.get("labeler", "reward_len")
+    message = str(info.value)
+    assert "it is a function" in message and "name it with the python labeler" in message
+    assert "function: 'tests.core.helpers:reward_len'" in message
+    with pytest.raises(PluginLoadError, match="it is a function: register a class"):
+        registry.get("algorithm", "fn")
+
+
 def test_malformed_entry_point_name_is_reported():
     registry = Registry(entry_points=[entry_point("grpo", "tests.core.helpers:ToyAlgorithm")])
     assert registry.entries() == []

@@ -28,12 +28,14 @@ OFFLINE_MAX_TOKENS = 512
 @dataclass
 class StepSource:
     """What a mode may use to build a step's batch: the hooks (backend, labeler), the
-    tokenizer (offline rows), the arm's training settings and, per row, its sampling seed."""
+    tokenizer (offline rows), the arm's training settings, per row its sampling seed, and the
+    training step the batch is for (given to labelers; None outside a training step)."""
 
     hooks: Hooks
     tokenizer: Any
     training: TrainingConfig
     seeds: list[int] | None = None
+    step: int | None = None
 
 
 @dataclass
@@ -175,7 +177,7 @@ def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collecte
     """The online start of a step: ``samples_per_prompt`` responses per row, scored."""
     batch, m = sample(rows, source)
     start = time.perf_counter()
-    report = label(source.hooks, batch)
+    report = label(source.hooks, batch, step=source.step)
     m["timing/label"] = time.perf_counter() - start
     return labeled(batch, report, m)
 

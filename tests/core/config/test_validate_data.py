@@ -80,3 +80,61 @@ def test_a_hub_dataset_id_is_reported_as_such(tmp_path, capsys):
     assert main(["validate", str(experiment(tmp_path, "trl-lib/tldr"))]) == 2
     err = capsys.readouterr().err
     assert "looks like a Hugging Face Hub dataset id" in err and "save_to_disk" in err
+
+
+REWARDS = """\
+def reward_len(completions, **kwargs):  # TRL's documented example, verbatim
+    return [-abs(20 - len(completion)) for completion in completions]
+
+def needs_solution(prompts, completions, solution):
+    return [1.0 for _ in completions]
+
+def positional(p, c, **kwargs):  # positional names, as a non-TRL function might
+    return [1.0 for _ in c]
+
+def one_number(completions, **kwargs):
+    return 1.0
+
+def seen_as_trl_sees_it(prompts, completions, completion_ids, trainer_state, answer, **kw):
+    assert isinstance(completion_ids[0], list) and trainer_state.global_step == 1
+    return [float(c == a) for c, a in zip(completions, answer)]
+"""
+
+
+def python_arm(tmp_path, labeler):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    train = jsonl(tmp_path / "t.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    path = tmp_path / "exp.yaml"
+    path.write_text(
+        "name: v\nseeds: [0]\nbudget: {steps: 1}\n"
+        f"data: {{train: {train}, eval: {train}}}\n"
+        f"arms:\n  a: {{algorithm: grpo, labeler: {json.dumps(labeler)}}}\n"
+    )
+    return path
+
+
+def fn(name, **params):
+    return {"name": "python", "params": {"function": f"rewards.py:{name}", **params}}
+
+
+def test_validate_calls_each_python_reward_function_once_on_a_real_row(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    good = {"name": "combine", "params": {"labelers": [fn("reward_len"),
+                                                        fn("seen_as_trl_sees_it")]}}  # fmt: skip
+    assert main(["validate", str(python_arm(tmp_path, good))]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+
+    parts = [fn("reward_len"), fn("needs_solution"), fn("positional"), fn("one_number")]
+    bad = {"name": "combine", "params": {"labelers": parts}}
+    assert main(["validate", str(python_arm(tmp_path, bad))]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "arms.a.labeler.params.labelers.0" not in err  # the TRL function is fine
+    assert "arms.a.labeler.params.labelers.1" in err and "asks for solution" in err
+    assert "arms.a.labeler.params.labelers.2" in err and "take **kwargs" in err
+    assert "arms.a.labeler.params.labelers.3" in err and "returned float" in err
+    assert "Traceback" not in err
+
+    skipped = fn("needs_solution", validate_call=False)  # a paid API can opt out
+    assert main(["validate", str(python_arm(tmp_path, skipped))]) == 0

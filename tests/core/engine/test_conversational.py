@@ -8,6 +8,7 @@ import json
 
 import datasets
 import pytest
+from transformers import AutoTokenizer
 
 from alignzoo.config.loader import load_experiment
 from alignzoo.config.schema import EmbeddedModelConfig
@@ -69,27 +70,37 @@ def _arms(spec):
     return spec
 
 
-def test_grpo_online_renders_prompts_and_the_labeler_gets_the_messages(
+def test_grpo_online_renders_prompts_and_a_trl_reward_function_gets_messages(
     write_experiment, tmp_path, chat_policy
 ):
     rows = [{"prompt": user(p), "answer": a} for p, a in PROMPTS]
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     seen = tmp_path / "seen.jsonl"
+    # A reward function as TRL documents it for conversational data: messages in, by keyword.
     (tmp_path / "rec.py").write_text(
         "import json\n"
-        f"def rec(prompts, completions, answer, prompt_messages):\n"
+        "def rec(prompts, completions, completion_ids, trainer_state, answer, **kwargs):\n"
         f"    with open({str(seen)!r}, 'a') as fh:\n"
-        "        for p, m in zip(prompts, prompt_messages):\n"
-        "            fh.write(json.dumps({'prompt': p, 'messages': m}) + '\\n')\n"
-        "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+        "        rows = zip(prompts, completions, completion_ids, kwargs['prompt_messages'])\n"
+        "        for p, c, ids, m in rows:\n"
+        "            row = {'prompt': p, 'completion': c, 'ids': ids,\n"
+        "                   'step': trainer_state.global_step, 'messages': m}\n"
+        "            fh.write(json.dumps(row) + '\\n')\n"
+        "    return [float(c[0]['content'].strip() == a) for c, a in zip(completions, answer)]\n"
     )
     labeler = {"name": "python", "params": {"function": f"{tmp_path / 'rec.py'}:rec"}}
     spec = _arms(spec_for(chat_policy, train, train, {"algorithm": "grpo", "labeler": labeler}))
     summary = run_one(load_experiment(write_experiment(spec)), "x", 0, tmp_path / "run")
     assert summary.status == "finished", summary.error
-    first = read_jsonl(seen)[0]
-    assert first["prompt"] == "<|im_start|>user\n0+0=<|im_end|>\n<|im_start|>assistant\n"
-    assert first["messages"] == user("0+0=")
+    calls = read_jsonl(seen)
+    first = calls[0]
+    assert first["prompt"] == user("0+0=") == first["messages"]
+    assert [m["role"] for m in first["completion"]] == ["assistant"]
+    tokenizer = AutoTokenizer.from_pretrained(chat_policy)
+    for call in calls:  # the ids are the sampled tokens of the completion's text
+        decoded = tokenizer.decode(call["ids"], skip_special_tokens=True)
+        assert decoded.strip() == call["completion"][0]["content"].strip(), call
+    assert {c["step"] for c in calls if c["step"] is not None} == {1, 2}
     sample = read_jsonl(tmp_path / "run" / "samples.jsonl")[0]
     assert sample["prompt"].startswith("<|im_start|>user\n")
 

@@ -181,8 +181,16 @@ def test_python_labeler_calls_by_keyword_as_trl_does(tmp_path, monkeypatch):
     labeler = PythonLabeler(PythonLabeler.Params(function="trl_rewards.py:records"))
     score(labeler, REQS)
     seen = labeler.fn.__globals__["seen"]
-    assert set(seen) == {"prompts", "completions", "answer"}
+    assert set(seen) == {
+        "prompts", "completions", "answer", "completion_ids", "trainer_state", "step"
+    }  # fmt: skip
     assert seen["prompts"] == ["1+1=", "2+2=", "3+3="]
+    assert seen["completion_ids"] == [None, None, None]  # not a training pass: no ids, no step
+    assert seen["trainer_state"].global_step is None and seen["step"] is None
+    trained = [LabelRequest(r.prompt, r.response, r.extra, [7, 8], step=3) for r in REQS]
+    score(labeler, trained)
+    assert seen["completion_ids"] == [[7, 8]] * 3
+    assert seen["trainer_state"].global_step == 3 == seen["step"]
     broken = PythonLabeler(PythonLabeler.Params(function="trl_rewards.py:wants_a_column"))
     with pytest.raises(TypeError, match=r"asks for solution.*offers answer, completions, prompts"):
         broken._arguments({"prompts": [], "completions": [], "answer": []})
