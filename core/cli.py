@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
@@ -340,17 +341,23 @@ def _show_component(kind: str | None, name: str) -> None:
     if not found:
         where = f"kind {kind}" if kind else "any kind"
         raise UserError(f"no component named {name!r} of {where}; see `alignzoo plugins`")
-    if len(found) > 1:
+    if len(found) > 1:  # one name in several kinds (an algorithm and a labeler): show each
         kinds = ", ".join(e.kind for e in found)
-        raise UserError(f"{name!r} names a component of several kinds ({kinds}): add --kind")
-    entry = found[0]
-    if entry.component is None:
-        raise UserError(f"{entry.kind} {name}: {entry.error}")
-    cls = entry.component
-    console.print(f"[bold]{entry.kind} {name}[/bold]  {entry.distribution} {entry.version}")
-    console.print(f"entry point: {entry.kind}.{name} = {entry.target}", markup=False)
-    console.print(inspect.cleandoc(cls.__doc__ or ""), markup=False, highlight=False)
-    console.print(_params_table(cls), soft_wrap=False)
+        console.print(f"{name!r} names {len(found)} components ({kinds}); --kind shows one")
+    broken = [e for e in found if e.component is None]
+    for entry in found:
+        if entry.component is None:
+            console.print(
+                f"[bold]{entry.kind} {name}[/bold]  [red]{escape(str(entry.error))}[/red]"
+            )
+            continue
+        cls = entry.component
+        console.print(f"[bold]{entry.kind} {name}[/bold]  {entry.distribution} {entry.version}")
+        console.print(f"entry point: {entry.kind}.{name} = {entry.target}", markup=False)
+        console.print(inspect.cleandoc(cls.__doc__ or ""), markup=False, highlight=False)
+        console.print(_params_table(cls), soft_wrap=False)
+    if broken:
+        raise UserError(f"{broken[0].kind} {name}: {broken[0].error}")
 
 
 @app.command()
@@ -416,13 +423,15 @@ def plugins(
         print(json.dumps(rows, indent=2))
         return
     table = Table(title="alignzoo components", box=None if not long else box_style())
-    wrap = {"overflow": "fold"} if long else {"overflow": "ellipsis", "no_wrap": True}
-    for column in ("kind", "name", "provider"):
-        width = max([len(column)] + [len(str(r[column])) for r in rows])
+    widths = [max([len(c)] + [len(str(r[c])) for r in rows]) for c in ("kind", "name", "provider")]
+    for column, width in zip(("kind", "name", "provider"), widths, strict=True):
         table.add_column(column, no_wrap=True, min_width=width)
     if long:
         table.add_column("target", overflow="fold")
-    table.add_column("summary", ratio=1, **wrap)  # type: ignore[arg-type]
+        table.add_column("summary", ratio=1, overflow="fold")
+    else:  # the summary gets what the terminal has left: kind, name and provider always show
+        left = console.width - sum(widths) - 2 * (len(widths) + 1)
+        table.add_column("summary", overflow="ellipsis", no_wrap=True, max_width=max(left, 8))
     for row in rows:
         summary = row["summary"] if row["status"] == "ok" else f"[red]{row['status']}[/red]"
         provider = f"{row['provider']} {row['version']}" if long else str(row["provider"])

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.experiment.runfiles import read_status
+from alignzoo.metrics import evaluation_key
 
 if TYPE_CHECKING:
     from alignzoo.experiment.arm import RunResult
@@ -70,7 +71,7 @@ class ProgressView:
         self.running: set[tuple[str, int]] = set()
         self.started: set[tuple[str, int]] = set()
         self.announce_evals = False  # set by the runner when runs live in worker processes
-        self.metric = spec.evaluation.metric
+        self.metric = evaluation_key(spec.evaluation.metric)  # the compared metric's key
         self.evals_seen: dict[tuple[str, int], int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -157,6 +157,9 @@ def test_plugins_fits_80_columns_one_line_each_and_shows_one_in_full():
     count = len(json.loads(alignzoo("plugins", "--json").stdout))
     assert sum(1 for line in lines if line.split()[:1] and line.split()[0] in {
         "algorithm", "labeler", "backend", "device_mapper", "modifier"}) == count  # fmt: skip
+    for row in json.loads(alignzoo("plugins", "--json").stdout):  # kind and provider kept
+        assert any(line.split()[:3] == [row["kind"], row["name"], row["provider"]]
+                   for line in lines), row  # fmt: skip
     long = alignzoo("plugins", "--long", "--kind", "labeler", env={"COLUMNS": "200"})
     assert "alignzoo.plugins.labelers.human:HumanLabeler" in long.stdout
     one = alignzoo("plugins", "human", env={"COLUMNS": "120"})
@@ -165,6 +168,25 @@ def test_plugins_fits_80_columns_one_line_each_and_shows_one_in_full():
     for text in ("queue", "required", "wait_s", "60.0", "'mean' | 'median'"):
         assert text in one.stdout, text
     assert_user_error(alignzoo("plugins", "nothing_here"), "no component named 'nothing_here'")
+
+
+def test_a_name_in_two_kinds_is_shown_for_each(monkeypatch, capsys):
+    from alignzoo import registry as registry_module
+
+    both = Registry(
+        entry_points=[
+            entry_point("algorithm.toy", "tests.core.helpers:ToyAlgorithm"),
+            entry_point("labeler.toy", "tests.core.helpers:ToyLabeler"),
+        ]
+    )
+    monkeypatch.setattr(registry_module, "get_registry", lambda: both)
+    assert cli.main(["plugins", "toy"]) == 0
+    out = capsys.readouterr().out
+    assert "'toy' names 2 components (algorithm, labeler)" in out
+    assert "algorithm.toy = tests.core.helpers:ToyAlgorithm" in out
+    assert "labeler.toy = tests.core.helpers:ToyLabeler" in out
+    assert cli.main(["plugins", "toy", "--kind", "labeler"]) == 0
+    assert "ToyAlgorithm" not in capsys.readouterr().out
 
 
 def test_schema_includes_component_params(tmp_path):
