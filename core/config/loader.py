@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -36,6 +37,15 @@ class LoadedExperiment:
     source: str
     components: dict[str, dict[str, Component]] = field(default_factory=dict)
     """arm name -> {"algorithm": ..., "labeler": ..., "backend": ..., "devices": ..., "modifiers.0": ...}"""
+    locate: Callable[[Path_, str], ConfigIssue] | None = None
+    """``locate(path, message)``: an issue about the resolved field ``path`` (("arms", "a",
+    "labeler")), placed where the file writes it (the arm, ``defaults``, ``training``)."""
+
+    def issue(self, path: Path_, message: str) -> ConfigIssue:
+        """A located issue about the resolved field ``path`` (see :attr:`locate`)."""
+        if self.locate is None:
+            return ConfigIssue(self.source, None, ".".join(map(str, path)), message)
+        return self.locate(path, message)
 
 
 # ---------------------------------------------------------------------- YAML with line numbers
@@ -355,6 +365,53 @@ def _describe_error(err: Any, known_fields: list[str]) -> str:
     return message
 
 
+def written_at(
+    full: Path_, index: _LineIndex, fallbacks: dict[Path_, Path_] | None
+) -> tuple[Path_, int | None]:
+    """Where the value at resolved path ``full`` is written, and its line: an arm's field that
+    the arm leaves to ``defaults`` (or to the shared ``training`` / ``model``, or to the arm a
+    sweep came from) is written there, so a problem in it is reported once, at its own place,
+    rather than at every arm that inherits it."""
+
+    def unwritten(path: Path_) -> int:  # levels of ``path`` below its deepest written prefix
+        return next(
+            (len(path) - cut for cut in range(len(path), 0, -1) if path[:cut] in index.lines),
+            len(path),
+        )
+
+    def scalar_above(path: Path_) -> bool:  # a shorthand (``labeler: name``) replaces it all
+        cut = len(path) - unwritten(path)
+        return 0 < cut < len(path) and not any(
+            len(key) > cut and key[:cut] == path[:cut] for key in index.lines
+        )
+
+    # The arm's own path first, then defaults, then the shared sections: what the merge lets
+    # win when two write the value equally deep.
+    best, best_unwritten = full, unwritten(full)
+    if best_unwritten == 0 or scalar_above(full):
+        return full, index.line_of(full)
+    for src, dst in sorted((fallbacks or {}).items(), key=lambda item: len(item[0])):
+        if full[: len(src)] == src:
+            written = (*dst, *full[len(src) :])
+            if unwritten(written) < best_unwritten:
+                best, best_unwritten = written, unwritten(written)
+    line = index.lines.get(best)
+    return best, line if line is not None else index.line_of(best)
+
+
+def issue_at(
+    file: str,
+    index: _LineIndex,
+    fallbacks: dict[Path_, Path_] | None,
+    path: Path_,
+    message: str,
+) -> ConfigIssue:
+    """A :class:`ConfigIssue` about the value at resolved ``path``, placed where it is written
+    (:func:`written_at`)."""
+    written, line = written_at(path, index, fallbacks)
+    return ConfigIssue(file, line, ".".join(map(str, written)), message)
+
+
 def issues_from_validation(
     exc: ValidationError,
     model: type[BaseModel],
@@ -368,27 +425,11 @@ def issues_from_validation(
     for err in exc.errors():
         loc = tuple(err["loc"])
         full = (*prefix, *loc)
-        line = index.lines.get(full)
-        if line is None and fallback_prefixes:
-            # A value merged from `training:` / `defaults:` is reported where it is written.
-            for src, dst in fallback_prefixes.items():
-                if full[: len(src)] == src and (*dst, *full[len(src) :]) in index.lines:
-                    full_written = (*dst, *full[len(src) :])
-                    line = index.lines[full_written]
-                    break
-        if line is None:
-            line = index.line_of(full)
         known = _fields_at(model, _strip_dict_keys(model, loc[:-1])) if loc else []
-        issues.append(
-            ConfigIssue(file, line, ".".join(map(str, full)), _describe_error(err, known))
-        )
+        # A value merged from `training:` / `defaults:` is reported where it is written.
+        issues.append(issue_at(file, index, fallback_prefixes, full, _describe_error(err, known)))
     # One wrong shared value is inherited by every arm: report it once.
-    unique: dict[tuple[int | None, str], ConfigIssue] = {}
-    for issue in issues:
-        unique.setdefault(
-            (issue.line, issue.message + (issue.path if issue.line is None else "")), issue
-        )
-    return list(unique.values())
+    return list(dict.fromkeys(issues))
 
 
 # ---------------------------------------------------------------------- loading
@@ -589,7 +630,12 @@ def _load(
     issues += _check_model_paths(spec, file, index, fallbacks)
     if issues:
         raise ConfigError(issues)
-    return LoadedExperiment(spec=spec, source=file, components=components)
+    return LoadedExperiment(
+        spec=spec,
+        source=file,
+        components=components,
+        locate=functools.partial(issue_at, file, index, fallbacks),
+    )
 
 
 def default_metric(components: dict[str, dict[str, Component]]) -> dict[str, str]:
@@ -733,12 +779,7 @@ def _build_components(
         try:
             cls = registry.get(kind, ref.name)
         except UserError as exc:
-            shared: Path_ = ("defaults", *base[2:])
-            candidates = [(*base, "name"), base, (*shared, "name"), shared]
-            line = next(
-                (index.lines[c] for c in candidates if c in index.lines), index.line_of(base)
-            )
-            issues.append(ConfigIssue(file, line, ".".join(map(str, (*base, "name"))), str(exc)))
+            issues.append(issue_at(file, index, fallbacks, (*base, "name"), str(exc)))
             continue
         try:
             given = dict(ref.params)
@@ -754,12 +795,12 @@ def _build_components(
         bad = _non_finite(params.model_dump(mode="python"))
         if bad:
             for inner in bad:
-                at = (*base, "params", *inner)
                 issues.append(
-                    ConfigIssue(
+                    issue_at(
                         file,
-                        index.line_of(at),
-                        ".".join(map(str, at)),
+                        index,
+                        fallbacks,
+                        (*base, "params", *inner),
                         "not a finite number (.inf and .nan make a run meaningless)",
                     )
                 )
@@ -770,10 +811,11 @@ def _build_components(
             raise
         except BaseException as exc:  # a plugin's constructor, even sys.exit
             issues.append(
-                ConfigIssue(
+                issue_at(
                     file,
-                    index.line_of(base),
-                    ".".join(map(str, base)),
+                    index,
+                    fallbacks,
+                    base,
                     f"constructing {registry.describe(kind, ref.name)} raised "
                     f"{type(exc).__name__}: {exc}",
                 )
@@ -786,10 +828,11 @@ def _build_components(
         if requirements.data == "online":
             base_path: Path_ = ("arms", arm_name, "online")
             issues.append(
-                ConfigIssue(
+                issue_at(
                     file,
-                    index.line_of(base_path),
-                    "arms." + arm_name + ".online",
+                    index,
+                    fallbacks,
+                    base_path,
                     f"{arm.algorithm.name} learns from sampled rollouts; 'online: false' applies "
                     "only to preference or unpaired-feedback algorithms (dpo, simpo, kto, ...)",
                 )
@@ -802,10 +845,11 @@ def _build_components(
         if not requirements.rollout_correction:
             level_path: Path_ = ("arms", arm_name, "training", "rollout_correction", "level")
             issues.append(
-                ConfigIssue(
+                issue_at(
                     file,
-                    index.line_of(level_path),
-                    ".".join(map(str, level_path)),
+                    index,
+                    fallbacks,
+                    level_path,
                     f"{correction!r} needs an online policy-gradient algorithm (grpo, ppo, rloo, "
                     f"reinforce_pp); {arm.algorithm.name} applies no importance weights to a "
                     "sampled surrogate; set level off",
@@ -814,10 +858,11 @@ def _build_components(
     if arm.training.parallel == "fsdp2" and arm.model.lora is not None:
         parallel_path: Path_ = ("arms", arm_name, "training", "parallel")
         issues.append(
-            ConfigIssue(
+            issue_at(
                 file,
-                index.line_of(parallel_path),
-                ".".join(map(str, parallel_path)),
+                index,
+                fallbacks,
+                parallel_path,
                 "fsdp2 does not shard LoRA adapters yet; use parallel: ddp for a LoRA arm "
                 "(its adapters are small), or drop model.lora",
             )
@@ -840,15 +885,18 @@ def _build_components(
                 arm_name,
                 *(int(p) if p.isdigit() else p for p in slot.split(".")),
             )
-            issues.append(
-                ConfigIssue(file, index.line_of(where), ".".join(map(str, where)), str(exc))
-            )
-    issues += _weights_without_a_taker(file, index, arm_name, arm, built)
+            issues.append(issue_at(file, index, fallbacks, where, str(exc)))
+    issues += _weights_without_a_taker(file, index, fallbacks, arm_name, arm, built)
     return built, issues
 
 
 def _weights_without_a_taker(
-    file: str, index: _LineIndex, arm_name: str, arm: ArmSpec, built: dict[str, Any]
+    file: str,
+    index: _LineIndex,
+    fallbacks: dict[Path_, Path_],
+    arm_name: str,
+    arm: ArmSpec,
+    built: dict[str, Any],
 ) -> list[ConfigIssue]:
     """A modifier that sets sample weights around an algorithm that does not declare it
     multiplies them in (``AlgorithmRequirements.weights``): the weights would change nothing."""
@@ -870,10 +918,11 @@ def _weights_without_a_taker(
     for i, name in setters:
         where: Path_ = ("arms", arm_name, "modifiers", i)
         out.append(
-            ConfigIssue(
+            issue_at(
                 file,
-                index.line_of(where),
-                ".".join(map(str, where)),
+                index,
+                fallbacks,
+                where,
                 f"modifier {name!r} sets sample weights, but algorithm {arm.algorithm.name!r} "
                 "does not declare that its loss multiplies them in (AlgorithmRequirements"
                 "(weights=True)): the weights would apply to nothing; drop the modifier or make "

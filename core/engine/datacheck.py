@@ -104,7 +104,13 @@ DRY_RESPONSE = "a response"
 """The completion a validate-time call of a reward function scores."""
 
 
-def _python_labelers(component: Any, path: str) -> Iterator[tuple[str, Any]]:
+def _parts(field: str) -> list[str | int]:
+    return [int(p) if p.isdigit() else p for p in field.split(".")]
+
+
+def _python_labelers(
+    component: Any, path: tuple[str | int, ...]
+) -> Iterator[tuple[tuple[str | int, ...], Any]]:
     """(experiment field, labeler) for every ``python`` labeler in ``component``, looking
     inside ``combine`` parts."""
     from alignzoo.plugins.labelers.python_fn import PythonLabeler
@@ -113,7 +119,7 @@ def _python_labelers(component: Any, path: str) -> Iterator[tuple[str, Any]]:
         yield path, component
     for i, (_, manager) in enumerate(getattr(component, "parts", None) or []):
         for part in manager.get_plugins():
-            yield from _python_labelers(part, f"{path}.params.labelers.{i}")
+            yield from _python_labelers(part, (*path, "params", "labelers", i))
 
 
 def _dry_call_issues(
@@ -129,7 +135,7 @@ def _dry_call_issues(
         found
         for field, component in loaded.components.get(arm, {}).items()
         if field == "labeler" or field.startswith("labeling.fallbacks.")
-        for found in _python_labelers(component, f"arms.{arm}.{field}")
+        for found in _python_labelers(component, ("arms", arm, *_parts(field)))
         if found[1].params.validate_call
     ]
     if not labelers:
@@ -145,5 +151,5 @@ def _dry_call_issues(
     for path, labeler in labelers:
         problem = labeler.dry_call(request, f"the first row of {source}")
         if problem:
-            issues.append(ConfigIssue(loaded.source, None, path, problem))
+            issues.append(loaded.issue(path, problem))
     return issues

@@ -245,3 +245,33 @@ def test_a_weight_setting_modifier_around_an_algorithm_that_ignores_weights_is_r
     assert "'reweight' sets sample weights" in issue.message and "'ppo'" in issue.message
     ok = text.replace("    algorithm: ppo\n", "    algorithm: weighted\n")
     assert load_experiment(write(tmp_path, ok), registry=registry).spec.arms["ppo"].modifiers
+
+
+def test_a_problem_in_defaults_is_reported_once_where_it_is_written(tmp_path):
+    text = """\
+    name: demo
+    seeds: [0]
+    budget: {steps: 1}
+    training: {lr: -1.0}
+    defaults:
+      labeler: {name: arithmetic, params: {bogus: 1}}
+    arms:
+      a: {algorithm: grpo}
+      b: {algorithm: rloo}
+      c: {algorithm: grpo, labeler: nope}
+      d:
+        algorithm: grpo
+        training: {lr: 1.0e-5}
+    """
+    with pytest.raises(ConfigError) as info:
+        load_experiment(write(tmp_path, text))  # the installed components
+    issues = {issue.path: issue for issue in info.value.issues}
+    assert sorted(issues) == ["training.lr"], issues  # the schema is checked first
+    assert issues["training.lr"].line == 4  # once, for the three arms that inherit it
+
+    with pytest.raises(ConfigError) as info:
+        load_experiment(write(tmp_path, text.replace("lr: -1.0", "lr: 1.0e-4")))
+    issues = {issue.path: issue for issue in info.value.issues}
+    assert sorted(issues) == ["arms.c.labeler.name", "defaults.labeler.params.bogus"], issues
+    assert issues["defaults.labeler.params.bogus"].line == 6  # once, not per arm
+    assert issues["arms.c.labeler.name"].line == 10  # the arm's own shorthand replaces it
