@@ -54,7 +54,13 @@ from hypothesis import strategies as st
 
 from alignzoo.errors import UserError
 from alignzoo.registry import build_plugin_manager, get_registry
-from alignzoo.testing.contract import CheckResult, ContractViolation, check_algorithm, run_property
+from alignzoo.testing.contract import (
+    REBUILD_HINT,
+    CheckResult,
+    ContractViolation,
+    check_algorithm,
+    run_property,
+)
 from alignzoo.types import LabelRequest, Outcome, SamplingParams, Score
 from alignzoo.weights import PolicyWeights
 
@@ -229,7 +235,10 @@ def check_labeler(
         columns = guess
         break
     results = [CheckResult("instantiate", True, f"{label} (data columns {sorted(columns)})")]
-    one = "example = the requests of one score_batch call"
+    one = (
+        "example = the requests of one score_batch call; reproduce with "
+        "labeler.score_batch([LabelRequest(prompt, response, extra)])"
+    )
     results.append(
         run_property(
             "one_score_per_request",
@@ -620,6 +629,7 @@ def check_modifier(
             max_examples,
             shrink_seconds,
             "example = one sampled batch",
+            REBUILD_HINT,
         )
     )
     registry = get_registry()

@@ -584,20 +584,59 @@ def _group_permutation(
 
 
 def _format_failure(exc: BaseException, last_example: list[Any]) -> str:
+    """The failure in a few lines: the message, then the smallest failing example summarised
+    (:func:`summarise`), never dumped whole."""
     if isinstance(exc, ContractViolation):
         message = str(exc)
     else:
         frames = traceback.extract_tb(exc.__traceback__)
         where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
         message = f"{type(exc).__name__}: {exc}{where}"
-    notes = [n for n in getattr(exc, "__notes__", []) if n.strip()]
     lines = [message]
-    if any("Falsifying" in n or "Failing" in n for n in notes):
-        lines.extend(notes)
-    elif last_example:
-        lines.append(f"Falsifying example: {last_example[-1]!r}")
-        lines.extend(notes)
+    if last_example:  # the last failing call is the shrunk example hypothesis reports
+        lines.append(f"Smallest failing example: {summarise(last_example[-1])}")
     return "\n".join(lines)
+
+
+SUMMARY_CHARS = 600
+"""Most characters of a summarised example."""
+
+
+def summarise(value: Any, depth: int = 0) -> str:
+    """A short description of a test example: tensors as shape, dtype and a few values, long
+    text and long lists cut, dataclasses by their fields; at most :data:`SUMMARY_CHARS`."""
+    text = _summary(value, depth)
+    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
+
+
+def _summary(value: Any, depth: int) -> str:
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().flatten()[:4].tolist()
+        shown = ", ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in flat)
+        more = ", …" if value.numel() > 4 else ""
+        return f"tensor{list(value.shape)} {str(value.dtype).replace('torch.', '')} [{shown}{more}]"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else f"{value[:37]!r}… ({len(value)} chars)"
+    if depth >= 3:
+        return "…"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        parts = [
+            f"{f.name}={_summary(getattr(value, f.name), depth + 1)}"
+            for f in dataclasses.fields(value)
+            if getattr(value, f.name) is not None
+        ]
+        return f"{type(value).__name__}({', '.join(parts)})"
+    if isinstance(value, dict):
+        items = [f"{k!r}: {_summary(v, depth + 1)}" for k, v in list(value.items())[:4]]
+        more = f", … {len(value) - 4} more" if len(value) > 4 else ""
+        return "{" + ", ".join(items) + more + "}"
+    if isinstance(value, (list, tuple)):
+        items = [_summary(v, depth + 1) for v in value[:3]]
+        more = f", … ({len(value)} items)" if len(value) > 3 else ""
+        ends = "[]" if isinstance(value, list) else "()"
+        return ends[0] + ", ".join(items) + more + ends[1]
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
 
 
 @contextlib.contextmanager
@@ -621,6 +660,10 @@ def _shrink_budget(seconds: float) -> Iterator[None]:
         setattr(engine, "MAX_SHRINKING_SECONDS", previous)  # noqa: B010
 
 
+REBUILD_HINT = "rebuild a case's tensors with BatchCase(...).build()"
+"""How to reproduce a failing algorithm or modifier example."""
+
+
 def run_property(
     name: str,
     strategy: st.SearchStrategy[Any],
@@ -628,10 +671,12 @@ def run_property(
     max_examples: int,
     shrink_seconds: float,
     legend: str = "",
+    hint: str = "",
 ) -> CheckResult:
     """Check ``prop`` on ``max_examples`` drawn from ``strategy`` (hypothesis, no deadline,
     shrinking for at most ``shrink_seconds``): one :class:`CheckResult` named ``name``, with the
-    smallest failing example and ``legend`` (what the example's fields mean) when it fails."""
+    smallest failing example summarised, ``legend`` (what the example's fields mean) and
+    ``hint`` (how to reproduce it, for the component's kind) when it fails."""
     last_example: list[Any] = []
 
     @settings(
@@ -660,8 +705,8 @@ def run_property(
         return CheckResult(name, False, f"hypothesis could not run the check: {exc}")
     except Exception as exc:
         detail = _format_failure(exc, last_example)
-        if legend:
-            detail += f"\n({legend}; rebuild a case's tensors with BatchCase(...).build())"
+        if legend or hint:
+            detail += f"\n({'; '.join(t for t in (legend, hint) if t)})"
         return CheckResult(name, False, detail)
     return CheckResult(name, True, f"{max_examples} examples")
 
@@ -780,7 +825,11 @@ def check_algorithm(
         )
     for name, strategy, prop, legend in properties:
         if name in selected:
-            results.append(run_property(name, strategy, prop, max_examples, shrink_seconds, legend))
+            results.append(
+                run_property(
+                    name, strategy, prop, max_examples, shrink_seconds, legend, REBUILD_HINT
+                )
+            )
     return sorted(results, key=lambda r: CHECKS.index(r.name))  # in the order of CHECKS
 
 

@@ -101,6 +101,31 @@ def test_broken_labelers_are_caught_with_an_example(labeler, check, message):
     problems = failed(check_labeler(labeler, max_examples=30))
     assert check in problems, problems
     assert message in problems[check] and "example" in problems[check].lower()
+    assert "BatchCase" not in problems[check]  # hints fit the kind: no batches here
+    assert "LabelRequest(prompt, response, extra)" in problems[check]
+
+
+class LongResponses(Labeler):
+    """Fails only on a batch of long responses: the example must be summarised, not dumped."""
+
+    @hookimpl
+    def score_batch(self, requests):
+        if sum(len(r.response) for r in requests) > 200:
+            return []
+        return [Score(1.0) for _ in requests]
+
+
+def test_a_failing_example_is_summarised_not_dumped():
+    from alignzoo.testing.contract import summarise
+
+    problems = failed(check_labeler(LongResponses, max_examples=40))
+    detail = problems["one_score_per_request"]
+    assert "Smallest failing example: [LabelRequest(prompt=" in detail
+    assert len(detail) < 1500, detail
+    text = summarise([LabelRequest("p" * 5000, "r", {"tests": list(range(100))})] * 10)
+    assert len(text) <= 600 and "(5000 chars)" in text and "(10 items)" in text
+    tensor = summarise({"logprobs": torch.zeros(64, 512)})
+    assert tensor == "{'logprobs': tensor[64, 512] float32 [0, 0, 0, 0, …]}"
 
 
 def test_a_labeler_that_declares_itself_nondeterministic_is_not_held_to_it():
