@@ -26,41 +26,65 @@ _MODULES: dict[str, tuple[str, str]] = {
 from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo import Algorithm, AlgorithmRequirements, LossOutput, hookimpl
-from alignzoo.ops import aggregate_loss
+from alignzoo.ops import aggregate_loss, group_mean_std, weight_samples
 
 
 class ${cls}Algorithm(Algorithm):
-    """REINFORCE with the batch-mean reward as baseline (edit me)."""
+    """REINFORCE with each prompt's group mean as baseline (edit me)."""
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
         scale: float = Field(1.0, gt=0, description="Multiplies the advantages.")
+        smoothing: float = Field(
+            0.9, ge=0, lt=1, description="Of the running mean reward it logs (its state)."
+        )
 
-    requirements = AlgorithmRequirements(reference=False, critic=False, data="online")
+    # weights=True: compute_loss multiplies batch.weights in (the reweight modifier needs it).
+    requirements = AlgorithmRequirements(reference=False, critic=False, data="online", weights=True)
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.running_reward = None  # state across steps: saved by state_dict, resumed exactly
 
     @hookimpl
     def compute_advantages(self, batch):
-        # A_i = scale * (r_i - mean(r)), on every response token
-        advantage = self.params.scale * (batch.scores - batch.scores.mean())
+        # A_i = scale * (r_i - mean of r over the samples of its prompt), on every response token
+        group_mean, _, _ = group_mean_std(batch.scores, batch.group_ids)
+        advantage = self.params.scale * (batch.scores - group_mean)
         batch.advantages = advantage[:, None] * batch.response_mask
+        reward = float(batch.scores.mean())
+        if self.running_reward is None:
+            self.running_reward = reward
+        else:
+            w = self.params.smoothing
+            self.running_reward = w * self.running_reward + (1 - w) * reward
         return batch
 
     @hookimpl
     def compute_loss(self, batch, outputs, context):
-        # L = - sum_t A_i log pi(y_t) / tokens of the optimizer step
-        per_token = -batch.advantages * outputs.logprobs
+        # L = - sum_i w_i sum_t A_i log pi(y_t) / tokens of the optimizer step
+        per_token = weight_samples(-batch.advantages * outputs.logprobs, batch.weights)
         loss = aggregate_loss(per_token, batch.response_mask, "token-mean", context=context)
-        return LossOutput(loss, {"$name/advantage_abs": float(batch.advantages.abs().mean())})
+        metrics = {"$name/advantage_abs": float(batch.advantages.abs().mean())}
+        if self.running_reward is not None:
+            metrics["$name/running_reward"] = self.running_reward
+        return LossOutput(loss, metrics)
+
+    def state_dict(self):
+        return {"running_reward": self.running_reward}
+
+    def load_state_dict(self, state):
+        self.running_reward = state["running_reward"]
 ''',
     ),
     "labeler": (
         "Labeler",
-        '''"""$title: a labeler. Start here: score (or the score_batch hook)."""
+        '''"""$title: a labeler. Start here: score_batch (whole calls) or score (one request)."""
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from alignzoo import Labeler, LabelRequest, Score
+from alignzoo import Labeler, LabelRequest, Score, hookimpl
 
 
 class ${cls}Labeler(Labeler):
@@ -72,6 +96,12 @@ class ${cls}Labeler(Labeler):
         answer_field: str = Field("answer", description="Dataset column with the answer.")
 
     marks_correct = True  # every Score says info["correct"]
+
+    @hookimpl
+    def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
+        # One call gets a whole step's requests (or a labeling.batch_size chunk): batch costly
+        # work here (one model forward, one HTTP request). One Score per request, in order.
+        return [self.score(request) for request in requests]
 
     def score(self, request: LabelRequest) -> Score:
         answer = request.extra.get(self.params.answer_field)
