@@ -81,6 +81,8 @@ def request(folder: Path, action: str, labeler_file: Path | None = None) -> list
     runs = run_folders(folder)
     if not runs:
         raise UserError(f"{folder}: no unfinished run to change the labeler of")
+    if action == "promote":
+        runs = _with_a_shadow(folder, runs)
     for run in runs:
         path = run / CONTROL
         path.parent.mkdir(exist_ok=True)
@@ -88,6 +90,53 @@ def request(folder: Path, action: str, labeler_file: Path | None = None) -> list
         tmp.write_text(yaml.safe_dump(payload), encoding="utf-8")
         tmp.replace(path)
     return runs
+
+
+def shadow_of(run: Path) -> str | None:
+    """Whether ``run`` has a shadow labeler: "running" (the last applied shadow request has not
+    been promoted), "pending" (requested, not yet applied before a step), else None."""
+    running = False
+    swaps = run / "swaps.jsonl"
+    if swaps.is_file():
+        for line in swaps.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+            if isinstance(row, dict) and row.get("status") == "applied":
+                if row.get("action") == "shadow":
+                    running = True
+                elif row.get("action") == "promote":
+                    running = False
+    if running:
+        return "running"
+    try:
+        pending = yaml.safe_load((run / CONTROL).read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        pending = {}
+    return "pending" if isinstance(pending, dict) and pending.get("action") == "shadow" else None
+
+
+def _with_a_shadow(folder: Path, runs: list[Path]) -> list[Path]:
+    """The runs a promotion applies to: those whose shadow labeler is running; a UserError
+    when none is (or when a shadow is only requested: promoting now would replace that
+    request)."""
+    states = {run: shadow_of(run) for run in runs}
+    pending = [run for run, state in states.items() if state == "pending"]
+    if pending:
+        raise UserError(
+            f"{pending[0]}: its shadow labeler is requested but not applied yet (it is applied "
+            "before the run's next step); promote after that step, or the promotion would "
+            "replace the shadow request"
+        )
+    running = [run for run, state in states.items() if state == "running"]
+    if not running:
+        raise UserError(
+            f"{folder}: no shadow labeler is running in its {len(runs)} unfinished run(s), so "
+            "there is nothing to promote; start one with `alignzoo labeler swap RUN_DIR NEW.yaml "
+            "--shadow`, or swap at once without --shadow"
+        )
+    return running
 
 
 def _slot(ref: ComponentRef, stage: Any, context: Any) -> Any:

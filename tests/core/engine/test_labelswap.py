@@ -4,6 +4,7 @@ compared then promoted, and a resumed run keeps the labeler it had."""
 
 from __future__ import annotations
 
+import json
 from importlib import metadata
 from pathlib import Path
 from typing import ClassVar
@@ -111,3 +112,29 @@ def test_promote_without_a_run_is_a_user_error(tmp_path, capsys):
     assert "run folder not found" in capsys.readouterr().err
     assert cli.main(["labeler", "promote", str(tmp_path)]) == 2
     assert "no unfinished run" in capsys.readouterr().err
+
+
+def test_promote_needs_a_running_shadow(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("{}")
+    assert cli.main(["labeler", "promote", str(run)]) == 2  # nothing shadows this run
+    err = " ".join(capsys.readouterr().err.split())
+    assert "no shadow labeler is running" in err and "--shadow" in err
+    assert not (run / CONTROL).exists()
+
+    spec_file = tmp_path / "regex.yaml"
+    spec_file.write_text(yaml.safe_dump(REGEX))
+    assert cli.main(["labeler", "swap", str(run), str(spec_file), "--shadow"]) == 0
+    assert cli.main(["labeler", "promote", str(run)]) == 2  # requested, not applied yet
+    assert "not applied yet" in capsys.readouterr().err
+    assert yaml.safe_load((run / CONTROL).read_text())["action"] == "shadow"  # kept
+
+    applied = {"action": "shadow", "status": "applied", "step": 3}
+    (run / "swaps.jsonl").write_text(json.dumps(applied) + "\n")
+    assert cli.main(["labeler", "promote", str(run)]) == 0
+    assert yaml.safe_load((run / CONTROL).read_text())["action"] == "promote"
+    promoted = {"action": "promote", "status": "applied", "step": 6}
+    with (run / "swaps.jsonl").open("a") as fh:
+        fh.write(json.dumps(promoted) + "\n")
+    assert cli.main(["labeler", "promote", str(run)]) == 2  # already promoted
