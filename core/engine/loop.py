@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import traceback
 from collections.abc import Callable
@@ -165,13 +166,56 @@ def archive_attempt(out: Path) -> Path | None:
     files = history_files(out)
     if not files:
         return None
+    dest = _next_attempt(out)
+    for path in files:
+        os.replace(path, dest / path.name)
+    note = {"kind": "restarted", "reason": "no usable checkpoint: the run started over",
+            "files": [p.name for p in files]}  # fmt: skip
+    (dest / ATTEMPT_NOTE).write_text(json.dumps(note, indent=1) + "\n", encoding="utf-8")
+    return dest
+
+
+ATTEMPT_NOTE = "attempt.json"
+"""What an ``attempts/<n>/`` folder holds and why (written beside the files kept there)."""
+
+
+def _next_attempt(out: Path) -> Path:
     root = out / ATTEMPTS
     n = 1 + max((int(p.name) for p in root.glob("*") if p.name.isdigit()), default=0)
     dest = root / str(n)
     dest.mkdir(parents=True)
-    for path in files:
-        os.replace(path, dest / path.name)
     return dest
+
+
+def keep_cut_lines(out: Path, step: int, why: str) -> Path | None:
+    """Before a resume cuts the jsonl streams back to ``step``: copy every stream that holds
+    lines after it (or lines that are not a complete row) into ``attempts/<n>/`` whole, with
+    ``attempt.json`` saying why, so nothing a run wrote is lost. Returns the folder, or None
+    when no line would be cut."""
+    streams = sorted(out.glob("*.jsonl"))
+    cut = [path for path in streams if _lines_after(path, step)]
+    if not cut:
+        return None
+    dest = _next_attempt(out)
+    for path in cut:
+        shutil.copy2(path, dest / path.name)
+    note = {"kind": "resumed", "resumed_from_step": step, "reason": why,
+            "files": [p.name for p in cut]}  # fmt: skip
+    (dest / ATTEMPT_NOTE).write_text(json.dumps(note, indent=1) + "\n", encoding="utf-8")
+    return dest
+
+
+def _lines_after(path: Path, step: int) -> bool:
+    """Whether ``path`` has a line that cutting back to ``step`` would drop."""
+    for raw in path.read_bytes().splitlines():
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return bool(raw.strip())
+        at = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(at, (int, float)) or isinstance(at, bool) or at > step:
+            return True
+    return False
 
 
 def needs_critic(loaded: LoadedExperiment, arm: str) -> bool:
@@ -205,7 +249,9 @@ def start_or_resume(
     Nothing already written is deleted: a run that starts from step 0 in a folder where an
     earlier attempt left history (a run killed before its first checkpoint, or one that
     failed) has had that history moved into ``attempts/<n>/`` by :func:`run_one`, before the
-    run was assembled (so what components write in ``on_run_start`` stays). With ``resume`` and checkpoints
+    run was assembled (so what components write in ``on_run_start`` stays); a resume that
+    cuts the streams back to its checkpoint first copies every stream it cuts into
+    ``attempts/<n>/`` whole (:func:`keep_cut_lines`). With ``resume`` and checkpoints
     that are all unusable it raises :class:`UserError` and changes nothing; a newest
     checkpoint that is unusable is passed over for the previous one, saying so.
     """
@@ -232,6 +278,12 @@ def start_or_resume(
     run.context.state = dict(state.run_state)
     labelswap.restore(run.hooks.labeling, run.context)  # the labeler in use at the checkpoint
     run.context.step = state.step
+    skipped = "; ".join(f"{folder.name} unusable: {why}" for folder, why in point.unusable)
+    kept = keep_cut_lines(
+        out, state.step, skipped or f"resumed from the checkpoint of step {state.step}"
+    )
+    if kept is not None:
+        log(f"lines after step {state.step} are kept in {kept}")
     for path in sorted(out.glob("*.jsonl")):  # the engine's streams and every plugin's
         truncate_jsonl(path, state.step)
     return state

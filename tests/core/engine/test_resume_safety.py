@@ -5,6 +5,7 @@ plugin's own stream is cut back to the checkpoint like the engine's."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from importlib import metadata
 from pathlib import Path
@@ -85,6 +86,13 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_previous_one(finishe
         assert _stable(read_jsonl(out / name)) == _stable(read_jsonl(reference / name)), name
     # Steps 5 and 6 were trained again from step 4 and the damaged folder was replaced.
     check_checkpoint(newest, critic=False)
+    # The lines the resume cut (steps 5 and 6 of the first attempt) are kept, whole.
+    kept = out / "attempts" / "1"
+    for name in ("metrics.jsonl", "eval.jsonl", "probe.jsonl"):
+        assert (kept / name).read_bytes() == (reference / name).read_bytes(), name
+    note = json.loads((kept / "attempt.json").read_text())
+    assert note["kind"] == "resumed" and note["resumed_from_step"] == 4
+    assert "step-000006 unusable" in note["reason"] and "actor.safetensors" in note["reason"]
 
 
 def test_no_usable_checkpoint_stops_with_the_folder_untouched(finished) -> None:
@@ -115,6 +123,7 @@ def test_a_run_with_no_checkpoint_yet_keeps_its_earlier_attempt(finished) -> Non
     kept = out / "attempts" / "1"
     for name, content in old.items():
         assert (kept / name).read_bytes() == content  # nothing lost
+    assert json.loads((kept / "attempt.json").read_text())["kind"] == "restarted"
     assert _stable(read_jsonl(out / "metrics.jsonl")) == _stable(
         read_jsonl(reference / "metrics.jsonl")
     )
@@ -131,6 +140,15 @@ def test_a_plugin_stream_is_cut_back_to_the_checkpoint(finished) -> None:
     rows = read_jsonl(out / "probe.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # steps 5 and 6 once, not twice
     assert _stable(rows) == _stable(read_jsonl(reference / "probe.jsonl"))
+    cut = read_jsonl(out / "attempts" / "1" / "probe.jsonl")  # the first attempt's, kept
+    assert [r["step"] for r in cut] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_clean_resume_from_the_last_step_keeps_no_attempt(finished) -> None:
+    out, _, again = finished
+    mark_running(out)  # nothing after the newest checkpoint: nothing to cut, nothing kept
+    assert again().status == "finished"
+    assert not (out / "attempts").exists()
 
 
 def test_record_refuses_engine_streams_and_paths(finished) -> None:
