@@ -287,13 +287,31 @@ def labeler_promote(
 @app.command()
 def report(
     run_dir: Annotated[Path, typer.Argument(help="An experiment's output folder (runs/<name>).")],
+    metric: Annotated[
+        str | None,
+        typer.Option(
+            help="Compare on this metric instead of the experiment's: a name as in "
+            "evaluation.metric (exact_match, score, pass@4, response_length), a key such as "
+            "eval/score, or any metric the runs recorded in eval.jsonl. Written to "
+            "report-<metric>.md / .html and plots-<metric>/; report.md is left as it is."
+        ),
+    ] = None,
+    higher_is_better: Annotated[
+        bool | None,
+        typer.Option(
+            "--higher-is-better/--lower-is-better",
+            help="Direction of --metric (default: the experiment's setting for its own "
+            "metric, else guessed from the name: lower for length, loss, error, time, memory).",
+        ),
+    ] = None,
 ) -> None:
-    """(Re)write report.md and report.html for a finished or partial experiment."""
+    """(Re)write report.md and report.html for a finished or partial experiment, or with
+    --metric a report comparing the arms on another recorded metric (no training)."""
     if not run_dir.is_dir():
         raise UserError(f"run folder not found: {run_dir}")
     from alignzoo.report.sections import write_report
 
-    paths = write_report(run_dir)
+    paths = write_report(run_dir, metric, higher_is_better)
     for path in paths:
         console.print(f"wrote {path}")
 

@@ -198,9 +198,11 @@ def overoptimisation_blocks(
     key: str,
     gold: str | None,
     compare_at: str = "final",
+    plot_dir: str = "plots",
 ) -> list[Block]:
     """The report's section; ``gold`` is the evaluation labeler's name (None: not set);
-    ``compare_at``: where the comparisons above are made (``evaluation.compare_at``)."""
+    ``compare_at``: where the comparisons above are made (``evaluation.compare_at``);
+    ``plot_dir``: the folder under ``run_dir`` its plot goes to."""
     blocks = [Block("h2", "Gold against proxy (over-optimisation)")]
     if gold is None:
         blocks.append(
@@ -266,7 +268,7 @@ def overoptimisation_blocks(
     headers = ["arm", "gold at start", "peak gold", "peak step per seed", "final gold", "fell"]
     blocks.append(Block("table", headers=headers, rows=rows))
     blocks.append(Block("ul", items=words))
-    path = run_dir / "plots" / "gold_vs_proxy.png"
+    path = run_dir / plot_dir / "gold_vs_proxy.png"
     _plot(path, arms, series, key)
     blocks.append(
         Block(
@@ -275,7 +277,7 @@ def overoptimisation_blocks(
                 "Gold (solid) and proxy (dashed) per seed: left against √KL to the reference (kl/ref x "
                 "mean response length, at the evaluation's step), right against step, ★ the peak."
             ),
-            path="plots/gold_vs_proxy.png",
+            path=f"{plot_dir}/gold_vs_proxy.png",
         )
     )
     return blocks

@@ -8,6 +8,8 @@ finished runs only, failed runs are listed with their error, runs still going ar
 their progress. The output depends only on the files (nothing like the current time is
 embedded), so rerunning an interrupted experiment gives the same report as an uninterrupted
 one, up to what really differs between the runs (wall-clock and throughput).
+``write_report(run_dir, metric=...)`` compares on another recorded metric, after the run, into
+``report-<metric>.md`` / ``.html`` and ``plots-<metric>/`` (:mod:`alignzoo.report.choice`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from alignzoo.experiment.runfiles import (
     write_atomic,
 )
 from alignzoo.report import plots, stats
+from alignzoo.report.choice import MetricChoice, check_every_run, report_stem, resolve_key
 from alignzoo.report.document import Block, render_html, render_markdown
 from alignzoo.report.overoptimisation import overoptimisation_blocks
 from alignzoo.report.provenance import provenance_blocks
@@ -270,13 +273,42 @@ def _describe_arm(spec: ExperimentSpec | None, arm: str) -> str:
     return text
 
 
-def _metric_text(spec: ExperimentSpec, key: str) -> str:
-    """What the comparison metric is, and why it is the one (given, or the default)."""
-    meaning = {
+def _meaning(key: str) -> str:
+    """What an evaluation metric measures, in words."""
+    known = {
         "eval/exact_match": "the share of greedy responses the labeler marks correct",
         "eval/score": "the labeler's mean value on the greedy responses",
         "eval/response_length": "the mean greedy response length in tokens",
-    }.get(key, "pass@k: the share of prompts with a correct answer among k samples")
+    }
+    if key in known:
+        return known[key]
+    if key.startswith("eval/pass@"):
+        return "pass@k: the share of prompts with a correct answer among k samples"
+    return canonical.CANONICAL.get(key, "a metric the runs recorded in eval.jsonl")
+
+
+def _chosen_text(chosen: MetricChoice) -> str:
+    """What a report on a metric chosen after the run compares on, and how it was chosen."""
+    how = {
+        "given": f"chosen with --{'higher' if chosen.higher else 'lower'}-is-better",
+        "guessed": "guessed from its name",
+    }[chosen.direction]
+    if chosen.key == chosen.experiment_key:
+        what = "the experiment's metric, its direction chosen after the run"
+    else:
+        what = (
+            "chosen with --metric after the run; the experiment's metric is "
+            f"`{chosen.experiment_key}`"
+        )
+    return (
+        f"`{chosen.key}` ({_meaning(chosen.key)}; {what}; the experiment's own comparison is in "
+        f"report.md), {'higher' if chosen.higher else 'lower'} is better ({how})"
+    )
+
+
+def _metric_text(spec: ExperimentSpec, key: str) -> str:
+    """What the comparison metric is, and why it is the one (given, or the default)."""
+    meaning = _meaning(key)
     if spec.evaluation.metric_chosen != "default":
         return f"`{key}` ({meaning})"
     why = (
@@ -308,13 +340,25 @@ class _Experiment:
     key: str
     higher: bool
     runs: list[RunData]
+    chosen: MetricChoice | None = None
+    """Set when the report compares on another metric or direction than the experiment's
+    (``alignzoo report --metric``); None for the experiment's own comparison."""
+
+    @property
+    def plot_dir(self) -> str:
+        """The folder (under run_dir) of this report's plots."""
+        return "plots" if self.chosen is None else self.chosen.plot_dir
 
 
-def _open(run_dir: Path) -> _Experiment:
+def _open(
+    run_dir: Path, metric: str | None = None, higher_is_better: bool | None = None
+) -> _Experiment:
+    """Read the experiment folder; ``metric`` / ``higher_is_better``: compare on another
+    recorded metric or direction than the experiment's (see :mod:`alignzoo.report.choice`)."""
     spec = load_spec(run_dir)
     if spec is not None:
         arms = list(spec.arms)
-        metric = spec.evaluation.metric or "exact_match"  # a resolved spec always names one
+        own_metric = spec.evaluation.metric or "exact_match"  # a resolved spec always names one
         name, baseline = spec.name, spec.baseline_arm
     else:
         arms = sorted(
@@ -324,9 +368,9 @@ def _open(run_dir: Path) -> _Experiment:
         )
         if not arms:
             raise UserError(f"{run_dir}: no experiment.yaml and no <arm>/seed-<n> run folders")
-        name, metric, baseline = run_dir.name, "exact_match", arms[0]
-    key = metric_key(metric)
-    return _Experiment(
+        name, own_metric, baseline = run_dir.name, "exact_match", arms[0]
+    key = metric_key(own_metric)
+    exp = _Experiment(
         run_dir=run_dir,
         spec=spec,
         name=name,
@@ -340,11 +384,37 @@ def _open(run_dir: Path) -> _Experiment:
         ),
         runs=find_runs(run_dir, arms),
     )
+    if metric is None and higher_is_better is None:
+        return exp
+    if metric is None or metric_key(metric) == key:
+        chosen_key = key
+    else:
+        chosen_key = resolve_key(metric, exp.runs, run_dir)
+    own = exp.higher if chosen_key == key else stats.higher_is_better(chosen_key)
+    higher = own if higher_is_better is None else higher_is_better
+    if chosen_key == key and higher == exp.higher:
+        return exp  # the experiment's own comparison: the default report, as `run` writes it
+    check_every_run(metric or key, chosen_key, exp.runs, run_dir)
+    exp.chosen = MetricChoice(
+        key=chosen_key,
+        higher=higher,
+        direction="given" if higher_is_better is not None else "guessed",
+        experiment_key=key,
+        stem=report_stem(chosen_key, higher, own),
+    )
+    exp.key, exp.higher = chosen_key, higher
+    return exp
 
 
-def build_report(run_dir: Path) -> tuple[list[Block], str]:
-    """Read the experiment folder, write the plots, and return the report's blocks and title."""
-    exp = _open(Path(run_dir))
+def build_report(
+    run_dir: Path, metric: str | None = None, higher_is_better: bool | None = None
+) -> tuple[list[Block], str]:
+    """Read the experiment folder, write the plots, and return the report's blocks and title
+    (``metric`` / ``higher_is_better``: see :func:`write_report`)."""
+    return _build(_open(Path(run_dir), metric, higher_is_better))
+
+
+def _build(exp: _Experiment) -> tuple[list[Block], str]:
     rows = _arm_rows(exp)
     blocks = [Block("h1", f"Experiment {exp.name}")]
     blocks += _overview(exp)
@@ -353,7 +423,7 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks += _against_start(exp, rows)
     blocks += _reward_models(exp.runs)
     blocks += overoptimisation_blocks(
-        exp.run_dir, exp.arms, exp.runs, exp.key, _gold(exp), _compare_at(exp)
+        exp.run_dir, exp.arms, exp.runs, exp.key, _gold(exp), _compare_at(exp), exp.plot_dir
     )
     blocks += _rlhf_rounds(exp)
     blocks += _health(exp.runs)
@@ -361,9 +431,10 @@ def build_report(run_dir: Path) -> tuple[list[Block], str]:
     blocks += _swaps(exp.runs)
     blocks += _runs_table(exp)
     blocks.append(Block("h2", "Plots"))
-    blocks += _plots(exp.run_dir, exp.arms, exp.runs, exp.key)
+    blocks += _plots(exp.run_dir, exp.arms, exp.runs, exp.key, exp.plot_dir)
     blocks += provenance_blocks(exp.run_dir, exp.runs)
-    return blocks, f"alignzoo report: {exp.name}"
+    on = "" if exp.chosen is None else f" on {exp.key}"
+    return blocks, f"alignzoo report: {exp.name}{on}"
 
 
 def _gold(exp: _Experiment) -> str | None:
@@ -458,16 +529,22 @@ def _overview(exp: _Experiment) -> list[Block]:
     """The experiment's setup (arms, seeds, budget, baseline, metric) and how far it got."""
     spec, runs = exp.spec, exp.runs
     blocks: list[Block] = []
+    if exp.chosen is not None:
+        blocks.append(Block("p", f"**Compared on {_chosen_text(exp.chosen)}.**"))
     if spec is not None:
         if spec.description:
             blocks.append(Block("p", spec.description))
+        compared = (
+            f"{_metric_text(spec, exp.key)}, {'higher' if exp.higher else 'lower'} is better"
+            if exp.chosen is None
+            else f"`{exp.key}` (chosen after the run, above)"
+        )
         blocks.append(
             Block(
                 "p",
                 f"Arms: {len(exp.arms)}, seeds {', '.join(map(str, spec.seeds))}, budget "
                 f"{_budget_text(spec)} per run, baseline **{exp.baseline}**. Compared on "
-                f"{_metric_text(spec, exp.key)}, {'higher' if exp.higher else 'lower'} is "
-                "better, at each run's "
+                f"{compared}, at each run's "
                 f"last evaluation; evaluation every {spec.evaluation.every} steps on the same "
                 "held-out prompts for every arm.",
             )
@@ -940,8 +1017,10 @@ def _runs_table(exp: _Experiment) -> list[Block]:
     return blocks
 
 
-def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> list[Block]:
-    plot_dir = run_dir / "plots"
+def _plots(
+    run_dir: Path, arms: list[str], runs: list[RunData], key: str, folder: str = "plots"
+) -> list[Block]:
+    plot_dir = run_dir / folder
     colors = plots.arm_colors(arms)
     shown = [r for r in runs if r.status != "failed"]
     blocks: list[Block] = []
@@ -988,7 +1067,7 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
             Block(
                 "img",
                 f"{key} against training step ({band}).{absent(eval_step)}",
-                path="plots/eval_vs_step.png",
+                path=f"{folder}/eval_vs_step.png",
             )
         )
         eval_time = curves("eval", key, "time_s")
@@ -1007,7 +1086,7 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
                     "img",
                     f"{key} against training wall-clock ({band}; x: the mean time over seeds "
                     f"at which each evaluation step was reached).{absent(eval_time)}",
-                    path="plots/eval_vs_time.png",
+                    path=f"{folder}/eval_vs_time.png",
                 )
             )
     longest = max((len(r.metrics) for r in shown), default=0)
@@ -1025,7 +1104,7 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
                 "img",
                 f"Training: {label} against step ({smoothed}{band}). {note}".rstrip()
                 + absent(found),
-                path=f"plots/{filename}",
+                path=f"{folder}/{filename}",
             )
         )
     if not blocks:
@@ -1033,17 +1112,28 @@ def _plots(run_dir: Path, arms: list[str], runs: list[RunData], key: str) -> lis
     return blocks
 
 
-def write_report(run_dir: Path) -> list[Path]:
+def write_report(
+    run_dir: Path, metric: str | None = None, higher_is_better: bool | None = None
+) -> list[Path]:
     """Write ``report.md``, ``report.html`` and ``plots/*.png`` into ``run_dir``.
+
+    ``metric`` (a name as in ``evaluation.metric``, or any key the runs recorded in
+    eval.jsonl) and ``higher_is_better`` compare the arms on another metric or direction than
+    the experiment's, from the same files and with the same statistics: that report is
+    ``report-<metric>.md`` / ``.html`` with its plots in ``plots-<metric>/``, beside the default
+    report, which it leaves as it is (see :mod:`alignzoo.report.choice`). Naming the
+    experiment's own metric and direction writes the default report.
 
     Returns the paths of the two reports (Markdown first).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run folder not found: {run_dir}")
-    blocks, title = build_report(run_dir)
-    md = run_dir / "report.md"
-    page = run_dir / "report.html"
+    exp = _open(run_dir, metric, higher_is_better)
+    blocks, title = _build(exp)
+    stem = "report" if exp.chosen is None else exp.chosen.stem
+    md = run_dir / f"{stem}.md"
+    page = run_dir / f"{stem}.html"
     write_atomic(md, render_markdown(blocks))
     write_atomic(page, render_html(blocks, title, run_dir))
     return [md, page]
