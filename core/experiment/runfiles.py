@@ -70,6 +70,10 @@ class RunData:
     """Files of the folder that could not be read whole (each names the file and why)."""
     swaps: list[dict[str, Any]] = field(default_factory=list)
     """Labeler changes requested during the run (``swaps.jsonl``), applied or rejected."""
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    """Earlier attempts kept in ``attempts/<n>/`` (a restart, or the lines a resume cut back):
+    each ``attempt.json`` with ``n``, ``folder`` and, from its metrics.jsonl, ``steps``
+    (the first and last step it recorded)."""
 
     @property
     def name(self) -> str:
@@ -150,7 +154,26 @@ def read_run(arm: str, seed: int, path: Path) -> RunData:
         health=[health[k] for k in sorted(health, key=lambda k: (k[1], k[0]))],
         problems=problems,
         swaps=by_step_all(read_jsonl(path / "swaps.jsonl", problems)),
+        attempts=read_attempts(path),
     )
+
+
+def read_attempts(path: Path) -> list[dict[str, Any]]:
+    """What each ``attempts/<n>/`` of a run folder holds (see :attr:`RunData.attempts`)."""
+    out = []
+    root = path / "attempts"
+    folders = sorted((p for p in root.glob("*") if p.name.isdigit()), key=lambda p: int(p.name))
+    for folder in folders:
+        try:
+            note = json.loads((folder / "attempt.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            note = {"kind": "restarted", "reason": "(no attempt.json: an older alignzoo)"}
+        steps = [r["step"] for r in read_jsonl(folder / "metrics.jsonl") if number(r.get("step"))]
+        row = dict(note) if isinstance(note, dict) else {}
+        row.update(n=int(folder.name), folder=str(folder.relative_to(path)))
+        row["steps"] = (min(steps), max(steps)) if steps else None
+        out.append(row)
+    return out
 
 
 def by_step_all(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

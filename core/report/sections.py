@@ -429,6 +429,7 @@ def _build(exp: _Experiment) -> tuple[list[Block], str]:
     blocks += _health(exp.runs)
     blocks += _unreadable(exp.runs)
     blocks += _swaps(exp.runs)
+    blocks += _attempts(exp.runs)
     blocks += _runs_table(exp)
     blocks.append(Block("h2", "Plots"))
     blocks += _plots(exp.run_dir, exp.arms, exp.runs, exp.key, exp.plot_dir)
@@ -851,6 +852,40 @@ def _swaps(runs: list[RunData]) -> list[Block]:
         ],
     )
     return [Block("h2", "Labeler changes"), Block("p", text), table]
+
+
+def _attempts(runs: list[RunData]) -> list[Block]:
+    """Earlier attempts of runs, kept in their folders: a run that started over, or the lines a
+    resume cut back to its checkpoint. The comparison uses each run's last attempt."""
+    rows = [(r, a) for r in runs for a in r.attempts]
+    if not rows:
+        return []
+    text = (
+        "Runs that were restarted or resumed keep what the earlier attempt wrote in their "
+        "folder (nothing a run wrote is deleted); the comparison above uses each run's final "
+        "attempt. Lines a resume cut back were trained again from the checkpoint named."
+    )
+
+    def steps(a: dict[str, Any]) -> str:
+        return "-" if not a.get("steps") else f"{a['steps'][0]}-{a['steps'][1]}"
+
+    table = Block(
+        "table",
+        headers=["run", "attempt", "what", "steps recorded", "resumed from", "why", "kept in"],
+        rows=[
+            [
+                r.name,
+                str(a.get("n")),
+                str(a.get("kind", "")),
+                steps(a),
+                str(a.get("resumed_from_step", "-")),
+                str(a.get("reason", "")),
+                str(a.get("folder", "")),
+            ]
+            for r, a in rows
+        ],
+    )
+    return [Block("h2", "Earlier attempts"), Block("p", text), table]
 
 
 REWARD_MODEL_HEADERS = [

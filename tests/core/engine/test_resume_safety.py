@@ -16,8 +16,10 @@ from alignzoo.config.loader import load_experiment
 from alignzoo.engine.checkpoint import CheckpointError, check_checkpoint, find_resume_point
 from alignzoo.engine.loop import run_one
 from alignzoo.errors import UserError
+from alignzoo.experiment.runfiles import read_run
 from alignzoo.plugin import Modifier, hookimpl
 from alignzoo.registry import ENTRY_POINT_GROUP, Registry
+from alignzoo.report.sections import _attempts
 
 from .conftest import mark_running, read_jsonl, tiny_experiment
 
@@ -93,6 +95,12 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_previous_one(finishe
     note = json.loads((kept / "attempt.json").read_text())
     assert note["kind"] == "resumed" and note["resumed_from_step"] == 4
     assert "step-000006 unusable" in note["reason"] and "actor.safetensors" in note["reason"]
+    # The report shows it as an earlier attempt of the run.
+    [attempt] = read_run("grpo", 0, out).attempts
+    assert attempt["steps"] == (1, 6) and attempt["folder"] == "attempts/1"
+    [heading, _, table] = _attempts([read_run("grpo", 0, out)])
+    assert heading.text == "Earlier attempts"
+    assert table.rows[0][:5] == ["grpo/seed-0", "1", "resumed", "1-6", "4"]
 
 
 def test_no_usable_checkpoint_stops_with_the_folder_untouched(finished) -> None:
