@@ -21,7 +21,8 @@ class RolloutBatch:
 
     Required:
         prompt_ids ``[B, P]`` long, left-padded with the pad token; prompt_mask ``[B, P]`` long.
-        response_ids ``[B, R]`` long, right-padded; response_mask ``[B, R]`` float.
+        response_ids ``[B, R]`` long, right-padded; response_mask ``[B, R]`` float: the tokens
+            trained on (every loss, KL, entropy and length metric counts these).
         group_ids ``[B]`` long: samples of one prompt share an id (GRPO groups, DPO pairs).
     Texts (lists of length B): prompts, responses, extras (dataset columns for the labeler).
     Filled by later stages (None until then):
@@ -41,6 +42,10 @@ class RolloutBatch:
         weights ``[B]``: per-sample loss weights set by batch transforms (1.0 by default).
         entropy ``[B, R]``: per-token entropy of the behaviour snapshot (the policy before the
             step's update), filled by the engine for the canonical ``entropy`` metric.
+        response_attention ``[B, R]`` long: the response tokens the model attends to, when
+            they are more than the trained ones: a multi-turn episode's environment and
+            template tokens are context (attended, 1) but not trained (response_mask 0).
+            None means the same as ``response_mask > 0``.
         columns: named per-sample tensors ``[B, ...]`` that a data mode or an algorithm adds
             (for example the unpaired mode's mismatched-pair log-probs, KTO's reference point);
             sliced, moved and concatenated with the batch like every other tensor.
@@ -68,6 +73,7 @@ class RolloutBatch:
     returns: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    response_attention: torch.Tensor | None = None
     columns: dict[str, torch.Tensor] = field(default_factory=dict)
     label_info: list[dict[str, Any]] = field(default_factory=list)
 

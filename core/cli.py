@@ -647,6 +647,21 @@ def check_modifier(
     )
 
 
+@check_app.command("environment")
+def check_environment(
+    name: Annotated[str, typer.Argument(help="Registered environment name.")],
+    params: ParamsOption = None,
+    max_examples: ExamplesOption = None,
+) -> None:
+    """Episodes driven as the engine drives them: reset, any turn (malformed calls too),
+    episodes independent of each other, close."""
+    from alignzoo.testing.components import check_component
+
+    _report_checks(
+        check_component("environment", name, _parse_option(params, "--params"), max_examples)
+    )
+
+
 @app.command()
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A run folder: RUN_DIR/<arm>/seed-<n>.")],

@@ -56,6 +56,7 @@ from alignzoo.plugin import PROJECT
 if TYPE_CHECKING:
     from alignzoo.batch import PolicyOutputs, RolloutBatch
     from alignzoo.engine.context import RunContext
+    from alignzoo.rollout.episode import EpisodeStart, StepResult, Turn
     from alignzoo.types import (
         AlgorithmRequirements,
         LabelRequest,
@@ -181,6 +182,26 @@ def generate(
     """
 
 
+@hookspec(firstresult=True)
+def generate_ids(
+    contexts: list[list[int]],
+    sampling: SamplingParams,
+    seeds: list[int] | None,
+    stop_token_ids: list[int] | None,
+) -> list[tuple[list[int], list[float]]]:
+    """Continue each token-id context by one sampled turn: token-in-token-out, for multi-turn
+    episodes (:mod:`alignzoo.rollout.multiturn`), where nothing already generated may be
+    re-tokenised.
+
+    ``contexts``: the full token ids so far of each episode (prompt, earlier turns and the
+    environment's answers), used exactly as given. Returns, per context, the sampled ids (at
+    most ``sampling.max_new_tokens``, ending at the first EOS or ``stop_token_ids`` token,
+    which is kept) and the log-prob the backend's engine gave each (raw logits, as
+    ``rollout_logprobs`` in ``generate``). ``seeds``: one per context, as in ``generate``.
+    A backend without it cannot run an arm with an environment (``alignzoo validate`` says so).
+    """
+
+
 @hookspec
 def sync_weights(weights: PolicyWeights) -> None:
     """Make the backend sample from the actor's current weights.
@@ -196,6 +217,46 @@ def sync_weights(weights: PolicyWeights) -> None:
     its checkpoint, and after each training step's update (a step may hold several optimizer
     steps).
     """
+
+
+# --------------------------------------------------------------------------- environment
+
+
+@hookspec(firstresult=True)
+def env_reset(row: dict[str, Any], seed: int) -> EpisodeStart:
+    """Open one episode for the dataset ``row`` (every column, ``prompt`` included) and return
+    its :class:`alignzoo.rollout.episode.EpisodeStart`: the episode's state, the messages the
+    model starts from and the tools it is offered.
+
+    ``seed`` is the episode's own seed (the same row and seed give the same episode: draw any
+    randomness from it). May be ``async def``: the engine runs the episodes of a step
+    concurrently on one event loop, so an environment that waits on I/O (a server, a
+    subprocess) should await rather than block. An exception, or taking longer than the arm's
+    ``episodes.step_timeout_s``, is the episode's ``error`` / ``timeout`` outcome (the arm's
+    policy decides what becomes of the sample); it never stops the run.
+    """
+
+
+@hookspec(firstresult=True)
+def env_step(state: Any, turn: Turn) -> StepResult:
+    """Answer the model's ``turn`` (:class:`alignzoo.rollout.episode.Turn`: its text and the tool
+    calls the arm's codec read in it) in the episode ``state`` and return a
+    :class:`alignzoo.rollout.episode.StepResult`: the messages appended to the conversation,
+    an optional reward, and whether the episode is done.
+
+    Called once per model turn, in order, never again after ``done``. A malformed tool call
+    arrives in ``turn.errors``: answer it as an error message so the model can recover, do not
+    raise. May be ``async def``; exceptions and timeouts are outcomes as for ``env_reset``.
+    The engine ends an episode itself when it reaches ``episodes.max_turns`` or
+    ``episodes.max_tokens`` (recorded as truncated).
+    """
+
+
+@hookspec
+def env_close(state: Any) -> None:
+    """Release the episode ``state``'s resources (a subprocess, a connection). Called once per
+    opened episode, whatever became of it (done, truncated, failed, timed out); may be
+    ``async def``; an exception here is logged and ignored."""
 
 
 # --------------------------------------------------------------------------- device mapper

@@ -18,7 +18,7 @@ PROJECT = "alignzoo"
 hookimpl = pluggy.HookimplMarker(PROJECT)
 """Marks a method of a component as the implementation of an alignzoo hook."""
 
-KINDS = ("algorithm", "labeler", "backend", "device_mapper", "modifier")
+KINDS = ("algorithm", "labeler", "backend", "device_mapper", "modifier", "environment")
 
 
 @runtime_checkable
@@ -151,3 +151,10 @@ class Modifier(Component):
     """True for a modifier that sets ``batch.weights``: ``alignzoo validate`` refuses it around
     an algorithm whose requirements do not declare ``weights`` (the weights would apply to
     nothing)."""
+
+
+class Environment(Component):
+    """Base for environments of multi-turn episodes: implement ``env_reset`` and ``env_step``
+    (and ``env_close`` when an episode holds resources); see :mod:`alignzoo.hookspecs`."""
+
+    kind = "environment"

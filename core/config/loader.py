@@ -837,6 +837,7 @@ def _build_components(
                     "only to preference or unpaired-feedback algorithms (dpo, simpo, kto, ...)",
                 )
             )
+    issues += _environment_issues(file, index, fallbacks, arm_name, arm, built)
     correction = arm.training.rollout_correction.level
     if correction != "off" and algorithm is not None:
         from alignzoo.engine.hooks import Hooks
@@ -888,6 +889,55 @@ def _build_components(
             issues.append(issue_at(file, index, fallbacks, where, str(exc)))
     issues += _weights_without_a_taker(file, index, fallbacks, arm_name, arm, built)
     return built, issues
+
+
+def _environment_issues(
+    file: str,
+    index: _LineIndex,
+    fallbacks: dict[Path_, Path_],
+    arm_name: str,
+    arm: ArmSpec,
+    built: dict[str, Any],
+) -> list[ConfigIssue]:
+    """An arm with an environment samples episodes: its algorithm must learn from sampled
+    rollouts and its backend must sample from token ids (``generate_ids``)."""
+    if arm.environment is None:
+        return []
+    out = []
+    where: Path_ = ("arms", arm_name, "environment")
+    algorithm, backend = built.get("algorithm"), built.get("backend")
+    try:
+        if algorithm is not None:
+            data = build_plugin_manager([algorithm]).hook.algorithm_requirements().data
+            if data != "online":
+                out.append(
+                    issue_at(
+                        file,
+                        index,
+                        fallbacks,
+                        where,
+                        f"algorithm {arm.algorithm.name!r} learns from {data} data; an "
+                        "environment's episodes train an online algorithm (grpo, rloo, "
+                        "reinforce_pp, ppo)",
+                    )
+                )
+        if (
+            backend is not None
+            and not build_plugin_manager([backend]).hook.generate_ids.get_hookimpls()
+        ):
+            out.append(
+                issue_at(
+                    file,
+                    index,
+                    fallbacks,
+                    where,
+                    f"backend {arm.backend.name!r} does not implement generate_ids (sampling "
+                    "a turn from token ids), which episodes need; use the hf backend",
+                )
+            )
+    except Exception:  # a component's own problem: reported by the checks above
+        return out
+    return out
 
 
 def _weights_without_a_taker(

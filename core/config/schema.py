@@ -532,6 +532,35 @@ class LabelingConfig(_Strict):
     )
 
 
+class EpisodeConfig(_Strict):
+    """Multi-turn episodes of an arm with an ``environment``: limits, tool calls, rewards."""
+
+    max_turns: PositiveInt = Field(4, description="Model turns per episode at most.")
+    max_tokens: PositiveInt = Field(
+        256,
+        description="Response tokens per episode at most (the model's and the environment's); "
+        "an episode that reaches it is truncated. Each turn samples at most "
+        "training.sampling.max_new_tokens.",
+    )
+    step_timeout_s: float = Field(
+        30.0, gt=0, description="Longest env_reset or env_step call; past it: timeout."
+    )
+    episode_timeout_s: float | None = Field(
+        None, gt=0, description="Longest episode (all its turns); past it: timeout."
+    )
+    codec: str = Field(
+        "auto",
+        description="How tool calls are written: 'auto' (from the tokenizer's chat template) "
+        "or a codec name (hermes).",
+    )
+    on_failure: Literal["drop_sample", "drop_group", "keep"] = Field(
+        "drop_sample",
+        description="An episode whose environment raised or timed out: left out of training "
+        "(drop_sample), with the rest of its prompt's group (drop_group), or kept as it "
+        "stands, truncated at the failure (keep).",
+    )
+
+
 class ArmSpec(_Strict):
     """One arm: a set of components plus overrides of the shared sections."""
 
@@ -553,6 +582,15 @@ class ArmSpec(_Strict):
     modifiers: list[ComponentRef] = Field(
         default_factory=list,
         description="Modifiers (kind modifier) around the other components: loss wrappers, batch transforms, lifecycle hooks.",
+    )
+    environment: ComponentRef | None = Field(
+        None,
+        description="An environment (kind environment): each prompt becomes a multi-turn "
+        "episode (tool calls, observations) instead of one response.",
+    )
+    episodes: EpisodeConfig = Field(
+        default_factory=EpisodeConfig,
+        description="Limits, tool-call codec, reward and failure policy of the arm's episodes.",
     )
     online: bool | None = Field(
         None,
@@ -599,6 +637,8 @@ class ArmSpec(_Strict):
             ("device_mapper", "devices", self.devices),
         ]
         refs += [("modifier", f"modifiers.{i}", m) for i, m in enumerate(self.modifiers)]
+        if self.environment is not None:
+            refs.append(("environment", "environment", self.environment))
         refs += [
             ("labeler", f"labeling.fallbacks.{i}", ref)
             for i, ref in enumerate(self.labeling.fallbacks)

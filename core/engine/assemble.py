@@ -263,6 +263,10 @@ def assemble(
     if note is not None:
         log(note)
     context.models = models
+    if arm_spec.environment is not None:  # each prompt becomes a multi-turn episode
+        from alignzoo.rollout.multiturn import Episodes
+
+        hooks.episodes = Episodes(arm_spec.episodes, models.tokenizer)
 
     kind = mode.kind if not mode.online else "online"
     train = mode.tokenize(load_split(spec.data, "train", kind, models.tokenizer), models.tokenizer)

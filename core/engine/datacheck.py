@@ -111,11 +111,10 @@ def _parts(field: str) -> list[str | int]:
 def _python_labelers(
     component: Any, path: tuple[str | int, ...]
 ) -> Iterator[tuple[tuple[str | int, ...], Any]]:
-    """(experiment field, labeler) for every ``python`` labeler in ``component``, looking
-    inside ``combine`` parts."""
-    from alignzoo.plugins.labelers.python_fn import PythonLabeler
-
-    if isinstance(component, PythonLabeler):
+    """(experiment field, labeler) for every labeler in ``component`` that can be dry-called
+    (it has ``dry_call(request, where) -> str``, as the ``python`` labeler does), looking inside
+    ``combine`` parts."""
+    if callable(getattr(component, "dry_call", None)):
         yield path, component
     for i, (_, manager) in enumerate(getattr(component, "parts", None) or []):
         for part in manager.get_plugins():
@@ -136,7 +135,7 @@ def _dry_call_issues(
         for field, component in loaded.components.get(arm, {}).items()
         if field == "labeler" or field.startswith("labeling.fallbacks.")
         for found in _python_labelers(component, ("arms", arm, *_parts(field)))
-        if found[1].params.validate_call
+        if getattr(found[1].params, "validate_call", True)
     ]
     if not labelers:
         return []

@@ -43,7 +43,7 @@ def _sample(
     parts = []
     for start in range(0, len(rows), EVAL_CHUNK):
         prompts, extras = split_rows(rows[start : start + EVAL_CHUNK])
-        batch = hooks.generate(prompts, extras, n, sampling)
+        batch, _ = hooks.rollout(prompts, extras, n, sampling)
         report = label(hooks, batch, labeling, normalize=False)  # raw values, state untouched
         # A response no labeler of the chain could value is left out of the evaluation.
         parts.append(batch if len(report.keep) == batch.size else batch.select(report.keep))

@@ -29,7 +29,12 @@ def no_autocast() -> contextlib.AbstractContextManager[Any]:
 def model_inputs(batch: RolloutBatch, device: torch.device | str) -> dict[str, torch.Tensor]:
     """input_ids, attention_mask and position_ids of prompt + response, on ``device``."""
     input_ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1).to(device)
-    attention = torch.cat([batch.prompt_mask.long(), (batch.response_mask > 0).long()], dim=1)
+    attended = (
+        batch.response_attention.long()
+        if batch.response_attention is not None
+        else (batch.response_mask > 0).long()
+    )
+    attention = torch.cat([batch.prompt_mask.long(), attended], dim=1)
     attention = attention.to(device)
     positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
     return {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions}

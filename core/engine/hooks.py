@@ -48,6 +48,9 @@ class Hooks:
         self.algorithm = algorithm
         self.labeling: Any = None
         """The arm's :class:`~alignzoo.labeling.orchestrator.LabelingStage` (set by assembly)."""
+        self.episodes: Any = None
+        """The arm's :class:`~alignzoo.rollout.multiturn.Episodes` when it has an environment
+        (set by assembly): :meth:`rollout` then runs episodes instead of ``generate``."""
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, hook: str, **kwargs: Any) -> Any:
@@ -133,6 +136,21 @@ class Hooks:
     # what a labeler returns into typed outcomes instead of raising.
 
     # ------------------------------------------------------------------ backend
+    def rollout(
+        self,
+        prompts: list[str],
+        extras: list[dict[str, Any]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: list[int] | None = None,
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """``n`` samples per prompt and their ``env/*`` metrics: multi-turn episodes for an arm
+        with an environment, else the backend's ``generate`` (no metrics)."""
+        if self.episodes is None:
+            return self.generate(prompts, extras, n, sampling, seeds), {}
+        batch, metrics = self.episodes.run(self.pm, prompts, extras, n, sampling, seeds)
+        return batch, metrics
+
     def generate(
         self,
         prompts: list[str],

@@ -665,7 +665,8 @@ class _StackFactory:
 def check_component(
     kind: str, component: Any, params: Any = None, max_examples: int | None = None
 ) -> list[CheckResult]:
-    """The contract suite of ``kind`` (algorithm, labeler, backend, device_mapper, modifier)."""
+    """The contract suite of ``kind`` (algorithm, labeler, backend, device_mapper, modifier,
+    environment)."""
     if kind == "algorithm":
         target = component
         if params is not None:
@@ -676,11 +677,14 @@ def check_component(
             )
             target = cls(params)
         return check_algorithm(target, max_examples=max_examples or 50)
+    from alignzoo.testing.environments import check_environment
+
     suites: dict[str, Callable[..., list[CheckResult]]] = {
         "labeler": check_labeler,
         "backend": check_backend,
         "device_mapper": check_device_mapper,
         "modifier": check_modifier,
+        "environment": check_environment,
     }
     if kind not in suites:
         raise UserError(f"unknown kind {kind!r}; expected algorithm or one of {', '.join(suites)}")

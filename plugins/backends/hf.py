@@ -187,6 +187,29 @@ class HFBackend(Backend):
             rollout_logprobs=rollout_logprobs,
         )
 
+    @hookimpl
+    def generate_ids(
+        self,
+        contexts: list[list[int]],
+        sampling: SamplingParams,
+        seeds: list[int] | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[tuple[list[int], list[float]]]:
+        if self.model is None or self.tokenizer is None:
+            raise RuntimeError("HFBackend.generate_ids called before on_run_start")
+        out: list[tuple[list[int], list[float]]] = []
+        size = self.params.max_batch_size
+        with _eval_mode(self.model), torch.no_grad(), self.autocast():
+            for start in range(0, len(contexts), size):
+                part = contexts[start : start + size]
+                part_seeds = seeds[start : start + size] if seeds is not None else None
+                chunk = self._decode_chunk(part, 1, sampling, part_seeds, stop_token_ids)
+                _, _, response, mask, logprobs = chunk
+                for row in range(len(part)):
+                    length = int(mask[row].sum())
+                    out.append((response[row, :length].tolist(), logprobs[row, :length].tolist()))
+        return out
+
     def _left_padded(self, prompt_tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt ids and attention mask ``[b, P]``, left-padded to the longest prompt."""
         pad = self._pad_id()
@@ -204,11 +227,14 @@ class HFBackend(Backend):
         n: int,
         sampling: SamplingParams,
         seeds: list[int] | None = None,
+        stop_token_ids: list[int] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Sample n continuations of each prompt with the decode loop; tensors as
         :meth:`_generate_chunk` returns them. With ``seeds``, prompt i's rows draw from a
-        generator seeded ``seeds[i]`` (the same tokens whatever else is in the batch)."""
-        model, pad, eos_ids = self.model, self._pad_id(), self._eos_ids()
+        generator seeded ``seeds[i]`` (the same tokens whatever else is in the batch).
+        ``stop_token_ids`` end a row like EOS (kept in the response)."""
+        model, pad = self.model, self._pad_id()
+        eos_ids = list(dict.fromkeys([*self._eos_ids(), *(stop_token_ids or [])]))
         device = _model_device(model)
         prompt_ids, prompt_mask = self._left_padded(prompt_tokens)
         mask = prompt_mask.to(device)

@@ -156,7 +156,7 @@ def test_plugins_fits_80_columns_one_line_each_and_shows_one_in_full():
     assert max(len(line) for line in lines) <= 80
     count = len(json.loads(alignzoo("plugins", "--json").stdout))
     assert sum(1 for line in lines if line.split()[:1] and line.split()[0] in {
-        "algorithm", "labeler", "backend", "device_mapper", "modifier"}) == count  # fmt: skip
+        "algorithm", "labeler", "backend", "device_mapper", "modifier", "environment"}) == count  # fmt: skip
     for row in json.loads(alignzoo("plugins", "--json").stdout):  # kind and provider kept
         assert any(line.split()[:3] == [row["kind"], row["name"], row["provider"]]
                    for line in lines), row  # fmt: skip

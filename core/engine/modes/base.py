@@ -93,10 +93,11 @@ def sample(rows: list[dict[str, Any]], source: StepSource) -> tuple[RolloutBatch
     cfg = source.training
     prompts, extras = split_rows(rows)
     start = time.perf_counter()
-    batch = source.hooks.generate(
+    batch, m = source.hooks.rollout(
         prompts, extras, cfg.samples_per_prompt, cfg.sampling, seeds=source.seeds
     )
-    m = {"timing/generate": time.perf_counter() - start, canonical.BATCH_PROMPTS: float(len(rows))}
+    m["timing/generate"] = time.perf_counter() - start
+    m[canonical.BATCH_PROMPTS] = float(len(rows))
     return batch, m
 
 

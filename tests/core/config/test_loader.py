@@ -275,3 +275,25 @@ def test_a_problem_in_defaults_is_reported_once_where_it_is_written(tmp_path):
     assert sorted(issues) == ["arms.c.labeler.name", "defaults.labeler.params.bogus"], issues
     assert issues["defaults.labeler.params.bogus"].line == 6  # once, not per arm
     assert issues["arms.c.labeler.name"].line == 10  # the arm's own shorthand replaces it
+
+
+def test_an_environment_needs_an_online_algorithm_and_a_token_backend(tmp_path):
+    (tmp_path / "tools.py").write_text(
+        'def add(a: int) -> int:\n    """Add.\n\n    Args:\n        a: A.\n    """\n    return a\n'
+    )
+    env = f"{{name: tools, params: {{functions: ['{tmp_path / 'tools.py'}:add']}}}}"
+    text = f"""\
+    name: demo
+    seeds: [0]
+    budget: {{steps: 1}}
+    arms:
+      ok: {{algorithm: grpo, environment: {env}}}
+      pairs: {{algorithm: dpo, online: true, environment: {env}}}
+      texts: {{algorithm: grpo, backend: canned, environment: {env}}}
+    """
+    with pytest.raises(ConfigError) as info:
+        load_experiment(write(tmp_path, text))
+    issues = {issue.path: issue.message for issue in info.value.issues}
+    assert sorted(issues) == ["arms.pairs.environment", "arms.texts.environment"], issues
+    assert "learns from preference data" in issues["arms.pairs.environment"]
+    assert "does not implement generate_ids" in issues["arms.texts.environment"]

@@ -1,0 +1,414 @@
+"""Multi-turn episodes, token in and token out.
+
+For each prompt row an arm with an ``environment`` runs ``n`` episodes: ``env_reset`` gives the
+starting messages and tools, rendered once through the tokenizer's chat template; then, turn
+after turn, the backend samples the model's turn from the token ids so far (``generate_ids``),
+the codec reads its tool calls, ``env_step`` answers, and the answer is rendered as the text the
+template puts between the model's turn and the next one, tokenised once and appended. Nothing
+already generated is re-tokenised: the ids trained on are exactly the ids sampled, with the
+environment's ids between them.
+
+Rewards come from the arm's labeler, as for single-turn arms: it sees the last assistant
+message as the response and the whole transcript in ``extra["messages"]``; the environment's
+own rewards (summed over the episode) are in ``extra["episode"]["reward"]``, which the
+``episode_reward`` labeler returns, alone or in a ``combine`` with others.
+
+The batch an episode becomes: ``prompt_ids`` the rendered start, ``response_ids`` every later
+token, ``response_mask`` 1 on the model's sampled tokens only (every loss, KL, entropy and
+length metric then counts only those), ``response_attention`` 1 on every real token (the
+environment's are context), ``rollout_logprobs`` the sampler's log-probs (0 elsewhere).
+
+Limits (``episodes``): ``max_turns``, ``max_tokens`` (then the episode is *truncated*), and
+timeouts per environment call and per episode. An environment that raises or times out gives
+the episode the ``error`` / ``timeout`` outcome and ``episodes.on_failure`` decides (drop the
+sample, drop its group, or keep it as it stands); it never stops the run, and every opened
+episode is closed (``env_close``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from alignzoo.errors import UserError
+from alignzoo.rollout.codecs import HermesCodec, codec_for
+from alignzoo.rollout.episode import EpisodeStart, Message, StepResult, Turn
+
+if TYPE_CHECKING:
+    from alignzoo.batch import RolloutBatch
+    from alignzoo.config.schema import EpisodeConfig
+    from alignzoo.types import SamplingParams
+
+OUTCOMES = ("done", "truncated", "error", "timeout")
+"""How an episode ended: the environment said done, a limit cut it, the environment raised,
+an environment call (or the episode) ran past its timeout."""
+_PROBE = "\x00probe\x00"
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (an episode's from its row's seed and sample index)."""
+    sequence = np.random.SeedSequence([abs(int(p)) for p in parts])
+    return int(sequence.generate_state(1, np.uint64)[0] >> 1)
+
+
+@dataclass
+class Episode:
+    """One episode in flight: its token ids, masks, transcript and outcome."""
+
+    row: dict[str, Any]
+    seed: int
+    group: int
+    state: Any = None
+    opened: bool = False
+    messages: list[Message] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""
+    ids: list[int] = field(default_factory=list)  # the response part: model and environment
+    trained: list[int] = field(default_factory=list)  # 1 on the model's sampled tokens
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    reward: float | None = None
+    outcome: str = ""
+    reason: str = ""
+    started: float = field(default_factory=time.monotonic)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return not self.outcome
+
+    def end(self, outcome: str, reason: str = "") -> None:
+        if not self.outcome:
+            self.outcome, self.reason = outcome, reason
+
+
+class ChatRenderer:
+    """Renders episodes through the tokenizer's chat template: the start, and the text between
+    the model's turn and the next one (checked to be append-only)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(
+                "an arm with an environment needs a tokenizer with a chat template (its "
+                "tokenizer_config.json 'chat_template'); the embedded tokenizer has none"
+            )
+        self.tokenizer = tokenizer
+
+    def _text(self, messages: list[Message], tools: Any, generation: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation, tokenize=False
+        )
+        return str(text)
+
+    def start(self, messages: list[Message], tools: Any) -> str:
+        return self._text(messages, tools, generation=True)
+
+    def between(self, turn_text: str, answer: list[Message], tools: Any) -> str:
+        """The text after the model's turn (as it was sampled, special tokens included) up to
+        the next assistant turn: what closes the model's message that it did not write, then
+        the environment's messages and the next generation prompt."""
+        probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
+        before = self._text(probe, tools, generation=False)
+        after = self._text([*probe, *answer], tools, generation=True)
+        if not after.startswith(before):
+            raise UserError(
+                "the chat template is not append-only: rendering more messages changes the "
+                "text of earlier ones, so multi-turn token ids cannot be kept as sampled"
+            )
+        closing = before[before.rindex(_PROBE) + len(_PROBE) :]
+        written = next(
+            (k for k in range(len(closing), 0, -1) if turn_text.endswith(closing[:k])), 0
+        )
+        return closing[written:] + after[len(before) :]
+
+    def stop_ids(self) -> list[int]:
+        """The token that closes an assistant message (``<|im_end|>``) when it is one special
+        token: sampling a turn stops there."""
+        probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
+        before = self._text(probe, None, generation=False)
+        closing = before[before.rindex(_PROBE) + len(_PROBE) :]
+        ids = self.tokenizer(closing, add_special_tokens=False)["input_ids"]
+        special = set(self.tokenizer.all_special_ids) | set(
+            getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        )
+        return [ids[0]] if ids and ids[0] in special else []
+
+
+@dataclass
+class Episodes:
+    """An arm's episode runner: its config, the policy's tokenizer, the codec and renderer."""
+
+    cfg: EpisodeConfig
+    tokenizer: Any
+    codec: HermesCodec = field(init=False)
+    renderer: ChatRenderer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.codec = codec_for(self.tokenizer, self.cfg.codec)
+
+    def run(
+        self,
+        pm: Any,
+        prompts: list[str],
+        extras: list[dict[str, Any]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: list[int] | None,
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """``n`` episodes per prompt; the batch (grouped by prompt, failed episodes left out
+        as ``on_failure`` says) and the step's ``env/*`` metrics."""
+        episodes = [
+            Episode(
+                row={**extra, "prompt": prompt},
+                seed=derive_seed(seeds[i] if seeds is not None else i, j),
+                group=i,
+            )
+            for i, (prompt, extra) in enumerate(zip(prompts, extras, strict=True))
+            for j in range(n)
+        ]
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._reset(pm, episodes))
+            for turn in range(self.cfg.max_turns):
+                live = [e for e in episodes if e.active]
+                if not live:
+                    break
+                self._sample(pm, live, sampling, turn, seeds is None)
+                loop.run_until_complete(self._step(pm, live, turn))
+            for episode in episodes:
+                episode.end("truncated", f"{self.cfg.max_turns} turns")
+        finally:
+            loop.run_until_complete(self._close(pm, episodes))
+            loop.close()
+        kept = self._kept(episodes)
+        return self._batch(episodes, kept), self._metrics(episodes, kept)
+
+    # ------------------------------------------------------------------ environment calls
+    async def _call(self, episode: Episode, hook: Any, **kwargs: Any) -> Any:
+        """One environment call with the step's timeout (and what is left of the episode's);
+        a synchronous implementation runs in a worker thread so the others go on."""
+        timeout = self.cfg.step_timeout_s
+        if self.cfg.episode_timeout_s is not None:
+            left = self.cfg.episode_timeout_s - (time.monotonic() - episode.started)
+            timeout = min(timeout, max(left, 0.0))
+
+        async def call() -> Any:
+            result = await asyncio.to_thread(hook, **kwargs)
+            return await result if inspect.isawaitable(result) else result
+
+        return await asyncio.wait_for(call(), timeout)
+
+    async def _guarded(self, episode: Episode, hook: Any, what: str, **kwargs: Any) -> Any:
+        try:
+            return await self._call(episode, hook, **kwargs)
+        except (asyncio.TimeoutError, TimeoutError):
+            episode.end("timeout", f"{what} ran past its timeout")
+        except Exception as exc:  # the environment's failure is the episode's outcome
+            episode.end("error", f"{what} raised {type(exc).__name__}: {exc}")
+        return None
+
+    async def _reset(self, pm: Any, episodes: list[Episode]) -> None:
+        async def one(episode: Episode) -> None:
+            start = await self._guarded(
+                episode, pm.hook.env_reset, "env_reset", row=episode.row, seed=episode.seed
+            )
+            if start is None:
+                return
+            if not isinstance(start, EpisodeStart):
+                episode.end("error", f"env_reset returned {type(start).__name__}, not EpisodeStart")
+                return
+            episode.state, episode.opened = start.state, True
+            episode.messages, episode.tools = list(start.messages), start.tools
+            episode.prompt_text = self.renderer.start(episode.messages, episode.tools)
+            episode.prompt_ids = self._encode(episode.prompt_text)
+
+        await asyncio.gather(*(one(e) for e in episodes))
+
+    async def _step(self, pm: Any, live: list[Episode], index: int) -> None:
+        async def one(episode: Episode) -> None:
+            if not episode.active:  # a limit ended it while sampling
+                return
+            text = self._turn_text(episode)
+            parsed = self.codec.parse(text)
+            turn = Turn(text, parsed.calls, parsed.errors, index)
+            episode.messages.append(self.codec.assistant_message(text, parsed.calls))
+            episode.turns += 1
+            result = await self._guarded(
+                episode, pm.hook.env_step, "env_step", state=episode.state, turn=turn
+            )
+            if result is None:
+                return
+            if not isinstance(result, StepResult):
+                episode.end("error", f"env_step returned {type(result).__name__}, not StepResult")
+                return
+            self._take(episode, result)
+
+        await asyncio.gather(*(one(e) for e in live))
+
+    async def _close(self, pm: Any, episodes: list[Episode]) -> None:
+        async def one(episode: Episode) -> None:
+            if episode.opened:
+                try:
+                    await self._call(episode, pm.hook.env_close, state=episode.state)
+                except Exception:  # closing is best effort: counted, never raised
+                    episode.metrics["close_failed"] = 1.0
+
+        await asyncio.gather(*(one(e) for e in episodes))
+
+    # ------------------------------------------------------------------ tokens
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _sample(
+        self,
+        pm: Any,
+        live: list[Episode],
+        sampling: SamplingParams,
+        turn: int,
+        unseeded: bool,
+    ) -> None:
+        """Sample every live episode's next turn from its ids, in one backend call."""
+        budget = [self.cfg.max_tokens - len(e.ids) for e in live]
+        width = min(sampling.max_new_tokens, max(budget))
+        turn_sampling = sampling.model_copy(update={"max_new_tokens": max(width, 1)})
+        contexts = [e.prompt_ids + e.ids for e in live]
+        seeds = None if unseeded else [derive_seed(e.seed, turn, 7) for e in live]
+        outputs = pm.hook.generate_ids(
+            contexts=contexts,
+            sampling=turn_sampling,
+            seeds=seeds,
+            stop_token_ids=self.renderer.stop_ids(),
+        )
+        for episode, room, (ids, logprobs) in zip(live, budget, outputs, strict=True):
+            ids, logprobs = list(ids[:room]), list(logprobs[:room])
+            episode.ids += ids
+            episode.trained += [1] * len(ids)
+            episode.logprobs += logprobs
+            episode.metrics["last_turn_start"] = float(len(episode.ids) - len(ids))
+            if len(episode.ids) >= self.cfg.max_tokens:
+                episode.end("truncated", f"{self.cfg.max_tokens} tokens")
+
+    def _turn_text(self, episode: Episode) -> str:
+        start = int(episode.metrics["last_turn_start"])
+        return str(self.tokenizer.decode(episode.ids[start:], skip_special_tokens=True))
+
+    def _take(self, episode: Episode, result: StepResult) -> None:
+        """The environment's answer: reward, transcript and the ids between turns."""
+        if result.reward is not None:
+            episode.reward = (episode.reward or 0.0) + float(result.reward)
+        for key, value in (result.info.get("metrics") or {}).items():
+            if isinstance(value, (int, float)):
+                episode.metrics[key] = episode.metrics.get(key, 0.0) + float(value)
+        episode.messages += [dict(m) for m in result.messages]
+        if result.done:
+            episode.end("done")
+            return
+        start = int(episode.metrics["last_turn_start"])
+        sampled = self.tokenizer.decode(episode.ids[start:], skip_special_tokens=False)
+        between = self._encode(self.renderer.between(sampled, result.messages, episode.tools))
+        room = self.cfg.max_tokens - len(episode.ids)
+        episode.ids += between[:room]
+        episode.trained += [0] * len(between[:room])
+        episode.logprobs += [0.0] * len(between[:room])
+        if len(between) >= room:
+            episode.end("truncated", f"{self.cfg.max_tokens} tokens")
+
+    # ------------------------------------------------------------------ the batch
+    def _kept(self, episodes: list[Episode]) -> list[int]:
+        failed = {e.outcome for e in episodes} & {"error", "timeout"}
+        if not failed or self.cfg.on_failure == "keep":
+            return [i for i, e in enumerate(episodes) if e.opened]
+        if self.cfg.on_failure == "drop_group":
+            bad = {e.group for e in episodes if e.outcome in ("error", "timeout")}
+            return [i for i, e in enumerate(episodes) if e.group not in bad and e.opened]
+        return [
+            i for i, e in enumerate(episodes) if e.outcome not in ("error", "timeout") and e.opened
+        ]
+
+    def _batch(self, episodes: list[Episode], kept: list[int]) -> RolloutBatch:
+        import torch
+
+        from alignzoo.batch import RolloutBatch
+
+        chosen = [episodes[i] for i in kept]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        prompt_width = max((len(e.prompt_ids) for e in chosen), default=0)
+        width = max((len(e.ids) for e in chosen), default=0)
+        rows = len(chosen)
+        prompt_ids = torch.full((rows, prompt_width), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((rows, prompt_width), dtype=torch.long)
+        response_ids = torch.full((rows, width), pad, dtype=torch.long)
+        trained = torch.zeros((rows, width), dtype=torch.float32)
+        attention = torch.zeros((rows, width), dtype=torch.long)
+        logprobs = torch.zeros((rows, width), dtype=torch.float32)
+        for r, e in enumerate(chosen):
+            p, k = len(e.prompt_ids), len(e.ids)
+            if p:
+                prompt_ids[r, prompt_width - p :] = torch.tensor(e.prompt_ids)
+                prompt_mask[r, prompt_width - p :] = 1
+            if k:
+                response_ids[r, :k] = torch.tensor(e.ids)
+                trained[r, :k] = torch.tensor(e.trained, dtype=torch.float32)
+                attention[r, :k] = 1
+                logprobs[r, :k] = torch.tensor(e.logprobs)
+        groups = sorted({e.group for e in chosen})
+        renumber = {g: i for i, g in enumerate(groups)}
+        return RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=trained,
+            group_ids=torch.tensor([renumber[e.group] for e in chosen], dtype=torch.long),
+            prompts=[e.prompt_text for e in chosen],
+            responses=[_last_assistant(e.messages) for e in chosen],
+            extras=[_extra(e) for e in chosen],
+            rollout_logprobs=logprobs,
+            response_attention=attention,
+        )
+
+    def _metrics(self, episodes: list[Episode], kept: list[int]) -> dict[str, float]:
+        total = max(len(episodes), 1)
+        m: dict[str, float] = {
+            "env/episodes": float(len(episodes)),
+            "env/turns": sum(e.turns for e in episodes) / total,
+            "env/kept_frac": len(kept) / total,
+        }
+        for outcome in OUTCOMES:
+            m[f"env/{outcome}_frac"] = sum(e.outcome == outcome for e in episodes) / total
+        tokens = sum(len(e.ids) for e in episodes)
+        if tokens:
+            m["env/trained_token_frac"] = sum(sum(e.trained) for e in episodes) / tokens
+        rewards = [e.reward for e in episodes if e.reward is not None]
+        if rewards:
+            m["env/reward_mean"] = float(np.mean(rewards))
+        for key in ("tool_calls", "tool_errors"):
+            values = [e.metrics.get(key, 0.0) for e in episodes]
+            m[f"env/{key}"] = float(np.mean(values)) if values else 0.0
+        return m
+
+
+def _last_assistant(messages: list[Message]) -> str:
+    """The content of the last assistant message (what the labeler scores as the response)."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            return str(message.get("content") or "")
+    return ""
+
+
+def _extra(episode: Episode) -> dict[str, Any]:
+    extra = {k: v for k, v in episode.row.items() if k != "prompt"}
+    extra["messages"] = episode.messages
+    extra["episode"] = {
+        "outcome": episode.outcome,
+        "reason": episode.reason,
+        "turns": episode.turns,
+        "reward": episode.reward,
+    }
+    return extra

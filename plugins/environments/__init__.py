@@ -1,0 +1,1 @@
+"""Built-in environments (kind ``environment``): multi-turn episodes an arm trains on."""

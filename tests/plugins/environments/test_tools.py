@@ -1,0 +1,91 @@
+"""The tools environment: schemas from signatures and docstrings, calls answered in order,
+errors answered not raised, an episode ending on a turn without a call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from alignzoo.errors import UserError
+from alignzoo.plugins.environments.tools import ToolsEnvironment
+from alignzoo.rollout.episode import ToolCall, Turn
+
+TOOLS = '''
+import asyncio
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+async def shout(text: str) -> str:
+    """Upper-case a text.
+
+    Args:
+        text: What to shout.
+    """
+    await asyncio.sleep(0)
+    return text.upper() * 1000
+
+def broken(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: Ignored.
+    """
+    raise RuntimeError("down")
+
+def undocumented(x):
+    return x
+'''
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    (tmp_path / "tools.py").write_text(TOOLS)
+    monkeypatch.chdir(tmp_path)
+    functions = ["tools.py:add", "tools.py:shout", "tools.py:broken"]
+    return ToolsEnvironment(
+        {"functions": functions, "system": "Use tools.", "max_result_chars": 50}
+    )
+
+
+def step(env, state, turn):
+    return asyncio.run(env.env_step(state=state, turn=turn))
+
+
+def test_schemas_messages_and_calls(env):
+    start = env.env_reset(row={"prompt": "2+3?", "answer": "5"}, seed=0)
+    assert [m["role"] for m in start.messages] == ["system", "user"]
+    assert [t["function"]["name"] for t in start.tools] == ["add", "shout", "broken"]
+    assert start.tools[0]["function"]["parameters"]["required"] == ["a", "b"]
+    calls = (ToolCall("add", {"a": 2, "b": 3}), ToolCall("shout", {"text": "hi"}),
+             ToolCall("broken", {"x": 1}), ToolCall("nope", {}), ToolCall("add", {"a": 1}))  # fmt: skip
+    result = step(env, start.state, Turn("calling", calls, ("tool call is not valid JSON",)))
+    contents = [m["content"] for m in result.messages]
+    assert contents[0] == "5"
+    assert contents[1].startswith("HIHI") and len(contents[1]) == 50  # cut to max_result_chars
+    assert contents[2] == "error: RuntimeError: down"
+    assert contents[3].startswith("error: no tool named 'nope'")
+    assert contents[4].startswith("error: TypeError")  # a missing argument
+    assert contents[5] == "error: tool call is not valid JSON"
+    assert not result.done and result.info["metrics"] == {"tool_calls": 5.0, "tool_errors": 4.0}
+    assert step(env, start.state, Turn("The answer is 5.")).done  # no call: the episode ends
+
+
+def test_conversational_rows_start_from_their_messages(env):
+    messages = [{"role": "user", "content": "hello"}]
+    start = env.env_reset(row={"prompt": "<rendered>", "prompt_messages": messages}, seed=0)
+    assert start.messages[1:] == messages
+
+
+def test_a_function_without_a_docstring_is_refused_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "tools.py").write_text(TOOLS)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"tools\.py:undocumented"):
+        ToolsEnvironment({"functions": ["tools.py:undocumented"]})
