@@ -15,13 +15,38 @@ Variants, all selected by params:
 - ``loss_aggregation``: any mode of :func:`alignzoo.ops.aggregate_loss`; ``norm_constant`` is Dr.
   GRPO's constant for ``seq-mean-token-sum-norm``.
 - ``beta = 0``: no KL term, and no reference model is loaded.
+- ``surrogate``: the policy-gradient term of each token. ``"clip"`` (the default) is PPO's
+  clipped surrogate above; the others are TRL's ``loss_type`` of the same name:
+
+  - ``"cispo"``: CISPO (MiniMax 2025, "MiniMax-M1", arXiv:2506.13585), REINFORCE with a clipped,
+    detached importance weight, ``-sg(min(r, eps_max)) A log pi``: no token loses its gradient.
+    ``cispo_ratio_max`` is eps_max (ScaleRL, arXiv:2510.13786, uses 5).
+  - ``"sapo"``: SAPO (Qwen 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347), a smooth
+    gate ``-(4 / tau) sigmoid(tau (r - 1)) A`` instead of the hard clip, whose gradient equals
+    the unclipped surrogate's at r = 1 and fades off-policy; ``sapo_temperature_pos`` /
+    ``sapo_temperature_neg`` are tau for A > 0 / A <= 0.
+  - ``"luspo"``: LUSPO (arXiv:2602.05261, "Length-Unbiased Sequence Policy Optimization"): GSPO's
+    clipped sequence surrogate with each sequence's loss (its KL term too, as in TRL) weighted
+    by its length ``|y_i|``. Needs ``importance_ratio: sequence`` and the per-sequence mean
+    aggregation (the default), so the loss is the mean over sequences of their token sums.
+  - ``"vespo"``: VESPO (arXiv:2602.10693, "Variational Sequence-Level Soft Policy
+    Optimization"): ``-sg(phi(w)) A log pi`` with the sequence ratio ``w = prod_t pi / pi_old``
+    and the Gamma weight ``phi(w) = e^lam w^k e^(-lam w)`` (``phi(1) = 1``), ``vespo_k_*`` /
+    ``vespo_lambda_*`` for A >= 0 / A < 0. Needs ``importance_ratio: token`` (w is its own
+    sequence ratio). The rollout correction multiplies its loss like every surrogate's (TRL
+    folds its token IS ratios into w instead).
+
+  The params of one surrogate are refused with another when set off their defaults. TRL's
+  ``loss_type`` also fixes the aggregation: ``sapo`` is ``seq-mean-token-mean`` (the default),
+  ``cispo`` and ``vespo`` are ``token-mean`` (DAPO's), which ``loss_aggregation`` selects here.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
@@ -43,6 +68,16 @@ torch = lazy_import("torch")
 ops = lazy_import("alignzoo.ops")
 
 ScaleRewards = Literal["group", "batch", "none"]
+Surrogate = Literal["clip", "cispo", "sapo", "luspo", "vespo"]
+
+SURROGATE_PARAMS: dict[str, tuple[str, ...]] = {
+    "clip": ("clip_eps_low", "clip_eps_high"),
+    "luspo": ("clip_eps_low", "clip_eps_high"),
+    "cispo": ("cispo_ratio_max",),
+    "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}
+"""The params each surrogate reads (the others are refused off their defaults)."""
 
 
 class GRPOParams(AggregationParams):
@@ -71,6 +106,78 @@ class GRPOParams(AggregationParams):
     )
 
     eps: float = Field(1e-6, gt=0.0, description="added to the std before dividing")
+
+    surrogate: Surrogate = Field(
+        "clip",
+        description="the per-token policy-gradient term: PPO's clipped surrogate (clip), CISPO's "
+        "clipped detached IS weight times A log pi (cispo), SAPO's soft sigmoid gate (sapo), "
+        "LUSPO's length-weighted GSPO (luspo), VESPO's Gamma-weighted sequence ratio (vespo)",
+    )
+    cispo_ratio_max: float = Field(
+        5.0,
+        gt=0.0,
+        description="cispo: the IS weight is sg(min(r, cispo_ratio_max)) (ScaleRL's eps_max, "
+        "recommended 5; TRL's epsilon_high under loss_type cispo)",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0.0, description="sapo: gate temperature tau for tokens with A > 0"
+    )
+    sapo_temperature_neg: float = Field(
+        1.05,
+        gt=0.0,
+        description="sapo: gate temperature tau for tokens with A <= 0 (larger: their "
+        "off-policy gradient fades faster; the paper keeps it above sapo_temperature_pos)",
+    )
+    vespo_k_pos: float = Field(
+        2.0,
+        ge=0.0,
+        description="vespo: power k of phi(w) = e^lam w^k e^(-lam w) for A >= 0 (down-weights "
+        "sequences with w < 1)",
+    )
+    vespo_lambda_pos: float = Field(
+        3.0,
+        gt=0.0,
+        description="vespo: decay lam of phi(w) for A >= 0 (down-weights sequences with w > 1)",
+    )
+    vespo_k_neg: float = Field(3.0, ge=0.0, description="vespo: power k of phi(w) for A < 0")
+    vespo_lambda_neg: float = Field(2.0, gt=0.0, description="vespo: decay lam of phi(w) for A < 0")
+
+    @model_validator(mode="after")
+    def _surrogate_combinations(self) -> GRPOParams:
+        name = self.surrogate
+        if name == "luspo" and self.importance_ratio != "sequence":
+            raise ValueError(
+                "surrogate 'luspo' is GSPO's sequence surrogate weighted by length: set "
+                "importance_ratio: sequence"
+            )
+        if name == "luspo" and self.loss_aggregation != "seq-mean-token-mean":
+            raise ValueError(
+                "surrogate 'luspo' weights each sequence's mean token loss by its length |y_i| "
+                "(a token sum per sequence): keep loss_aggregation: seq-mean-token-mean, not "
+                f"{self.loss_aggregation!r}"
+            )
+        if name == "vespo" and self.importance_ratio != "token":
+            raise ValueError(
+                "surrogate 'vespo' computes its own sequence ratio w = prod_t pi / pi_old: keep "
+                "importance_ratio: token"
+            )
+        fields = dict.fromkeys(f for names in SURROGATE_PARAMS.values() for f in names)
+        for field in fields:
+            if field in SURROGATE_PARAMS[name]:
+                continue
+            if getattr(self, field) == type(self).model_fields[field].default:
+                continue
+            readers = [s for s, names in SURROGATE_PARAMS.items() if field in names]
+            hint = (
+                "; cispo caps its IS weight with cispo_ratio_max (TRL's epsilon_high)"
+                if name == "cispo" and field.startswith("clip_eps")
+                else ""
+            )
+            raise ValueError(
+                f"{field} is read only by surrogate {' / '.join(readers)}, not by {name!r}: "
+                f"remove it, or set surrogate: {readers[0]}{hint}"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -124,6 +231,65 @@ def policy_log_ratio(
     return torch.where(mask_b, sequence.unsqueeze(-1).expand_as(token), 0.0)
 
 
+def cispo_surrogate(
+    logprobs: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ratio_max: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO's per-token loss ``[B, R]`` and where its cap on the IS weight binds.
+
+    The importance weight is clipped and detached, so it scales the REINFORCE gradient of every
+    token instead of removing some (MiniMax-M1; only the upper cap, as in ScaleRL and TRL, since
+    MiniMax-M1 leaves the lower bound open). The bool mask marks tokens whose weight is capped.
+    """
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    weight = ratio.clamp(max=ratio_max).detach()  # sg(r_hat), r_hat = min(r, eps_max)
+    logp = torch.where(mask.bool(), logprobs, 0.0)
+    loss = -weight * advantages * logp  # J_CISPO = E[sg(r_hat) A log pi(y_t)]  (MiniMax-M1)
+    return loss, ratio > ratio_max
+
+
+def sapo_surrogate(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAPO's per-token loss ``[B, R]`` and its gate: the fraction of the unclipped surrogate's
+    gradient each token keeps, ``4 sigmoid(x) (1 - sigmoid(x))`` at ``x = tau (r - 1)`` (1 at
+    r = 1, fading smoothly off-policy)."""
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
+    soft = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -(4.0 / tau) * soft * advantages  # f(r) = sigmoid(tau (r - 1)) 4 / tau; J = E[f(r) A]
+    gate = (4.0 * soft * (1.0 - soft)).detach()  # df/dr: the gradient is gate * r A grad log pi
+    return loss, gate
+
+
+def vespo_weights(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    params: GRPOParams,
+) -> torch.Tensor:
+    """VESPO's Gamma weight ``phi(w)`` of each sequence's ratio ``w = prod_t pi / pi_old``, on
+    every token ``[B, R]`` (detached: it only scales the gradient).
+
+    ``log phi(w) = lam + k log w - lam w``: ``phi(1) = 1``, it peaks at ``w = k / lam`` and
+    vanishes as ``w -> 0`` (like ``w^k``) and as ``w -> inf`` (like ``e^(-lam w)``), with
+    (k, lam) chosen by the advantage's sign. As TRL does, each token's log-ratio is clamped to
+    [-20, 20] and log w to [log 1e-8, 20].
+    """
+    mask_b = mask.bool()
+    token = torch.where(mask_b, log_ratio.detach().clamp(-20.0, 20.0), 0.0)
+    log_w = token.sum(dim=-1, keepdim=True).clamp(math.log(1e-8), 20.0)  # log w = sum_t log r_t
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, params.vespo_k_pos, params.vespo_k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, params.vespo_lambda_pos, params.vespo_lambda_neg).to(log_w.dtype)
+    log_phi = lam + k * log_w - lam * log_w.exp()  # phi(w) = e^lam w^k e^(-lam w)  (VESPO)
+    phi = torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.where(mask_b, phi, 0.0)
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -135,37 +301,65 @@ def grpo_loss(
     context: LossContext | None = None,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO objective (Shao et al. 2024, eq. 3), negated: the clipped surrogate plus beta * KL.
+    """GRPO objective (Shao et al. 2024, eq. 3), negated: the surrogate plus beta * KL.
 
+    The surrogate is ``params.surrogate`` (PPO's clip by default; see the module docstring).
     All inputs are ``[B, R]`` (``weights`` ``[B]``); ``is_weights`` are the rollout
-    correction's truncated importance weights on the surrogate (not on the KL term). The loss is aggregated over the optimizer
-    step's counts in ``context`` (this batch's own without it). Returns the scalar loss and
-    detached metric tensors (``grpo/kl_k3`` only when ``ref_logprobs`` is given).
+    correction's truncated importance weights on the surrogate (not on the KL term). The loss
+    is aggregated over the optimizer step's counts in ``context`` (this batch's own without
+    it). Returns the scalar loss and detached metric tensors (``grpo/kl_k3`` only when
+    ``ref_logprobs`` is given; the clip fractions for clip, luspo and cispo, whose upper one is
+    the fraction of capped IS weights; ``grpo/sapo_gate`` for sapo, the mean fraction of the
+    unclipped gradient kept; ``grpo/vespo_phi`` for vespo, the mean Gamma weight of a sequence).
     """
     mask_b = mask.bool()
     advantages = torch.where(mask_b, advantages, 0.0)
     log_ratio = policy_log_ratio(logprobs, old_logprobs, mask, params.importance_ratio)
-    pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
-        log_ratio, advantages, params.clip_eps_low, params.clip_eps_high
-    )  # -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)  (GRPO eq. 3; DAPO clip-higher)
+    metrics: dict[str, torch.Tensor] = {}
+    clip_metrics: dict[str, torch.Tensor] = {}
+    surrogate = params.surrogate
+    if surrogate in ("clip", "luspo"):
+        pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
+            log_ratio, advantages, params.clip_eps_low, params.clip_eps_high
+        )  # -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)  (GRPO eq. 3; DAPO clip-higher)
+        clip_metrics = ops.clip_fractions(clipped_low, clipped_high, mask)
+    elif surrogate == "cispo":
+        pg_mat, capped = cispo_surrogate(
+            logprobs, log_ratio, advantages, mask, params.cispo_ratio_max
+        )
+        clip_metrics = ops.clip_fractions(torch.zeros_like(capped), capped, mask)
+    elif surrogate == "sapo":
+        pg_mat, gate = sapo_surrogate(
+            log_ratio, advantages, params.sapo_temperature_pos, params.sapo_temperature_neg
+        )
+        metrics["grpo/sapo_gate"] = ops.masked_mean(gate, mask)
+    else:  # vespo
+        phi = vespo_weights(log_ratio, advantages, mask, params)
+        logp = torch.where(mask_b, logprobs, 0.0)
+        pg_mat = -phi * advantages * logp  # J_VESPO = E[sg(phi(w)) A log pi(y_t)]  (VESPO)
+        metrics["grpo/vespo_phi"] = ops.masked_mean(phi, mask, dim=-1).mean()  # per sequence
     pg_mat = ops.weight_tokens(pg_mat, is_weights)  # TIS (training.rollout_correction)
     loss_mat = pg_mat
-    metrics: dict[str, torch.Tensor] = {}
     if ref_logprobs is not None:
         kl_mat = ops.masked_kl_penalty(logprobs, ref_logprobs, mask, "k3")  # GRPO eq. 4
         metrics["grpo/kl_k3"] = ops.masked_mean(kl_mat.detach(), mask)
         if params.beta > 0:
             loss_mat = loss_mat + params.beta * kl_mat  # ... - beta * D_KL(pi || pi_ref)  (eq. 3)
 
+    sample_weights = weights
+    if surrogate == "luspo":  # LUSPO: each sequence's loss times its length |y_i|
+        lengths = mask.to(loss_mat.dtype).sum(dim=-1)
+        sample_weights = lengths if weights is None else weights.to(lengths.dtype) * lengths
+
     def aggregate(mat: torch.Tensor, ctx: LossContext | None) -> torch.Tensor:
-        weighted = ops.weight_samples(mat, weights)
+        weighted = ops.weight_samples(mat, sample_weights)
         return ops.aggregate_loss(
             weighted, mask, params.loss_aggregation, params.norm_constant, ctx
         )
 
     loss = aggregate(loss_mat, context)  # this micro-batch's share of the step's loss
     metrics["actor/pg_loss"] = aggregate(pg_mat.detach(), None)  # its own mean
-    metrics.update(ops.clip_fractions(clipped_low, clipped_high, mask))
+    metrics.update(clip_metrics)
     metrics["actor/approx_kl"] = ops.approx_kl(logprobs, old_logprobs, mask)
     return loss, metrics
 
@@ -174,11 +368,11 @@ def grpo_loss(
 
 
 class GRPO(Algorithm):
-    """GRPO (Shao et al. 2024): group-relative advantages, clipped surrogate, k3 KL; Dr. GRPO, DAPO and GSPO variants."""
+    """GRPO (Shao et al. 2024): group-relative advantages, clipped surrogate, k3 KL; Dr. GRPO, DAPO, GSPO, CISPO, SAPO, LUSPO and VESPO variants."""
 
     Params = GRPOParams
     params: GRPOParams
-    watched_metrics = ("actor/clipfrac",)
+    watched_metrics = ("actor/clipfrac", "grpo/sapo_gate", "grpo/vespo_phi")
 
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:
