@@ -2,7 +2,8 @@
 
 Importing ``alignzoo`` is light (no torch). The public API::
 
-    from alignzoo import hookimpl, Algorithm, Labeler, Backend, DeviceMapper, Modifier, Stateful
+    from alignzoo import hookimpl, Algorithm, Labeler, Backend, DeviceMapper, Modifier, Environment
+    from alignzoo import Stateful
     from alignzoo import LabelRequest, Score, LossContext, LossOutput, AlgorithmRequirements
     from alignzoo import Placement, SamplingParams
     from alignzoo import RolloutBatch, PolicyOutputs, PolicyWeights   # tensors (imports torch)
@@ -30,6 +31,7 @@ from alignzoo.plugin import (
     Backend,
     Component,
     DeviceMapper,
+    Environment,
     Labeler,
     Modifier,
     NoParams,
@@ -65,6 +67,7 @@ __all__ = [
     "Component",
     "ConfigError",
     "DeviceMapper",
+    "Environment",
     "ExperimentSpec",
     "LabelRequest",
     "Labeler",

@@ -14,7 +14,7 @@ from string import Template
 
 from alignzoo.errors import UserError
 
-KINDS = ("algorithm", "labeler", "backend", "device_mapper", "modifier")
+KINDS = ("algorithm", "labeler", "backend", "device_mapper", "modifier", "environment")
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,49}")
 
 _MODULES: dict[str, tuple[str, str]] = {
@@ -182,6 +182,51 @@ class ${cls}Modifier(Modifier):
         return result
 ''',
     ),
+    "environment": (
+        "Environment",
+        '''"""$title: an environment. Start here: env_reset and env_step."""
+
+import random
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alignzoo import Environment, hookimpl
+from alignzoo.rollout.episode import EpisodeStart, StepResult
+
+
+class ${cls}Environment(Environment):
+    """Guess a number: the model guesses, the environment says higher or lower (edit me)."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        high: int = Field(20, ge=2, description="The number is drawn from 1..high.")
+
+    @hookimpl
+    def env_reset(self, row, seed):
+        # Everything an episode keeps lives in its state, never on self: episodes run side
+        # by side. Draw randomness from the episode's seed.
+        secret = random.Random(seed).randint(1, self.params.high)
+        task = f"Guess my number between 1 and {self.params.high}. Answer with a number."
+        return EpisodeStart(state={"secret": secret}, messages=[{"role": "user", "content": task}])
+
+    @hookimpl
+    def env_step(self, state, turn):
+        # Any text may arrive: answer it, never raise.
+        digits = "".join(c for c in turn.text if c in "0123456789")[:6]
+        if not digits:
+            return StepResult([{"role": "user", "content": "Answer with a number."}], reward=0.0)
+        guess = int(digits)
+        if guess == state["secret"]:
+            return StepResult(reward=1.0, done=True)
+        hint = "higher" if guess < state["secret"] else "lower"
+        return StepResult([{"role": "user", "content": f"No: {hint}."}], reward=0.0)
+
+    @hookimpl
+    def env_close(self, state):
+        state.clear()  # release what an episode holds (a subprocess, a connection)
+''',
+    ),
 }
 
 _TESTS = {
@@ -210,6 +255,11 @@ def test_device_mapper_contract():
 def test_modifier_contract():
     assert_contract("modifier", ${cls}Modifier, max_examples=5)
 """,
+    "environment": """
+
+def test_environment_contract():
+    assert_contract("environment", ${cls}Environment, max_examples=10)
+""",
 }
 
 _MODULE_FILE = {
@@ -218,6 +268,7 @@ _MODULE_FILE = {
     "backend": "backend",
     "device_mapper": "devices",
     "modifier": "modifier",
+    "environment": "environment",
 }
 
 _README = """# $project
@@ -243,6 +294,7 @@ _ARM_FIELD = {
     "labeler": "labeler",
     "backend": "backend",
     "device_mapper": "devices",
+    "environment": "environment",
 }
 
 

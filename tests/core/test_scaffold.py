@@ -83,5 +83,5 @@ def test_the_scaffold_installs_in_a_fresh_venv_and_passes_its_tests(tmp_path):
         capture_output=True, text=True, env=env, cwd=package, timeout=900,
     )  # fmt: skip
     assert tests.returncode == 0, tests.stdout + tests.stderr
-    assert "5 passed" in tests.stdout
+    assert "6 passed" in tests.stdout
     assert sys.prefix not in str(python)
