@@ -246,14 +246,29 @@ def relabel(
 def serve_labeler(
     config: Annotated[Path, typer.Argument(help="YAML: labeler, batching, token_env, limits.")],
     host: Annotated[
-        str, typer.Option(help="Interface to bind (0.0.0.0 only if you mean it).")
+        str,
+        typer.Option(
+            help="Interface to bind. An address other than loopback needs token_env in the "
+            "YAML, or --insecure."
+        ),
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8765,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Serve a non-loopback --host without a token (anyone who can reach it can "
+            "use the labeler); prints a warning.",
+        ),
+    ] = False,
 ) -> None:
     """Serve a labeler plugin over HTTP (protocol v1: POST /v1/score, /health, /metrics)."""
     from alignzoo.labeling.service import serve
 
-    serve(config, host=host, port=port)
+    def say(line: str) -> None:
+        err_console.print(line, markup=False, highlight=False)
+
+    serve(config, host=host, port=port, insecure=insecure, say=say)
 
 
 @labeler_app.command("swap")
