@@ -7,15 +7,34 @@ typically ``assert f(1) == 2``) in a fresh interpreter (``python -I``) with:
 - a scratch directory of its own as working directory (removed afterwards) and an empty
   environment;
 - no new processes: ``os.fork``, ``os.system``, ``subprocess`` and the other ways to start one
-  are disabled inside the interpreter, and the process limit backs that up for a non-root
-  user (the kernel exempts root from it); the process group is killed round after round until
-  it is empty, so even a fork bomb through ``ctypes`` dies at the timeout;
+  are disabled inside the interpreter, and the process limit backs that up for a non-root user
+  (the kernel exempts root from it, in a user namespace too);
+- every process the sample starts anyway (through ``ctypes``, ``posix.fork``, ...) dies with
+  the sample, even one that calls ``setsid``, double-forks or ignores ``SIGTERM``: when the
+  sample's main process ends (or at the timeout, or when the labeler is closed or its process
+  dies) nothing of it is left running. ``containment`` says how, ``"auto"`` taking the first
+  that the machine allows (probed once per process; the labeler's ``containment`` attribute,
+  ``info["containment"]`` of every score and a log line at start-up say which is active):
+
+  - ``pid_namespace`` (Linux where unprivileged user namespaces are allowed, or as root): the
+    sample runs under the init of a PID namespace of its own, and when that init ends the
+    kernel kills every process in the namespace. A sample cannot leave its namespace, nor
+    signal or trace its supervisors (outside it, and not dumpable);
+  - ``subreaper`` (Linux without namespaces, e.g. a container whose seccomp profile refuses
+    ``unshare``): a supervisor process marked ``PR_SET_CHILD_SUBREAPER`` adopts every orphan
+    of the sample, however it detached, and after the sample (or at the timeout) kills every
+    descendant it finds under ``/proc`` round after round and waits for them until it has none.
+    The gap: the sample runs as the same user as its supervisor and could kill it first;
+  - ``process_group`` (no ``prctl``, e.g. macOS; never chosen where one of the above works):
+    only the process group is killed, so ``setsid`` escapes it;
 - limits: CPU seconds (``RLIMIT_CPU``), address space (``memory_mb``), file size, and number
-  of processes; the whole process group is killed on the wall-clock ``timeout_s``;
+  of processes (``max_processes`` besides the sample's own and its two supervisors; counted
+  within the sample's user namespace where there is one); the sample is stopped at the
+  wall-clock ``timeout_s``;
 - no network: the child enters new user and network namespaces where the kernel allows it
-  (then it has no interface but loopback, and the process limit is enforced even for root);
-  where it does not, sockets are disabled inside the interpreter, which stops ordinary code
-  but not a determined one (``info["network_isolated"]`` says which held).
+  (then it has no interface but loopback); where it does not, sockets are disabled inside the
+  interpreter, which stops ordinary code but not a determined one (``info["network_isolated"]``
+  says which held).
 
 The verdict is a real value (it judges the model's output), reported apart in
 ``info["verdict"]``: ``passed`` (1.0), ``wrong_answer`` (the fraction of tests passed),
@@ -26,7 +45,9 @@ is True only when every test passes. A sample without tests abstains.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,29 +55,161 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo import Labeler, LabelRequest, Score
 
+log = logging.getLogger(__name__)
+
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
 _MARK = "__ALIGNZOO_CODE_RESULT__"
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID = 0x10000000, 0x40000000, 0x20000000
+PR_SET_PDEATHSIG, PR_GET_CHILD_SUBREAPER = 1, 37
+MECHANISMS = ("pid_namespace", "subreaper")
+"""The containments that hold every descendant, strongest first."""
+_UNSHARE = {  # the namespaces the child tries to enter, in order; the first the kernel allows
+    "pid_namespace": (
+        CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID,
+        CLONE_NEWNET | CLONE_NEWPID,  # root where user namespaces are off
+        CLONE_NEWUSER | CLONE_NEWNET,  # then the harness falls back to the subreaper
+        CLONE_NEWNET,
+    ),
+    "subreaper": (CLONE_NEWUSER | CLONE_NEWNET, CLONE_NEWNET),
+    "process_group": (CLONE_NEWUSER | CLONE_NEWNET, CLONE_NEWNET),
+}
+_SUPERVISORS = 2  # the harness and, in a PID namespace, the namespace's init
+_GRACE_S = 3.0  # how long a stopped supervisor may take to clean up before its group is killed
 
+# The harness: its first process is the supervisor and never runs the sample's code. It forks
+# the sample's process (under a fresh PID namespace's init where the labeler unshared one),
+# waits for it, kills whatever the sample left and exits with the sample's status (128 + the
+# signal when one killed it). SIGTERM (the labeler's timeout or close, or the labeler's death
+# through PR_SET_PDEATHSIG) makes it kill everything and exit at once.
 _HARNESS = r"""
-import json, socket, sys
+import ctypes, json, os, signal, socket, sys, time
+_libc = ctypes.CDLL(None, use_errno=True)
+_prctl = getattr(_libc, "prctl", None)
 try:
     _interfaces = [name for _, name in socket.if_nameindex()]
 except OSError:
     _interfaces = []
 _isolated = all(name == "lo" for name in _interfaces)
+# PR_SET_CHILD_SUBREAPER: every orphan of the sample is ours (unless a PID namespace's init,
+# the sample's parent where the labeler unshared one, adopts it first)
+if _prctl is not None and os.path.isdir("/proc/self/task") and _prctl(36, 1, 0, 0, 0) == 0:
+    _containment = "subreaper"
+else:
+    _containment = "process_group"
+
+
+def _status(wait_status):
+    code = os.waitstatus_to_exitcode(wait_status)
+    return code if code >= 0 else 128 - code
+
+
+def _children(pid, table):
+    if table is not None:
+        return table.get(pid, [])
+    kids = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                kids += [int(k) for k in fh.read().split()]
+        except (OSError, ValueError):
+            pass
+    return kids
+
+
+def _ppid_table():  # for kernels without /proc/PID/task/TID/children: parent -> children
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            table.setdefault(ppid, []).append(int(entry))
+    return table
+
+
+_PROC_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+def _kill_descendants():
+    # SIGKILL each descendant before reading its children: a killed process forks no more
+    table = None if _PROC_CHILDREN else _ppid_table()
+    todo = _children(os.getpid(), table)
+    while todo:
+        pid = todo.pop()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        todo += _children(pid, table)
+
+
+def _reap_all():
+    # until we have no child left: reap, kill every descendant (adopted ones come to us)
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            return
+        _kill_descendants()
+        time.sleep(0.001)
+
+
+def _stop(signum, frame):
+    _reap_all()
+    os._exit(128 + signum)
+
+
+if _containment != "process_group":
+    if _prctl is not None:
+        _prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the sample may not ptrace its supervisors
+    signal.signal(signal.SIGTERM, _stop)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    _main = os.fork()
+    if _main:  # the supervisor
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _, _wait_status = os.waitpid(_main, 0)
+        _reap_all()
+        os._exit(_status(_wait_status))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if os.getpid() == 1:  # the namespace's init: it ends with the sample, and so does the rest
+        _containment = "pid_namespace"
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # no handler a sample could trigger
+        _prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: dies with its supervisor
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _sample = os.fork()
+        if _sample:
+            while True:
+                _pid, _wait_status = os.wait()
+                if _pid == _sample:
+                    os._exit(_status(_wait_status))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    else:
+        _prctl(1, int(signal.SIGKILL), 0, 0, 0)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+# the sample's process
+if _prctl is not None:
+    _prctl(4, 1, 0, 0, 0)  # dumpable again, as an ordinary process (its supervisors stay not)
 def _no_network(*a, **k):
     raise OSError("network access is disabled in the code labeler's sandbox")
 socket.socket = _no_network
 socket.create_connection = _no_network
-import os, subprocess
+import subprocess
 def _no_processes(*a, **k):
     raise OSError("starting processes is disabled in the code labeler's sandbox")
 for _name in ("fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "execv",
@@ -68,7 +221,7 @@ subprocess.Popen = _no_processes
 source = open("solution.py", encoding="utf-8").read()
 tests = json.load(open("tests.json", encoding="utf-8"))
 result = {"verdict": None, "passed": 0, "total": len(tests), "error": "",
-          "network_isolated": _isolated}
+          "network_isolated": _isolated, "containment": _containment}
 env = {"__name__": "__main__"}
 try:
     code = compile(source, "solution.py", "exec")
@@ -98,7 +251,24 @@ else:
             result["verdict"] = "passed" if result["passed"] == result["total"] else "wrong_answer"
 sys.stdout.flush()
 print("\n__ALIGNZOO_CODE_RESULT__" + json.dumps(result), flush=True)
+# end as the interpreter would (the sample's threads joined, its atexit functions run) but
+# without tearing it down: freeing the heap of a forked process copies every page of it
+import atexit, threading
+getattr(threading, "_shutdown", lambda: None)()
+atexit._run_exitfuncs()
+for _stream in (sys.stdout, sys.stderr):
+    try:
+        _stream.flush()
+    except BaseException:
+        pass
+os._exit(0)
 """
+
+# Run under the namespaces a mechanism needs: prints 1 when a forked child is a PID 1.
+_PROBE = (
+    "import os\npid = os.fork()\nif pid == 0:\n    os._exit(0 if os.getpid() == 1 else 1)\n"
+    "print(int(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0))\n"
+)
 
 
 def extract_code(response: str) -> str:
@@ -119,12 +289,28 @@ def _count_processes(uid: int) -> int:
     return n
 
 
-def _limit(memory_mb: int, cpu_s: int, nproc: int) -> Any:
+def _unshare(combos: tuple[int, ...]) -> int:
+    """Enter the first namespace combination the kernel allows; the flags entered (0: none)."""
+    unshare = getattr(ctypes.CDLL(None, use_errno=True), "unshare", None)
+    if unshare is None:  # not Linux
+        return 0
+    for flags in combos:
+        if unshare(flags) == 0:
+            return flags
+    return 0
+
+
+def _limit(memory_mb: int, cpu_s: int, max_processes: int, combos: tuple[int, ...]) -> Any:
     def apply() -> None:  # runs in the child between fork and exec
         import resource
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)  # where allowed: no network, no root
+        flags = _unshare(combos)  # where allowed: no network, no root, a PID namespace
+        prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+        if prctl is not None:  # the supervisor cleans up if the labeler's thread dies
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        nproc = max_processes + _SUPERVISORS + 1
+        if not flags & CLONE_NEWUSER:  # then the limit counts every process of the user
+            nproc += _count_processes(os.getuid())
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
@@ -133,10 +319,47 @@ def _limit(memory_mb: int, cpu_s: int, nproc: int) -> Any:
     return apply
 
 
+def _probe_pid_namespace() -> bool:
+    def enter() -> None:
+        if not _unshare(_UNSHARE["pid_namespace"][:2]):
+            raise OSError("no PID namespace")
+
+    try:
+        out = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", _PROBE],
+            preexec_fn=enter,
+            capture_output=True,
+            timeout=60,
+            env={},
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.strip() == b"1"
+
+
+def _probe_subreaper() -> bool:
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is None or not os.path.exists(f"/proc/self/task/{os.getpid()}"):
+        return False
+    flag = ctypes.c_int(0)
+    return bool(prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0)
+
+
+@functools.cache
+def available_containments() -> tuple[str, ...]:
+    """The containments (of :data:`MECHANISMS`) this machine allows, strongest first; probed
+    once per process (a PID namespace by starting a child in one)."""
+    if not sys.platform.startswith("linux"):
+        return ()
+    found = ("pid_namespace",) if _probe_pid_namespace() else ()
+    return found + (("subreaper",) if _probe_subreaper() else ())
+
+
 class CodeLabeler(Labeler):
     """Python code from the response, run against the sample's tests in a sandbox."""
 
     marks_correct = True
+    version = "2"  # a sample that leaves a process behind is no longer timed out by it
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -145,14 +368,41 @@ class CodeLabeler(Labeler):
         timeout_s: float = Field(5.0, gt=0, description="Wall-clock limit of one run.")
         memory_mb: int = Field(512, ge=64, description="Address-space limit of the child.")
         max_processes: int = Field(16, ge=1, description="Processes the child may add.")
+        containment: Literal["auto", "pid_namespace", "subreaper"] = Field(
+            "auto",
+            description="What kills every process a sample leaves: auto (the strongest this "
+            "machine allows), pid_namespace, or subreaper (refused where unavailable).",
+        )
 
     params: Params
+
+    containment: str
+    """The containment in use: ``pid_namespace``, ``subreaper`` or ``process_group``."""
+
+    def __init__(self, params: BaseModel | dict[str, Any] | None = None) -> None:
+        super().__init__(params)
+        available = available_containments()
+        wanted = self.params.containment
+        if wanted == "auto":
+            self.containment = available[0] if available else "process_group"
+        elif wanted in available:
+            self.containment = wanted
+        else:
+            raise ValueError(
+                f"containment {wanted!r} is not available on this machine (available: "
+                f"{', '.join(available) or 'none'}); use containment: auto"
+            )
+        self._running: dict[subprocess.Popen[bytes], bool] = {}  # run -> stopped by close()
+        self._lock = threading.Lock()
+        _announce(self.containment, wanted)
 
     def score(self, request: LabelRequest) -> Score:
         tests = request.extra.get(self.params.tests_field)
         if not isinstance(tests, list) or not tests:
             return Score.abstain(f"no tests in {self.params.tests_field!r}")
         verdict = self.run(extract_code(request.response), [str(t) for t in tests])
+        if verdict.get("closed"):
+            return Score.abstain("the labeler was closed during the run")
         total = max(1, int(verdict.get("total") or len(tests)))
         passed = int(verdict.get("passed") or 0)
         kind = str(verdict["verdict"])
@@ -170,36 +420,85 @@ class CodeLabeler(Labeler):
                 json.dump(tests, fh)
             with open(os.path.join(scratch, "harness.py"), "w", encoding="utf-8") as fh:
                 fh.write(_HARNESS)
-            nproc = _count_processes(os.getuid()) + self.params.max_processes
-            cpu = int(self.params.timeout_s) + 1
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "harness.py"],
-                cwd=scratch,
-                env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # its own process group: killed as a whole
-                preexec_fn=_limit(self.params.memory_mb, cpu, nproc),
-            )
+            return self._run_harness(scratch, len(tests))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _run_harness(self, scratch: str, n_tests: int) -> dict[str, Any]:
+        cpu = int(self.params.timeout_s) + 1
+        combos = _UNSHARE[self.containment]
+        failed = {"passed": 0, "total": n_tests, "error": "", "containment": self.containment}
+        with subprocess.Popen(
+            [sys.executable, "-I", "harness.py"],
+            cwd=scratch,
+            env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: killed as a whole
+            preexec_fn=_limit(self.params.memory_mb, cpu, self.params.max_processes, combos),
+        ) as proc:
+            with self._lock:
+                self._running[proc] = False
             try:
                 out, err = proc.communicate(timeout=self.params.timeout_s)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                return {"verdict": "timeout", "passed": 0, "total": len(tests), "error": ""}
+                return {"verdict": "timeout", **failed}
             finally:
-                _kill_group(proc)  # anything it left behind in its group
-            text = out.decode("utf-8", "replace")
-            if _MARK not in text:
-                stderr = err.decode("utf-8", "replace")
-                kind = "memory" if "MemoryError" in stderr else "runtime_error"
-                if proc.returncode is not None and proc.returncode < 0:
-                    kind = "timeout" if -proc.returncode == signal.SIGXCPU else kind
-                return {"verdict": kind, "passed": 0, "total": len(tests), "error": stderr[-300:]}
-            result = json.loads(text.rsplit(_MARK, 1)[1].strip().splitlines()[0])
-            return dict(result)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+                self._stop(proc)
+                with self._lock:
+                    closed = self._running.pop(proc, False)
+            if closed:
+                return {"verdict": "runtime_error", "closed": True, **failed}
+        text = out.decode("utf-8", "replace")
+        if _MARK not in text:
+            stderr = err.decode("utf-8", "replace")
+            kind = "memory" if "MemoryError" in stderr else "runtime_error"
+            code = proc.returncode or 0
+            signum = -code if code < 0 else code - 128 if code > 128 else 0
+            kind = "timeout" if signum == signal.SIGXCPU else kind
+            return {"verdict": kind, **failed, "error": stderr[-300:]}
+        result = json.loads(text.rsplit(_MARK, 1)[1].strip().splitlines()[0])
+        return dict(result)
+
+    def _stop(self, proc: subprocess.Popen[bytes]) -> None:
+        """End a run and everything it started: the supervisor (SIGTERM) kills the sample's
+        processes and waits for them; one that does not end in time has its group killed."""
+        if self.containment == "process_group":
+            _kill_group(proc)
+            return
+        if proc.poll() is None:
+            for signum in (signal.SIGTERM, signal.SIGCONT):  # SIGCONT: in case it was stopped
+                try:
+                    os.kill(proc.pid, signum)
+                except ProcessLookupError:
+                    break
+            try:
+                proc.wait(timeout=_GRACE_S)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+
+    def close(self) -> None:
+        """Stop the runs in flight (their scores abstain); nothing they started survives."""
+        with self._lock:
+            running = list(self._running)
+            for proc in running:
+                self._running[proc] = True
+        for proc in running:
+            self._stop(proc)
+
+
+@functools.cache
+def _announce(containment: str, wanted: str) -> None:
+    """One log line per process and containment: which one holds the sandbox's processes."""
+    if containment == "pid_namespace" or wanted != "auto":
+        log.info("code labeler: sample processes contained by %s", containment)
+    else:
+        log.warning(
+            "code labeler: no PID namespace on this machine, sample processes contained by %s%s",
+            containment,
+            " (a sample that calls setsid escapes it)" if containment == "process_group" else "",
+        )
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
