@@ -58,7 +58,9 @@ from alignzoo.testing.contract import (
     REBUILD_HINT,
     CheckResult,
     ContractViolation,
+    build_for_check,
     check_algorithm,
+    component_factory,
     run_property,
 )
 from alignzoo.types import LabelRequest, Outcome, SamplingParams, Score
@@ -121,32 +123,8 @@ MODIFIER_CHECKS = (
 )
 
 
-def _factory(kind: str, component: Any, params: Any = None) -> tuple[str, Callable[[], Any]]:
-    """A label and a factory of fresh instances: from a registered name, a class (with
-    ``params``) or an instance (copied each time)."""
-    if isinstance(component, str):
-        cls = get_registry().get(kind, component)
-        return component, lambda: cls(params)
-    if isinstance(component, type):
-        return component.__qualname__, lambda: component(params)
-    return type(component).__qualname__, lambda: copy.deepcopy(component)
-
-
 def _not_run(names: Iterable[str], why: str) -> list[CheckResult]:
     return [CheckResult(n, False, f"not run: {why}") for n in names]
-
-
-def _instantiate(label: str, factory: Callable[[], Any], kind: str) -> CheckResult | Any:
-    try:
-        instance = factory()
-    except Exception as exc:
-        hint = " (give its params: --params on the command line, params= in Python)"
-        return CheckResult("instantiate", False, f"{label}: {type(exc).__name__}: {exc}{hint}")
-    if getattr(instance, "kind", None) != kind:
-        return CheckResult(
-            "instantiate", False, f"{label}: kind {getattr(instance, 'kind', None)!r}, not {kind}"
-        )
-    return instance
 
 
 # --------------------------------------------------------------------------- labelers
@@ -220,8 +198,8 @@ def check_labeler(
     """The labeler contract suite (see the module docstring). ``extra``: the data columns a
     request carries (for example ``{"tests": [...]}``); model output varies, the data does
     not. Without it, ``{"answer": "7"}`` and then no columns are tried."""
-    label, factory = _factory("labeler", labeler, params)
-    instance = _instantiate(label, factory, "labeler")
+    label, factory = component_factory("labeler", labeler, params)
+    instance = build_for_check(label, factory, "labeler")
     if isinstance(instance, CheckResult):
         return [instance, *_not_run(KIND_CHECKS["labeler"][1:], "the labeler did not build")]
     hook = build_plugin_manager([instance]).hook
@@ -361,8 +339,8 @@ def check_backend(
     """The backend contract suite (see the module docstring), on a small random policy."""
     from alignzoo.engine.forward import policy_forward
 
-    label, factory = _factory("backend", backend, params)
-    instance = _instantiate(label, factory, "backend")
+    label, factory = component_factory("backend", backend, params)
+    instance = build_for_check(label, factory, "backend")
     names = KIND_CHECKS["backend"]
     if isinstance(instance, CheckResult):
         return [instance, *_not_run(names[1:], "the backend did not build")]
@@ -507,8 +485,8 @@ def check_device_mapper(
     """The device-mapper contract suite (see the module docstring)."""
     from alignzoo.engine.hooks import Hooks
 
-    label, factory = _factory("device_mapper", mapper, params)
-    instance = _instantiate(label, factory, "device_mapper")
+    label, factory = component_factory("device_mapper", mapper, params)
+    instance = build_for_check(label, factory, "device_mapper")
     if isinstance(instance, CheckResult):
         return [instance, *_not_run(KIND_CHECKS["device_mapper"][1:], "it did not build")]
     hooks = Hooks(build_plugin_manager([instance]), label)
@@ -614,8 +592,8 @@ def check_modifier(
     from alignzoo.testing.strategies import batch_cases
     from alignzoo.types import AlgorithmRequirements
 
-    label, factory = _factory("modifier", modifier, params)
-    instance = _instantiate(label, factory, "modifier")
+    label, factory = component_factory("modifier", modifier, params)
+    instance = build_for_check(label, factory, "modifier")
     if isinstance(instance, CheckResult):
         return [instance, CheckResult("transform_batch_layout", False, "not run: did not build")]
     results = [CheckResult("instantiate", True, label)]

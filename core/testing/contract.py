@@ -660,6 +660,34 @@ def _shrink_budget(seconds: float) -> Iterator[None]:
         setattr(engine, "MAX_SHRINKING_SECONDS", previous)  # noqa: B010
 
 
+def component_factory(
+    kind: str, component: Any, params: Any = None
+) -> tuple[str, Callable[[], Any]]:
+    """A label and a factory of fresh instances: from a registered name, a class (with
+    ``params``) or an instance (copied each time)."""
+    if isinstance(component, str):
+        cls = get_registry().get(kind, component)
+        return component, lambda: cls(params)
+    if isinstance(component, type):
+        return component.__qualname__, lambda: component(params)
+    return type(component).__qualname__, lambda: copy.deepcopy(component)
+
+
+def build_for_check(label: str, factory: Callable[[], Any], kind: str) -> CheckResult | Any:
+    """A fresh instance from ``factory``, or the failed ``instantiate`` check saying why (it
+    raised, or it is not of ``kind``)."""
+    try:
+        instance = factory()
+    except Exception as exc:
+        hint = " (give its params: --params on the command line, params= in Python)"
+        return CheckResult("instantiate", False, f"{label}: {type(exc).__name__}: {exc}{hint}")
+    if getattr(instance, "kind", None) != kind:
+        return CheckResult(
+            "instantiate", False, f"{label}: kind {getattr(instance, 'kind', None)!r}, not {kind}"
+        )
+    return instance
+
+
 REBUILD_HINT = "rebuild a case's tensors with BatchCase(...).build()"
 """How to reproduce a failing algorithm or modifier example."""
 

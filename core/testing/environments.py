@@ -28,7 +28,13 @@ from hypothesis import strategies as st
 
 from alignzoo.registry import build_plugin_manager
 from alignzoo.rollout.episode import EpisodeStart, StepResult, ToolCall, Turn
-from alignzoo.testing.contract import CheckResult, ContractViolation, run_property
+from alignzoo.testing.contract import (
+    CheckResult,
+    ContractViolation,
+    build_for_check,
+    component_factory,
+    run_property,
+)
 
 CHECKS = ("instantiate", "reset", "step", "episodes_independent", "close")
 DEFAULT_ROW: dict[str, Any] = {"prompt": "What is 17 + 25?", "answer": "42"}
@@ -75,10 +81,8 @@ def check_environment(
 ) -> list[CheckResult]:
     """The environment contract suite (see the module docstring) on ``rows`` (default: one
     arithmetic row)."""
-    from alignzoo.testing.components import _factory, _instantiate
-
-    label, factory = _factory("environment", environment, params)
-    instance = _instantiate(label, factory, "environment")
+    label, factory = component_factory("environment", environment, params)
+    instance = build_for_check(label, factory, "environment")
     if isinstance(instance, CheckResult):
         return [instance, *[CheckResult(n, False, "not run: did not build") for n in CHECKS[1:]]]
     hook = build_plugin_manager([instance]).hook
