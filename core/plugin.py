@@ -113,6 +113,11 @@ class Labeler(Component):
     ``alignzoo validate`` refuses ``evaluation.metric: exact_match`` for an arm whose labeler
     says False, and arms are compared on ``exact_match`` by default only when every arm's
     labeler says True."""
+    stats_counters: ClassVar[frozenset[str]] = frozenset()
+    """The keys of the labeler's ``stats()`` that are running totals (calls, errors, seconds
+    waited): the step metrics ``labeler/<name>/<key>`` and the Prometheus counters report their
+    increase per labeling pass, also from a worker process. Other keys are reported as they
+    are (a current value)."""
     deterministic: ClassVar[bool] = True
     """Whether the same request always gets the same Score. False for people or a sampled
     judge: ``alignzoo check labeler`` then does not hold it to the same answer twice."""

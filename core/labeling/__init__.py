@@ -8,7 +8,8 @@ Three layers, each a module:
   labelers called in batches through :mod:`~alignzoo.labeling.callers` (inline or in a
   worker process, timeouts, circuit breakers) with the policies per outcome (retry with
   backoff, fall back, drop, fail), reporting a :class:`LabelReport`
-  (:mod:`~alignzoo.labeling.report`: the ledger and the ``label/*`` metrics);
+  (:mod:`~alignzoo.labeling.report`: the ledger, the ``label/*`` metrics and the run's
+  Prometheus endpoint);
 - :mod:`~alignzoo.labeling.store`: the SQLite store that keeps every label across steps and
   restarts (so a resumed run never asks twice).
 

@@ -26,23 +26,28 @@ In a training pass each labeler's values are then normalised and clipped as
 ``Score.info["raw"]``, ``label/<labeler>/norm_mean`` and ``norm_std`` give the running state);
 the running state is the stage's :meth:`LabelingStage.state_dict`, mirrored into ``run.state``
 once the stage is attached to the run (:meth:`LabelingStage.attach`), so checkpoints keep it.
+So is each labeler's drift state (:meth:`LabelingStage.drift_state_dict`: the running mean of
+its per-pass mean values), so a resumed run reports the drift an uninterrupted one would.
+
+With ``labeling.metrics_port`` the stage serves the run's label path on a Prometheus endpoint
+(:class:`~alignzoo.labeling.report.MetricsExporter`) at 127.0.0.1, port ``metrics_port`` plus
+the run's index in its experiment (:func:`run_index`), from :meth:`LabelingStage.attach` on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from alignzoo import distributed
-from alignzoo.batch import RolloutBatch
-from alignzoo.errors import RunError
+from alignzoo.errors import RunError, UserError
 from alignzoo.labeling.callers import (
     FAILURES,
     Breaker,
@@ -50,16 +55,33 @@ from alignzoo.labeling.callers import (
     InlineCaller,
     ProcessCaller,
     Slot,
+    slot_stats,
 )
 from alignzoo.labeling.interface import LabelRequest, Outcome, Score
 from alignzoo.labeling.normalize import STATE_KEY as NORM_STATE_KEY
 from alignzoo.labeling.normalize import RunningStats, resolve, transform
 from alignzoo.labeling.report import SLOWEST, LabelReport, MetricsExporter, slowest_calls
+from alignzoo.labeling.report import STATE_KEY as DRIFT_STATE_KEY
 from alignzoo.labeling.store import LabelStore, labeler_identity, request_key
 
 if TYPE_CHECKING:
+    from alignzoo.batch import RolloutBatch
     from alignzoo.config.schema import LabelingConfig
     from alignzoo.engine.hooks import Hooks
+
+
+def run_index(context: Any) -> int:
+    """The run's position among its experiment's runs, as the runner plans them: arms in the
+    experiment's order, each with its seeds in order (``arm position * len(seeds) + seed
+    position``); 0 when the context does not say. ``labeling.metrics_port`` plus this is the
+    run's Prometheus port."""
+    spec = getattr(context, "spec", None)
+    arms = list(getattr(spec, "arms", None) or [])
+    seeds = list(getattr(spec, "seeds", None) or [])
+    arm, seed = getattr(context, "arm", None), getattr(context, "seed", None)
+    if arm in arms and seed in seeds:
+        return arms.index(arm) * len(seeds) + seeds.index(seed)
+    return 0
 
 
 class LabelingStage:
@@ -78,13 +100,12 @@ class LabelingStage:
         self.slots = list(slots)
         self.store = store
         self.shadow: Slot | None = None
-        self.exporter: MetricsExporter | None = None
-        if cfg.metrics_port is not None:
-            self.exporter = MetricsExporter(cfg.metrics_port)
+        self.exporter: MetricsExporter | None = None  # started by attach, or the first pass
         self.sleep, self.clock = sleep, clock
         self.rng = random.Random(seed)
         self.lock = threading.RLock()  # one pass at a time; a swap waits for the pass in flight
         self.norm_stats: dict[str, RunningStats] = {}  # labeler name -> running mean and std
+        self.drift_means: dict[str, float] = {}  # labeler name -> running mean of pass means
         self.context: Any = None  # the run whose run.state mirrors norm_stats (attach)
 
     @classmethod
@@ -164,14 +185,42 @@ class LabelingStage:
             }
 
     def attach(self, context: Any) -> None:
-        """Keep the normalisation state in ``context.state`` (saved with every checkpoint) and,
-        when it already holds one (a resumed run), continue from it. Idempotent: after each
-        training pass the stage writes its state there, so attaching again changes nothing."""
+        """Keep the normalisation and drift state in ``context.state`` (saved with every
+        checkpoint) and, when it already holds them (a resumed run), continue from them; with
+        ``labeling.metrics_port`` serve the run's metrics (:meth:`_serve`). Idempotent: after
+        each pass the stage writes its state there, so attaching again changes nothing."""
         with self.lock:
             self.context = context
             saved = context.state.get(NORM_STATE_KEY)
             if saved is not None:
                 self.load_state_dict(saved)
+            drift = context.state.get(DRIFT_STATE_KEY)
+            if drift is not None:
+                self.load_drift_state_dict(drift)
+            if self.exporter is None and self.cfg.metrics_port is not None:
+                self._serve(
+                    str(getattr(context, "name", "")),
+                    str(getattr(context, "arm", "")),
+                    run_index(context),
+                )
+
+    def _serve(self, run: str = "", arm: str = "", index: int = 0) -> None:
+        """Serve the label path's metrics on 127.0.0.1, port ``labeling.metrics_port`` plus
+        the run's index in its experiment (:func:`run_index`), so the runs of an experiment
+        (``--jobs`` worker processes, Ray tasks) each serve their own. Under data parallelism
+        rank 0 serves (its share of the samples)."""
+        assert self.cfg.metrics_port is not None
+        if "torch" in sys.modules and not distributed.is_main():  # no torch: no process group
+            return
+        port = self.cfg.metrics_port + index
+        try:
+            self.exporter = MetricsExporter(port, run=run, arm=arm)
+        except (OSError, OverflowError) as exc:
+            raise UserError(
+                f"labeling.metrics_port: cannot serve the labeling metrics of run {run or '-'} "
+                f"on 127.0.0.1:{port} (metrics_port {self.cfg.metrics_port} + run index "
+                f"{index}): {exc}; pick a base port with a free range above it"
+            ) from None
 
     def _normalize(
         self, scores: list[Score], outcomes: list[Outcome], valued_by: list[str | None]
@@ -212,18 +261,88 @@ class LabelingStage:
     def _label(
         self, requests: list[LabelRequest], groups: Sequence[int] | None, normalize: bool = False
     ) -> LabelReport:
+        for slot in self.slots:
+            slot.latencies = []
+            slot.calls = slot.retries = slot.failed_calls = 0
+            slot.outcomes = Counter()
+            slot.values = []
+            slot.slowest = []
+            slot.in_flight_max = slot.queued_max = 0
+            slot.stats = {}
+        if self.exporter is None and self.cfg.metrics_port is not None:
+            self._serve()  # a stage no run attached (relabel): the base port, no run labels
+        before = {slot.name: slot_stats(slot)[0] for slot in self.slots}
+        try:
+            report, norm_metrics = self._pass(requests, groups, normalize)
+        except BaseException:
+            with contextlib.suppress(Exception):  # never hides why the pass failed
+                self._pass_stats(before)
+                if self.exporter is not None:  # what the labelers did still counts
+                    self.exporter.record(self.slots)
+            raise
+        self._pass_stats(before)
+        self._drift()
+        report.snapshot = {**report.metrics(), **norm_metrics}
+        report.slowest = slowest_calls(self.slots)
+        if self.exporter is not None:
+            self.exporter.record(self.slots, report)
+        return report
+
+    def _pass_stats(self, before: dict[str, dict[str, float]]) -> None:
+        """Each labeler's ``stats()`` for this pass: its counters' increase since the pass
+        began, its other keys as they are now."""
+        for slot in self.slots:
+            now, counters = slot_stats(slot)
+            start = before.get(slot.name, {})
+            stats = {}
+            for key, value in now.items():
+                if key in counters:
+                    grown = value - start.get(key, 0.0)
+                    stats[key] = grown if grown >= 0 else value  # the labeler reset it
+                else:
+                    stats[key] = value
+            slot.stats = stats
+
+    # ------------------------------------------------------------------ drift
+    def _drift(self) -> None:
+        """Each labeler's drift: this pass's mean value minus the running mean of its earlier
+        passes (an exponential moving average, 0.9 / 0.1); the running means are the stage's
+        :meth:`drift_state_dict`, kept in ``run.state`` once attached (checkpointed)."""
+        for slot in self.slots:  # drift: once per pass, against the passes before
+            slot.drift = None
+            if slot.values:
+                mean = sum(slot.values) / len(slot.values)
+                running = self.drift_means.get(slot.name)
+                if running is not None:
+                    slot.drift = mean - running
+                    self.drift_means[slot.name] = 0.9 * running + 0.1 * mean
+                else:
+                    self.drift_means[slot.name] = mean
+        self._publish_drift()
+
+    def _publish_drift(self) -> None:
+        if self.context is not None:  # a new dict each pass: a checkpoint copies a whole one
+            self.context.state[DRIFT_STATE_KEY] = dict(sorted(self.drift_means.items()))
+
+    def drift_state_dict(self) -> dict[str, float]:
+        """The drift state (plain data): per labeler name the running mean of its per-pass
+        mean values."""
+        with self.lock:
+            return dict(sorted(self.drift_means.items()))
+
+    def load_drift_state_dict(self, state: dict[str, Any] | None) -> None:
+        with self.lock:
+            self.drift_means = {str(k): float(v) for k, v in (state or {}).items()}
+
+    def _pass(
+        self, requests: list[LabelRequest], groups: Sequence[int] | None, normalize: bool = False
+    ) -> tuple[LabelReport, dict[str, float]]:
+        """One pass through the chain: the report and the normalisation metrics."""
         n = len(requests)
         scores: list[Score] = [Score(math.nan, False, {}, Outcome.ERROR) for _ in range(n)]
         outcomes: list[Outcome] = [Outcome.ERROR] * n
         valued_by: list[str | None] = [None] * n
         final: dict[int, str] = {}  # sample -> drop_sample | drop_group | fail
-        for slot in self.slots:
-            slot.latencies = []
-            slot.calls = slot.retries = 0
-            slot.outcomes = Counter()
-            slot.values = []
-            slot.slowest = []
-            slot.in_flight_max = slot.queued_max = 0
         started = self.clock()
         pending = list(range(n))
         for slot in self.slots:
@@ -267,20 +386,7 @@ class LabelingStage:
             raise RunError(f"labeling: the ledger does not balance: {ledger}")  # a bug here
         if self.shadow is not None:
             report.shadow = self._shadow_agreement(requests, report, given)
-        for slot in self.slots:  # drift: once per pass, against the passes before
-            slot.drift = None
-            if slot.values:
-                mean = sum(slot.values) / len(slot.values)
-                if slot.running_mean is not None:
-                    slot.drift = mean - slot.running_mean
-                    slot.running_mean = 0.9 * slot.running_mean + 0.1 * mean
-                else:
-                    slot.running_mean = mean
-        report.snapshot = {**report.metrics(), **norm_metrics}
-        report.slowest = slowest_calls(self.slots)
-        if self.exporter is not None:
-            self.exporter.update(report.snapshot)
-        return report
+        return report, norm_metrics
 
     def _shadow_agreement(
         self,
@@ -340,10 +446,18 @@ class LabelingStage:
             with lock:
                 in_flight[0] += 1
                 slot.in_flight_max = max(slot.in_flight_max, in_flight[0])
+            exporter = self.exporter
+            if exporter is not None:
+                exporter.call_started(slot.name)
+            seconds = 0.0
             try:
                 begin = time.perf_counter()
-                result = caller(chunks[index], self.cfg.timeout_s)
-                seconds = time.perf_counter() - begin
+                try:
+                    result = caller(chunks[index], self.cfg.timeout_s)
+                finally:
+                    seconds = time.perf_counter() - begin
+                    if exporter is not None:
+                        exporter.call_ended(slot.name, seconds)
                 if store is not None and keys is not None:  # store is None without keys
                     at = index * size
                     chunk_keys = keys[at : at + len(chunks[index])]
@@ -371,9 +485,9 @@ class LabelingStage:
                 slot.slowest.append((seconds, len(chunks[index]), chunks[index][0]))
                 slot.slowest = sorted(slot.slowest, key=lambda c: -c[0])[:SLOWEST]
             slot.calls += 1
-            slot.breaker.record(
-                bool(result.scores) and all(s.outcome in FAILURES for s in result.scores)
-            )
+            failed = bool(result.scores) and all(s.outcome in FAILURES for s in result.scores)
+            slot.failed_calls += failed
+            slot.breaker.record(failed)
             scores += result.scores
             if result.retry_after is not None:
                 retry_after = max(retry_after or 0.0, result.retry_after)
@@ -385,13 +499,23 @@ class LabelingStage:
 
         A new labeler has a scale of its own: the running normalisation state of the head's
         name starts over (a resumed run loads the state it had at its checkpoint after the
-        swap it restores, :meth:`attach`)."""
+        swap it restores, :meth:`attach`). So does its drift, and the old labeler's series
+        leave the Prometheus endpoint."""
         with self.lock:
             old = self.slots[0]
             self.slots[0] = slot
             old.call.close()
+            for pool in old.pool[1:]:
+                pool.close()
             self.norm_stats.pop(old.name, None)
             self.norm_stats.pop(slot.name, None)
+            self.drift_means.pop(old.name, None)
+            self.drift_means.pop(slot.name, None)
+            self._publish_drift()
+            if self.exporter is not None:
+                self.exporter.forget(old.name)
+                if self.shadow is None:  # a promoted shadow: its agreement series go too
+                    self.exporter.forget_shadow()
 
     def set_shadow(self, slot: Slot | None) -> None:
         """Score alongside the chain without training on it (None: stop); waits for a pass in
@@ -400,6 +524,8 @@ class LabelingStage:
             if self.shadow is not None and self.shadow is not slot:
                 self.shadow.call.close()
             self.shadow = slot
+            if self.exporter is not None:
+                self.exporter.forget_shadow()
 
     def _through(
         self,
@@ -512,6 +638,8 @@ def label(
     ``normalize``: a training pass (``labeling.normalize`` applies); evaluation passes False,
     so it scores raw values and leaves the running state alone. ``step``: the training step
     the samples are for, given to labelers with each request."""
+    import torch  # here: importing the stage (a worker process, relabel) needs no torch
+
     if stage is None:
         stage = getattr(hooks, "labeling", None)
     if stage is None:

@@ -7,14 +7,19 @@ items. What comes back becomes typed outcomes for the arm's labeling policies: H
 5xx, refused or reset connections raise it too (``error``); a read timeout raises
 :class:`~alignzoo.errors.LabelerTimeout` (``timeout``); a body that is not the protocol's JSON
 gives ``parse_failure`` for the call's samples; a value that is null for a ``value`` outcome
-(NaN on the server) or the wrong number of scores is ``rejected`` by the stage.
+(NaN on the server) or the wrong number of scores is ``rejected`` by the stage. The outcomes
+are the same when the labeler runs in a worker process (``labeling.timeout_s``).
+
+Its failed POSTs by kind are counters (:meth:`HTTPLabeler.stats`, declared in
+``stats_counters``): the stage reports each pass's increase as ``labeler/<name>/<kind>``,
+from a worker process too, and exports them as ``alignzoo_labeler_stat_total{stat=<kind>}``.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,18 +55,28 @@ class HTTPLabeler(Labeler):
 
     params: Params
 
+    FAILURE_KINDS = (
+        "connect_errors",
+        "network_errors",
+        "timeouts",
+        "rate_limited",
+        "server_errors",
+    )
+    stats_counters: ClassVar[frozenset[str]] = frozenset(FAILURE_KINDS)
+    """Every key of :meth:`stats` is a counter: the stage reports its increase per pass."""
+
     def __init__(self, params: Any = None) -> None:
         super().__init__(params)
         self._client: Any = None
         self.failures: Counter[str] = Counter()
 
     def stats(self) -> dict[str, float]:
-        """Counters the labeling stage logs as ``labeler/<name>/*``: failed POSTs so far by
-        kind (``connect_errors``: refused or unreachable; ``network_errors``: reset or cut
-        connections; ``timeouts``; ``rate_limited``: 429 and 503; ``server_errors``: other
-        5xx)."""
-        kinds = ("connect_errors", "network_errors", "timeouts", "rate_limited", "server_errors")
-        return {kind: float(self.failures[kind]) for kind in kinds}
+        """Failed POSTs since the labeler was built, by kind (``connect_errors``: refused or
+        unreachable; ``network_errors``: reset or cut connections; ``timeouts``;
+        ``rate_limited``: 429 and 503; ``server_errors``: other 5xx). Running totals, declared
+        in ``stats_counters``: the labeling stage logs each pass's increase as
+        ``labeler/<name>/<kind>``."""
+        return {kind: float(self.failures[kind]) for kind in self.FAILURE_KINDS}
 
     def _http(self) -> Any:
         import httpx

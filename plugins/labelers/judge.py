@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -82,6 +82,8 @@ class RateLimiter:
 
 class JudgeLabeler(Labeler):
     """An LLM judge through an OpenAI-compatible chat endpoint."""
+
+    stats_counters: ClassVar[frozenset[str]] = frozenset({"rate_limit_wait_s"})
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
