@@ -30,11 +30,26 @@ def guide_files() -> dict[str, str]:
 
 def test_the_guide_names_a_file_for_every_kind():
     files = guide_files()
-    for path in ("algorithm", "labeler", "backend", "devices", "modifier", "lifecycle"):
+    for path in (
+        "algorithm",
+        "labeler",
+        "backend",
+        "devices",
+        "modifier",
+        "lifecycle",
+        "environment",
+    ):
         assert f"guide_plugin/{path}.py" in files
     assert {"pyproject.toml", "experiment.yaml", "tests/test_contracts.py"} <= set(files)
     toml = files["pyproject.toml"]
-    for prefix in ("algorithm.", "labeler.", "backend.", "device_mapper.", "modifier."):
+    for prefix in (
+        "algorithm.",
+        "labeler.",
+        "backend.",
+        "device_mapper.",
+        "modifier.",
+        "environment.",
+    ):
         assert f'"{prefix}' in toml
 
 
@@ -73,6 +88,7 @@ def test_the_guide_package_installs_checks_and_trains(tmp_path):
         ("device_mapper", "first_gpu"),
         ("modifier", "clip_advantages"),
         ("modifier", "journal"),
+        ("environment", "guess_number"),
     }
     for key in mine:
         assert rows[key]["provider"] == "guide-plugin" and rows[key]["status"] == "ok", key
