@@ -55,8 +55,8 @@ class _ServeByDefault(TyperGroup):
 annotate_app = typer.Typer(
     cls=_ServeByDefault,
     help="Human feedback: `alignzoo annotate QUEUE_DIR` serves the annotation app; "
-    "add-annotator issues sign-in tokens, status shows progress and agreement, export writes "
-    "the agreed judgements as a data set.",
+    "add-annotator issues sign-in tokens (revoke, reissue), instructions sets the question, "
+    "status shows progress and agreement, export writes the agreed judgements as a data set.",
     no_args_is_help=True,
 )
 app.add_typer(annotate_app, name="annotate")
@@ -766,6 +766,102 @@ def annotate_add(
     print(token)
 
 
+@annotate_app.command("revoke")
+def annotate_revoke(
+    queue_dir: QueueDir,
+    name: Annotated[str, typer.Argument(help="The annotator whose token stops working.")],
+) -> None:
+    """NAME's token stops working at once (their judgements stay); reissue gives a new one."""
+    from alignzoo.human.queue import HumanQueue, QueueError
+
+    queue = HumanQueue(_existing_queue(queue_dir))
+    try:
+        queue.revoke(name)
+    except QueueError as exc:
+        raise UserError(f"{queue_dir}: {exc}") from None
+    finally:
+        queue.close()
+    console.print(f"annotator {name!r}: token revoked", markup=False)
+
+
+@annotate_app.command("reissue")
+def annotate_reissue(
+    queue_dir: QueueDir,
+    name: Annotated[str, typer.Argument(help="The annotator who gets a new token.")],
+) -> None:
+    """A new token for NAME (shown once); their old one stops working at once."""
+    from alignzoo.human.queue import HumanQueue, QueueError
+
+    queue = HumanQueue(_existing_queue(queue_dir))
+    try:
+        token = queue.reissue(name)
+    except QueueError as exc:
+        raise UserError(f"{queue_dir}: {exc}") from None
+    finally:
+        queue.close()
+    console.print(f"annotator {name!r}: new sign-in token (shown once):", markup=False)
+    print(token)
+
+
+def _scale_labels(labels: list[str] | None) -> dict[float, str] | None:
+    """``--scale-label VALUE=MEANING`` options as {value: meaning}."""
+    if not labels:
+        return None
+    out = {}
+    for label in labels:
+        value, sep, text = label.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not sep or not text.strip() or number != number:
+            raise UserError(f"--scale-label {label!r}: expected VALUE=MEANING, e.g. 1='wrong'")
+        out[number] = text.strip()
+    return out
+
+
+QuestionOption = Annotated[
+    str | None, typer.Option(help="What annotators are asked (shown above each item).")
+]
+ScaleLabelOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--scale-label", help="VALUE=MEANING: what a point of the rating scale means (repeat)."
+    ),
+]
+
+
+class ItemKind(str, Enum):
+    """The kind of item instructions are for."""
+
+    rating = "rating"
+    pair = "pair"
+
+
+@annotate_app.command("instructions")
+def annotate_instructions(
+    queue_dir: QueueDir,
+    kind: Annotated[ItemKind, typer.Option(help="The items they are for.")] = ItemKind.rating,
+    question: QuestionOption = None,
+    scale_label: ScaleLabelOption = None,
+) -> None:
+    """Set (or, without options, show) what annotators are asked and what scale points mean."""
+    from alignzoo.human.queue import HumanQueue, QueueError
+
+    queue = HumanQueue(_existing_queue(queue_dir))
+    try:
+        if question is None and not scale_label:
+            said = queue.instructions(kind.value)
+        else:
+            said = queue.set_instructions(kind.value, question, _scale_labels(scale_label))
+    except QueueError as exc:
+        raise UserError(f"{queue_dir}: {exc}") from None
+    finally:
+        queue.close()
+    labels = [[v, t] for v, t in said.scale_labels]
+    print(json.dumps({"kind": kind.value, "question": said.question, "scale_labels": labels}))
+
+
 @annotate_app.command("status")
 def annotate_status(queue_dir: QueueDir) -> None:
     """Progress per annotator, and the queue's agreement, as JSON."""
@@ -777,6 +873,7 @@ def annotate_status(queue_dir: QueueDir) -> None:
         out = {
             "queue": queue.progress(),
             "annotators": {name: queue.progress_of(name) for name in queue.annotators()},
+            "revoked": [name for name in queue.annotators() if queue.revoked(name)],
             "agreement": agreement(queue),
         }
     finally:
@@ -794,6 +891,8 @@ def annotate_pool(
     ratings: Annotated[
         bool, typer.Option(help="Queue each response to be rated instead of pairs to compare.")
     ] = False,
+    question: QuestionOption = None,
+    scale_label: ScaleLabelOption = None,
 ) -> None:
     """Sample two responses per prompt from the arm's starting policy and queue them."""
     from alignzoo.config.loader import load_experiment
@@ -805,9 +904,14 @@ def annotate_pool(
     name = arm or next(iter(loaded.spec.arms))
     if name not in loaded.spec.arms:
         raise UserError(f"--arm {name}: {experiment} has arms {', '.join(loaded.spec.arms)}")
+    labels = _scale_labels(scale_label)
+    if labels and not ratings:
+        raise UserError("--scale-label is for --ratings (a pair's choices are A, B and a tie)")
     pool = sample_pool(loaded, name, prompts, 2, log=lambda m: console.print(m, highlight=False))
     queue = HumanQueue(queue_dir)
     try:
+        if question is not None or labels:
+            queue.set_instructions("rating" if ratings else "pair", question, labels)
         if ratings:
             requests = [
                 LabelRequest(prompt=p, response=r, extra=extra)
