@@ -260,6 +260,51 @@ class VLLMBackend(Backend):
             rollout_logprobs=logprobs.masked_fill(mask == 0, 0.0),
         )
 
+    @hookimpl
+    def generate_ids(
+        self,
+        contexts: list[list[int]],
+        sampling: SamplingParams,
+        seeds: list[int] | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[tuple[list[int], list[float]]]:
+        """One sampled turn per token-id context (multi-turn episodes): the ids as vLLM
+        sampled them, cut after the first EOS or stop token (kept), and their raw log-probs."""
+        from vllm import SamplingParams as VLLMSampling
+
+        if self.llm is None:
+            raise RuntimeError("VLLMBackend.generate_ids called before on_run_start")
+        stops = list(dict.fromkeys([*self.eos, *(stop_token_ids or [])]))
+        greedy = sampling.temperature == 0
+        shared = {
+            "n": 1,
+            "temperature": sampling.temperature,
+            "top_p": 1.0 if greedy else sampling.top_p,
+            "top_k": 0 if greedy else sampling.top_k,
+            "max_tokens": sampling.max_new_tokens,
+            "logprobs": 0,
+            "stop_token_ids": stops,
+            "detokenize": False,
+        }
+        if seeds is None or greedy:
+            params: Any = VLLMSampling(**shared)
+        else:
+            params = [VLLMSampling(**shared, seed=int(s) % 2**63) for s in seeds]
+        self._wake()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(ids)} for ids in contexts], params, use_tqdm=False
+        )
+        self._sleep()
+        out: list[tuple[list[int], list[float]]] = []
+        for result in outputs:
+            completion = result.outputs[0]
+            tokens = list(completion.token_ids)
+            steps = completion.logprobs or []
+            logprobs = [float(step[t].logprob) for t, step in zip(tokens, steps, strict=True)]
+            cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+            out.append((tokens[:cut], logprobs[:cut]))
+        return out
+
     # ------------------------------------------------------------------ helpers
     def _wake(self) -> None:
         if self.asleep:

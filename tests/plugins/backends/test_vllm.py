@@ -119,3 +119,42 @@ def test_a_grpo_arm_trains_with_the_vllm_backend(tmp_path, monkeypatch):
     assert all(row["rollout/logprob_diff"] < 1e-3 for row in rows)
     # The warm start answers and stops: vLLM's EOS ends responses as the hf backend's does.
     assert all(row["response_length/mean"] < 4 for row in rows)
+
+
+def test_multi_turn_episodes_keep_the_ids_vllm_sampled(backends):
+    """Token in, token out with vLLM: each turn continues the episode's ids as they are, and
+    the trainer's log-probs of the sampled tokens equal vLLM's (the environment's tokens are
+    context, never trained)."""
+    from alignzoo.config.schema import EpisodeConfig
+    from alignzoo.engine.forward import policy_forward
+    from alignzoo.plugin import Environment, hookimpl
+    from alignzoo.registry import build_plugin_manager
+    from alignzoo.rollout.episode import EpisodeStart, StepResult
+    from alignzoo.rollout.multiturn import Episodes
+
+    class TwoAnswers(Environment):
+        @hookimpl
+        def env_reset(self, row, seed):
+            return EpisodeStart({"left": 2}, [{"role": "user", "content": row["prompt"]}])
+
+        @hookimpl
+        def env_step(self, state, turn):
+            if state["left"] == 0:
+                return StepResult(done=True)
+            state["left"] -= 1
+            return StepResult([{"role": "tool", "content": "ok"}])
+
+    model, _, engine = backends
+    tokenizer = engine.tokenizer
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    episodes = Episodes(EpisodeConfig(codec="hermes", max_turns=3, max_tokens=40), tokenizer)
+    pm = build_plugin_manager([engine, TwoAnswers()])
+    sampling = SamplingParams(max_new_tokens=4)
+    batch, metrics = episodes.run(pm, PROMPTS[:3], [{} for _ in range(3)], 2, sampling, [1, 2, 3])
+    assert batch.size == 6 and metrics["env/turns"] == 3.0
+    assert 0 < metrics["env/trained_token_frac"] < 1
+    with torch.no_grad():
+        trainer, _ = policy_forward(model, batch)
+    mask = batch.response_mask.bool()
+    diff = (trainer - batch.rollout_logprobs).abs()[mask]
+    assert float(diff.max()) < 1e-3, float(diff.max())
