@@ -57,6 +57,10 @@ def sample_rows(batch: RolloutBatch, step: int) -> list[dict[str, Any]]:
             row["score"] = float(batch.scores[i])
         if batch.labels is not None:
             row["label"] = float(batch.labels[i])
+        extra = batch.extras[i] if i < len(batch.extras) else {}
+        if isinstance(extra.get("messages"), list):  # an episode: its transcript, with roles
+            row["messages"] = extra["messages"]
+            row["episode"] = extra.get("episode")
         rows.append(row)
     return rows
 

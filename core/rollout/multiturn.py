@@ -48,6 +48,7 @@ OUTCOMES = ("done", "truncated", "error", "timeout")
 """How an episode ended: the environment said done, a limit cut it, the environment raised,
 an environment call (or the episode) ran past its timeout."""
 _PROBE = "\x00probe\x00"
+_INTERNAL = {"last_turn_start", "close_failed"}
 
 
 def derive_seed(*parts: int) -> int:
@@ -388,9 +389,11 @@ class Episodes:
         rewards = [e.reward for e in episodes if e.reward is not None]
         if rewards:
             m["env/reward_mean"] = float(np.mean(rewards))
-        for key in ("tool_calls", "tool_errors"):
-            values = [e.metrics.get(key, 0.0) for e in episodes]
-            m[f"env/{key}"] = float(np.mean(values)) if values else 0.0
+        # The environment's own numbers (StepResult.info["metrics"], summed over an episode's
+        # steps): their mean per episode, e.g. env/tool_calls, env/tool/add/errors.
+        keys = sorted({k for e in episodes for k in e.metrics} - _INTERNAL)
+        for key in keys:
+            m[f"env/{key}"] = float(np.mean([e.metrics.get(key, 0.0) for e in episodes]))
         return m
 
 

@@ -11,13 +11,15 @@ a malformed call is answered with what was wrong. The episode ends on a turn wit
 
 Functions are stateless and run in a worker thread (``async def`` ones on the event loop), so
 a slow one does not hold up the step's other episodes; one that hangs makes its episode time
-out (``episodes.step_timeout_s``).
+out (``episodes.step_timeout_s``). Per tool the step's metrics carry ``env/tool/<name>/calls``,
+``errors`` and ``seconds`` (means per episode), beside ``env/tool_calls`` and ``env/tool_errors``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -82,6 +84,7 @@ class ToolsEnvironment(Environment):
             return StepResult(done=True)
         answers: list[Message] = []
         failed = 0
+        metrics: dict[str, float] = {}
         for call in turn.tool_calls:
             fn = self.functions.get(call.name)
             if fn is None:
@@ -89,12 +92,18 @@ class ToolsEnvironment(Environment):
                 known = ", ".join(self.functions)
                 text = f"error: no tool named {call.name!r} (tools: {known})"
             else:
+                started = time.perf_counter()
+                prefix = f"tool/{call.name}"
+                metrics[f"{prefix}/calls"] = metrics.get(f"{prefix}/calls", 0.0) + 1
                 try:
                     result = await _call(fn, call.arguments)
                     text = str(result)
                 except Exception as exc:  # the tool's failure is the model's to read
                     failed += 1
+                    metrics[f"{prefix}/errors"] = metrics.get(f"{prefix}/errors", 0.0) + 1
                     text = f"error: {type(exc).__name__}: {exc}"
+                seconds = time.perf_counter() - started
+                metrics[f"{prefix}/seconds"] = metrics.get(f"{prefix}/seconds", 0.0) + seconds
             limit = self.params.max_result_chars
             text = text if len(text) <= limit else text[: limit - 1] + "…"
             answers.append({"role": "tool", "name": call.name, "content": text})
@@ -102,8 +111,8 @@ class ToolsEnvironment(Environment):
             {"role": "tool", "name": "error", "content": f"error: {e}"} for e in turn.errors
         ]
         state["calls"] += len(turn.tool_calls)
-        metrics = {"tool_calls": float(len(turn.tool_calls)),
-                   "tool_errors": float(failed + len(turn.errors))}  # fmt: skip
+        metrics["tool_calls"] = float(len(turn.tool_calls))
+        metrics["tool_errors"] = float(failed + len(turn.errors))
         return StepResult(messages=answers, info={"metrics": metrics})
 
 

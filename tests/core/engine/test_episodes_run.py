@@ -90,6 +90,9 @@ def test_an_arm_trains_on_episodes_and_resumes_exactly(write_experiment, tmp_pat
         )
         assert 0 < row["env/trained_token_frac"] < 1
         assert row["label/valued"] == 4.0  # every episode's reward reached training
+    sample = read_jsonl(out / "samples.jsonl")[0]  # the transcript, with roles
+    assert [m["role"] for m in sample["messages"]][:3] == ["user", "assistant", "tool"]
+    assert sample["episode"]["outcome"] == "done"
     evals = read_jsonl(out / "eval.jsonl")
     assert evals and all("eval/score" in e for e in evals)  # evaluated by episodes too
 

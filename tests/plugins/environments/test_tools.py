@@ -74,7 +74,11 @@ def test_schemas_messages_and_calls(env):
     assert contents[3].startswith("error: no tool named 'nope'")
     assert contents[4].startswith("error: TypeError")  # a missing argument
     assert contents[5] == "error: tool call is not valid JSON"
-    assert not result.done and result.info["metrics"] == {"tool_calls": 5.0, "tool_errors": 4.0}
+    metrics = result.info["metrics"]
+    assert not result.done and (metrics["tool_calls"], metrics["tool_errors"]) == (5.0, 4.0)
+    assert metrics["tool/add/calls"] == 2.0 and metrics["tool/add/errors"] == 1.0
+    assert metrics["tool/broken/errors"] == 1.0 and "tool/nope/calls" not in metrics
+    assert metrics["tool/shout/seconds"] >= 0.0
     assert step(env, start.state, Turn("The answer is 5.")).done  # no call: the episode ends
 
 
