@@ -101,7 +101,9 @@ def test_environment_tokens_inside_a_response_change_no_loss(name, params, examp
     assert torch.equal(holed["mask"].sum(dim=1), tensors["mask"].sum(dim=1))
     base_loss, base_grads = loss_and_grads(name, params, tensors)
     loss, grads = loss_and_grads(name, params, holed)
-    assert loss == pytest.approx(base_loss, rel=1e-5, abs=1e-6)
+    # Whitened advantages (REINFORCE++) sum to zero, so such a loss is float noise around 0,
+    # amplified by a small standard deviation: compared to a tolerance of that size.
+    assert loss == pytest.approx(base_loss, rel=1e-5, abs=1e-4)
     keep = holed["mask"].bool()
     for g, g_base in zip(grads, base_grads, strict=True):
         flat_trained = g[keep]
