@@ -6,8 +6,10 @@ short message without traceback unless ``--debug``; 1 a failure inside a run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -731,6 +733,21 @@ def _existing_queue(queue_dir: Path) -> Path:
     return queue_dir
 
 
+@contextlib.contextmanager
+def _open_queue(queue_dir: Path, existing: bool = True) -> Iterator[Any]:
+    """The human queue in ``queue_dir`` (which must already hold one unless ``existing`` is
+    False), closed afterwards; its refusals (QueueError) become errors naming the folder."""
+    from alignzoo.human.queue import HumanQueue, QueueError
+
+    queue = HumanQueue(_existing_queue(queue_dir) if existing else queue_dir)
+    try:
+        yield queue
+    except QueueError as exc:
+        raise UserError(f"{queue_dir}: {exc}") from None
+    finally:
+        queue.close()
+
+
 @annotate_app.command("serve")
 def annotate_serve(
     queue_dir: QueueDir,
@@ -753,15 +770,8 @@ def annotate_add(
     name: Annotated[str, typer.Argument(help="The annotator's name (1 to 64 characters).")],
 ) -> None:
     """Let NAME sign in to the app; prints their token (shown once, stored hashed)."""
-    from alignzoo.human.queue import HumanQueue, QueueError
-
-    queue = HumanQueue(queue_dir)
-    try:
+    with _open_queue(queue_dir, existing=False) as queue:
         token = queue.add_annotator(name)
-    except QueueError as exc:
-        raise UserError(f"{queue_dir}: {exc}") from None
-    finally:
-        queue.close()
     console.print(f"annotator {name!r} added; their sign-in token (shown once):", markup=False)
     print(token)
 
@@ -772,15 +782,8 @@ def annotate_revoke(
     name: Annotated[str, typer.Argument(help="The annotator whose token stops working.")],
 ) -> None:
     """NAME's token stops working at once (their judgements stay); reissue gives a new one."""
-    from alignzoo.human.queue import HumanQueue, QueueError
-
-    queue = HumanQueue(_existing_queue(queue_dir))
-    try:
+    with _open_queue(queue_dir) as queue:
         queue.revoke(name)
-    except QueueError as exc:
-        raise UserError(f"{queue_dir}: {exc}") from None
-    finally:
-        queue.close()
     console.print(f"annotator {name!r}: token revoked", markup=False)
 
 
@@ -790,15 +793,8 @@ def annotate_reissue(
     name: Annotated[str, typer.Argument(help="The annotator who gets a new token.")],
 ) -> None:
     """A new token for NAME (shown once); their old one stops working at once."""
-    from alignzoo.human.queue import HumanQueue, QueueError
-
-    queue = HumanQueue(_existing_queue(queue_dir))
-    try:
+    with _open_queue(queue_dir) as queue:
         token = queue.reissue(name)
-    except QueueError as exc:
-        raise UserError(f"{queue_dir}: {exc}") from None
-    finally:
-        queue.close()
     console.print(f"annotator {name!r}: new sign-in token (shown once):", markup=False)
     print(token)
 
@@ -846,18 +842,11 @@ def annotate_instructions(
     scale_label: ScaleLabelOption = None,
 ) -> None:
     """Set (or, without options, show) what annotators are asked and what scale points mean."""
-    from alignzoo.human.queue import HumanQueue, QueueError
-
-    queue = HumanQueue(_existing_queue(queue_dir))
-    try:
+    with _open_queue(queue_dir) as queue:
         if question is None and not scale_label:
             said = queue.instructions(kind.value)
         else:
             said = queue.set_instructions(kind.value, question, _scale_labels(scale_label))
-    except QueueError as exc:
-        raise UserError(f"{queue_dir}: {exc}") from None
-    finally:
-        queue.close()
     labels = [[v, t] for v, t in said.scale_labels]
     print(json.dumps({"kind": kind.value, "question": said.question, "scale_labels": labels}))
 
@@ -866,18 +855,14 @@ def annotate_instructions(
 def annotate_status(queue_dir: QueueDir) -> None:
     """Progress per annotator, and the queue's agreement, as JSON."""
     from alignzoo.human.export import agreement
-    from alignzoo.human.queue import HumanQueue
 
-    queue = HumanQueue(_existing_queue(queue_dir))
-    try:
+    with _open_queue(queue_dir) as queue:
         out = {
             "queue": queue.progress(),
             "annotators": {name: queue.progress_of(name) for name in queue.annotators()},
             "revoked": [name for name in queue.annotators() if queue.revoked(name)],
             "agreement": agreement(queue),
         }
-    finally:
-        queue.close()
     print(json.dumps(out, indent=2))
 
 

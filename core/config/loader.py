@@ -932,7 +932,7 @@ def _environment_issues(
                     fallbacks,
                     where,
                     f"backend {arm.backend.name!r} does not implement generate_ids (sampling "
-                    "a turn from token ids), which episodes need; use the hf backend",
+                    "a turn from token ids), which episodes need; use the hf or vllm backend",
                 )
             )
     except Exception:  # a component's own problem: reported by the checks above

@@ -48,7 +48,6 @@ OUTCOMES = ("done", "truncated", "error", "timeout")
 """How an episode ended: the environment said done, a limit cut it, the environment raised,
 an environment call (or the episode) ran past its timeout."""
 _PROBE = "\x00probe\x00"
-_INTERNAL = {"last_turn_start", "close_failed"}
 
 
 def derive_seed(*parts: int) -> int:
@@ -73,6 +72,7 @@ class Episode:
     ids: list[int] = field(default_factory=list)  # the response part: model and environment
     trained: list[int] = field(default_factory=list)  # 1 on the model's sampled tokens
     logprobs: list[float] = field(default_factory=list)
+    turn_start: int = 0  # where the model's latest turn begins in ``ids``
     turns: int = 0
     reward: float | None = None
     outcome: str = ""
@@ -149,10 +149,12 @@ class Episodes:
     tokenizer: Any
     codec: HermesCodec = field(init=False)
     renderer: ChatRenderer = field(init=False)
+    stop_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.renderer = ChatRenderer(self.tokenizer)
         self.codec = codec_for(self.tokenizer, self.cfg.codec)
+        self.stop_ids = self.renderer.stop_ids()  # rendered once, not per turn
 
     def run(
         self,
@@ -259,7 +261,7 @@ class Episodes:
                 try:
                     await self._call(episode, pm.hook.env_close, state=episode.state)
                 except Exception:  # closing is best effort: counted, never raised
-                    episode.metrics["close_failed"] = 1.0
+                    episode.metrics["close_failed"] = 1.0  # reported as env/close_failed
 
         await asyncio.gather(*(one(e) for e in episodes))
 
@@ -285,19 +287,19 @@ class Episodes:
             contexts=contexts,
             sampling=turn_sampling,
             seeds=seeds,
-            stop_token_ids=self.renderer.stop_ids(),
+            stop_token_ids=self.stop_ids,
         )
         for episode, room, (ids, logprobs) in zip(live, budget, outputs, strict=True):
             ids, logprobs = list(ids[:room]), list(logprobs[:room])
             episode.ids += ids
             episode.trained += [1] * len(ids)
             episode.logprobs += logprobs
-            episode.metrics["last_turn_start"] = float(len(episode.ids) - len(ids))
+            episode.turn_start = len(episode.ids) - len(ids)
             if len(episode.ids) >= self.cfg.max_tokens:
                 episode.end("truncated", f"{self.cfg.max_tokens} tokens")
 
     def _turn_text(self, episode: Episode) -> str:
-        start = int(episode.metrics["last_turn_start"])
+        start = episode.turn_start
         return str(self.tokenizer.decode(episode.ids[start:], skip_special_tokens=True))
 
     def _take(self, episode: Episode, result: StepResult) -> None:
@@ -311,7 +313,7 @@ class Episodes:
         if result.done:
             episode.end("done")
             return
-        start = int(episode.metrics["last_turn_start"])
+        start = episode.turn_start
         sampled = self.tokenizer.decode(episode.ids[start:], skip_special_tokens=False)
         between = self._encode(self.renderer.between(sampled, result.messages, episode.tools))
         room = self.cfg.max_tokens - len(episode.ids)
@@ -391,7 +393,7 @@ class Episodes:
             m["env/reward_mean"] = float(np.mean(rewards))
         # The environment's own numbers (StepResult.info["metrics"], summed over an episode's
         # steps): their mean per episode, e.g. env/tool_calls, env/tool/add/errors.
-        keys = sorted({k for e in episodes for k in e.metrics} - _INTERNAL)
+        keys = sorted({k for e in episodes for k in e.metrics})
         for key in keys:
             m[f"env/{key}"] = float(np.mean([e.metrics.get(key, 0.0) for e in episodes]))
         return m

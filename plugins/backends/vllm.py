@@ -186,7 +186,6 @@ class VLLMBackend(Backend):
         sampling: SamplingParams,
         seeds: list[int] | None = None,
     ) -> RolloutBatch:
-        from vllm import SamplingParams as VLLMSampling
 
         from alignzoo.batch import RolloutBatch
         from alignzoo.plugins.backends.hf import cut_after_eos, encode_prompts
@@ -197,35 +196,13 @@ class VLLMBackend(Backend):
             self.tokenizer, prompts, extras, self.params.add_special_tokens
         )
         eos = self.eos
-        greedy = sampling.temperature == 0
-        shared = {
-            "n": n,
-            "temperature": sampling.temperature,
-            "top_p": 1.0 if greedy else sampling.top_p,
-            "top_k": 0 if greedy else sampling.top_k,
-            "max_tokens": sampling.max_new_tokens,
-            "logprobs": 0,  # the sampled token's own log-prob
-            "stop_token_ids": eos,
-            "detokenize": False,
-        }
-        if seeds is None or greedy:
-            params: Any = VLLMSampling(**shared)
-        else:  # each prompt's n samples from a generator of its own (vLLM's per-request seed)
-            params = [VLLMSampling(**shared, seed=int(s) % 2**63) for s in seeds]
-        self._wake()
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompt_tokens], params, use_tqdm=False
-        )
-        self._sleep()
+        outputs = self._sample(prompt_tokens, n, sampling, seeds, eos)
         rows: list[tuple[list[int], list[int], list[float]]] = []
         for ids, out in zip(prompt_tokens, outputs, strict=True):
             if len(out.outputs) != n:
                 raise RuntimeError(f"vLLM returned {len(out.outputs)} completions, not {n}")
             for completion in out.outputs:
-                tokens = list(completion.token_ids)
-                steps = completion.logprobs or []
-                logprobs = [float(step[t].logprob) for t, step in zip(tokens, steps, strict=True)]
-                rows.append((ids, tokens, logprobs))
+                rows.append((ids, *_sampled(completion)))
         pad = self._pad_id()
         width_p = max(len(p) for p, _, _ in rows)
         width_r = max(1, max(len(r) for _, r, _ in rows))
@@ -270,19 +247,37 @@ class VLLMBackend(Backend):
     ) -> list[tuple[list[int], list[float]]]:
         """One sampled turn per token-id context (multi-turn episodes): the ids as vLLM
         sampled them, cut after the first EOS or stop token (kept), and their raw log-probs."""
-        from vllm import SamplingParams as VLLMSampling
-
         if self.llm is None:
             raise RuntimeError("VLLMBackend.generate_ids called before on_run_start")
         stops = list(dict.fromkeys([*self.eos, *(stop_token_ids or [])]))
+        out: list[tuple[list[int], list[float]]] = []
+        for result in self._sample(contexts, 1, sampling, seeds, stops):
+            tokens, logprobs = _sampled(result.outputs[0])
+            cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+            out.append((tokens[:cut], logprobs[:cut]))
+        return out
+
+    def _sample(
+        self,
+        prompt_tokens: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: list[int] | None,
+        stops: list[int],
+    ) -> Any:
+        """vLLM's outputs for ``n`` samples of each token-id prompt: the sampled tokens' own
+        log-probs, stopping at ``stops``; with ``seeds`` each prompt's samples from a generator
+        of its own (vLLM's per-request seed)."""
+        from vllm import SamplingParams as VLLMSampling
+
         greedy = sampling.temperature == 0
         shared = {
-            "n": 1,
+            "n": n,
             "temperature": sampling.temperature,
             "top_p": 1.0 if greedy else sampling.top_p,
             "top_k": 0 if greedy else sampling.top_k,
             "max_tokens": sampling.max_new_tokens,
-            "logprobs": 0,
+            "logprobs": 0,  # the sampled token's own log-prob
             "stop_token_ids": stops,
             "detokenize": False,
         }
@@ -292,18 +287,10 @@ class VLLMBackend(Backend):
             params = [VLLMSampling(**shared, seed=int(s) % 2**63) for s in seeds]
         self._wake()
         outputs = self.llm.generate(
-            [{"prompt_token_ids": list(ids)} for ids in contexts], params, use_tqdm=False
+            [{"prompt_token_ids": list(ids)} for ids in prompt_tokens], params, use_tqdm=False
         )
         self._sleep()
-        out: list[tuple[list[int], list[float]]] = []
-        for result in outputs:
-            completion = result.outputs[0]
-            tokens = list(completion.token_ids)
-            steps = completion.logprobs or []
-            logprobs = [float(step[t].logprob) for t, step in zip(tokens, steps, strict=True)]
-            cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
-            out.append((tokens[:cut], logprobs[:cut]))
-        return out
+        return outputs
 
     # ------------------------------------------------------------------ helpers
     def _wake(self) -> None:
@@ -319,6 +306,13 @@ class VLLMBackend(Backend):
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return int(pad) if pad is not None else self.eos[0]
+
+
+def _sampled(completion: Any) -> tuple[list[int], list[float]]:
+    """A vLLM completion's token ids and each one's log-prob."""
+    tokens = list(completion.token_ids)
+    steps = completion.logprobs or []
+    return tokens, [float(step[t].logprob) for t, step in zip(tokens, steps, strict=True)]
 
 
 def _blobs(weights: PolicyWeights, dtype: Any, limit: int) -> Any:
