@@ -108,7 +108,7 @@ def _parts(field: str) -> list[str | int]:
     return [int(p) if p.isdigit() else p for p in field.split(".")]
 
 
-def _python_labelers(
+def _dry_callable_labelers(
     component: Any, path: tuple[str | int, ...]
 ) -> Iterator[tuple[tuple[str | int, ...], Any]]:
     """(experiment field, labeler) for every labeler in ``component`` that can be dry-called
@@ -118,7 +118,7 @@ def _python_labelers(
         yield path, component
     for i, (_, manager) in enumerate(getattr(component, "parts", None) or []):
         for part in manager.get_plugins():
-            yield from _python_labelers(part, (*path, "params", "labelers", i))
+            yield from _dry_callable_labelers(part, (*path, "params", "labelers", i))
 
 
 def _dry_call_issues(
@@ -134,7 +134,7 @@ def _dry_call_issues(
         found
         for field, component in loaded.components.get(arm, {}).items()
         if field == "labeler" or field.startswith("labeling.fallbacks.")
-        for found in _python_labelers(component, ("arms", arm, *_parts(field)))
+        for found in _dry_callable_labelers(component, ("arms", arm, *_parts(field)))
         if getattr(found[1].params, "validate_call", True)
     ]
     if not labelers:
