@@ -17,6 +17,12 @@ from alignzoo.types import LossAggregation, LossContext
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
+def upcast(values: torch.Tensor) -> torch.Tensor:
+    """``values`` in at least float32: bf16/fp16 and integer or bool tensors become float32,
+    float32 and float64 keep their precision (the loss math runs in float64 when given it)."""
+    return values if values.dtype in (torch.float32, torch.float64) else values.float()
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of ``values`` where ``mask`` is 1; masked entries contribute exactly 0 (even inf or NaN)."""
     return torch.where(mask.bool(), values, torch.zeros_like(values)).sum(dim=dim)
@@ -182,7 +188,7 @@ def masked_kl_penalty(
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[tokens]: ``[B, R, V]`` and ``[B, R]`` -> ``[B, R]`` (computed in fp32)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(upcast(logits), dim=-1)
     return torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -191,7 +197,7 @@ def logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`logprobs_from_logits` and :func:`entropy_from_logits` from one log-softmax;
     ``entropy_grad=False`` computes the entropy without gradients (for metrics only)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(upcast(logits), dim=-1)
     chosen = torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
     if entropy_grad:
         return chosen, _entropy_of_logp(logp)
@@ -205,7 +211,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     Tokens with probability 0 (logit -inf: a masked vocabulary entry) contribute 0 (as
     ``0 log 0 = 0``), and so does their gradient, instead of ``0 * -inf = NaN``.
     """
-    return _entropy_of_logp(torch.log_softmax(logits.float(), dim=-1))
+    return _entropy_of_logp(torch.log_softmax(upcast(logits), dim=-1))
 
 
 def _entropy_of_logp(logp: torch.Tensor) -> torch.Tensor:
@@ -251,7 +257,7 @@ def rollout_is_weights(
     Detached (no gradient), zero on padding. ``cap`` is C.
     """
     mask_b = mask.bool()
-    log_ratio = torch.where(mask_b, old_logprobs.float() - rollout_logprobs.float(), 0.0)
+    log_ratio = torch.where(mask_b, upcast(old_logprobs) - upcast(rollout_logprobs), 0.0)
     if level == "sequence":
         log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(mask_b)
     weights = torch.exp(log_ratio.clamp(max=math.log(cap)))  # min(ratio, C), no overflow
@@ -266,7 +272,7 @@ def last_token_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask_b = mask.bool()
     counts = mask_b.long().cumsum(-1)
     is_last = mask_b & (counts == counts[..., -1:])
-    return torch.where(is_last, scores.to(torch.float32).unsqueeze(-1), 0.0)
+    return torch.where(is_last, upcast(scores).unsqueeze(-1), 0.0)
 
 
 def token_level_rewards(
@@ -281,7 +287,7 @@ def token_level_rewards(
     """
     rewards = last_token_scores(scores, mask)
     if kl is not None and kl_coef != 0.0:
-        rewards = rewards - kl_coef * torch.where(mask.bool(), kl.float(), 0.0)
+        rewards = rewards - kl_coef * torch.where(mask.bool(), upcast(kl), 0.0)
     return rewards
 
 
@@ -295,7 +301,7 @@ def group_mean_std(
     """
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
-    values = values.to(torch.float32)
+    values = upcast(values)
     count = torch.zeros(n_groups, dtype=values.dtype, device=values.device)
     count.index_add_(0, inverse, torch.ones_like(values))
     total = torch.zeros_like(count).index_add_(0, inverse, values)
@@ -327,8 +333,8 @@ def gae(
     and ``lam = 1`` the advantages are the discounted returns.
     """
     mask_b = mask.bool()
-    rewards = torch.where(mask_b, token_rewards.float(), 0.0)
-    values = torch.where(mask_b, values.float(), 0.0)
+    rewards = torch.where(mask_b, upcast(token_rewards), 0.0)
+    values = torch.where(mask_b, upcast(values), 0.0)
     advantages = torch.zeros_like(rewards)
     next_value = torch.zeros_like(rewards[:, 0])
     next_advantage = torch.zeros_like(next_value)
@@ -388,7 +394,7 @@ def approx_kl(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """k3 estimate of KL(pi_old || pi) over the sampled tokens: how far the update has moved."""
-    kl = masked_kl_penalty(old_logprobs.float(), logprobs.detach().float(), mask, "k3")
+    kl = masked_kl_penalty(upcast(old_logprobs), upcast(logprobs.detach()), mask, "k3")
     return masked_mean(kl, mask)
 
 

@@ -194,7 +194,7 @@ def group_advantages(
     A group whose rewards are all equal gets advantage 0 exactly (not rounding noise divided by
     a tiny std), as does a group of one: it carries no learning signal.
     """
-    scores = scores.float()
+    scores = ops.upcast(scores)
     mean, group_std, _ = ops.group_mean_std(scores, group_ids)
     _, inverse = torch.unique(group_ids, return_inverse=True)
     empty = scores.new_zeros(int(inverse.max()) + 1 if inverse.numel() else 0)

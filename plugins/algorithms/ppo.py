@@ -249,7 +249,7 @@ def value_loss(
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over response tokens (1 is a perfect critic)."""
-    values, returns = values.detach().float(), returns.detach().float()
+    values, returns = ops.upcast(values.detach()), ops.upcast(returns.detach())
     var_returns = ops.masked_var(returns, mask)
     var_residual = ops.masked_var(returns - values, mask)
     return float(1.0 - var_residual / var_returns.clamp(min=1e-8))

@@ -66,9 +66,9 @@ def sequence_rewards(
     kl_coef: float = 0.0,
 ) -> torch.Tensor:
     """Sequence rewards ``[B]``: r = score - beta * sum_t KL_t  (KL-penalised reward)."""
-    rewards = scores.float()
+    rewards = ops.upcast(scores)
     if kl is not None and kl_coef != 0.0:
-        rewards = rewards - kl_coef * ops.masked_sum(kl.float(), mask, dim=-1)
+        rewards = rewards - kl_coef * ops.masked_sum(ops.upcast(kl), mask, dim=-1)
     return rewards
 
 
