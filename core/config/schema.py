@@ -88,6 +88,15 @@ class EmbeddedModelConfig(_Strict):
         "the warm-started policy then answers such prompts wrongly when greedy but still "
         "samples the right answer, which is what RL from a verifier can fix.",
     )
+    sft_tool_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of warm-start demonstrations that call the embedded calculator "
+        "('12*34=[12*34]=408' then the answer; the calculator's part is not trained on) instead "
+        "of answering directly: a policy that calls the tool only sometimes, for the "
+        "calculator environment (experiments/tool_use.yaml).",
+    )
     seed: int = Field(0, description="Seed of the embedded model's initialisation and warm start.")
 
 

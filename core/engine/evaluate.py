@@ -7,7 +7,9 @@ response: ``Score.info["correct"]``), ``eval/response_length`` and, when
 ``evaluation.pass_at_k`` is set, ``eval/pass@k`` (a prompt passes when one of k sampled
 responses is correct, or scores above 0 for a labeler that does not say what is correct).
 A response that no labeler of the arm's chain could give a value is left out of these, and
-``eval/labeled_frac`` says which share of the greedy responses was labeled.
+``eval/labeled_frac`` says which share of the greedy responses was labeled. An arm with an
+environment evaluates by greedy episodes and adds their ``env/*`` metrics as ``eval/env/*``
+(``eval/env/tool_calls``: the held-out tool-call rate, per episode).
 """
 
 from __future__ import annotations
@@ -39,15 +41,25 @@ def _sample(
     n: int,
     sampling: SamplingParams,
     labeling: LabelingStage | None = None,
-) -> RolloutBatch:
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """The labeled samples of ``rows`` and, for episodes, their ``env/*`` metrics (each a mean
+    per episode over every chunk)."""
     parts = []
+    totals: dict[str, float] = {}
+    episodes = 0.0
     for start in range(0, len(rows), EVAL_CHUNK):
         prompts, extras = split_rows(rows[start : start + EVAL_CHUNK])
-        batch, _ = hooks.rollout(prompts, extras, n, sampling)
+        batch, env_metrics = hooks.rollout(prompts, extras, n, sampling)
+        count = env_metrics.get("env/episodes", 0.0)
+        episodes += count
+        for key, value in env_metrics.items():
+            if key != "env/episodes":
+                totals[key] = totals.get(key, 0.0) + value * count
         report = label(hooks, batch, labeling, normalize=False)  # raw values, state untouched
         # A response no labeler of the chain could value is left out of the evaluation.
         parts.append(batch if len(report.keep) == batch.size else batch.select(report.keep))
-    return RolloutBatch.concat(parts)
+    means = {key: total / episodes for key, total in totals.items()} if episodes else {}
+    return RolloutBatch.concat(parts), means
 
 
 def evaluate(
@@ -63,7 +75,7 @@ def evaluate(
     ``labeling``: the stage that labels the responses (``evaluation.labeler``); default the
     arm's own labeling."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    batch = _sample(hooks, rows, 1, greedy, labeling)
+    batch, env_metrics = _sample(hooks, rows, 1, greedy, labeling)
     assert batch.scores is not None
     # A labeler that rescales its scores per call (normalize: true) keeps the value it rescaled
     # in info["raw"]; evaluation reports that, so eval/score stays comparable across steps.
@@ -77,13 +89,14 @@ def evaluate(
         out[canonical.EVAL_EXACT_MATCH] = sum(correct) / len(correct)
     out[canonical.EVAL_RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
     out["eval/labeled_frac"] = batch.size / len(rows) if rows else 0.0
+    out.update({f"eval/{key}": value for key, value in env_metrics.items()})
     if pass_at_k:
         params = (sampling or SamplingParams()).model_copy(
             update={"max_new_tokens": max_new_tokens}
         )
         if params.temperature == 0:
             params = params.model_copy(update={"temperature": 1.0})
-        sampled = _sample(hooks, rows, pass_at_k, params, labeling)
+        sampled, _ = _sample(hooks, rows, pass_at_k, params, labeling)
         hits = correct_flags(sampled)
         if hits is None:  # the labeler does not say what is correct: a score above 0 passes
             assert sampled.scores is not None

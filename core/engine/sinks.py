@@ -75,6 +75,10 @@ def console_line(m: dict[str, Any], watched: tuple[str, ...] = ()) -> str:
     return " │ ".join(parts)
 
 
+CONSOLE_EVAL_ENV = ("eval/env/turns", "eval/env/tool_calls")
+"""The evaluation's episode metrics the console prints (all are in eval.jsonl)."""
+
+
 class Sinks:
     """Fan-out of step metrics, evaluations and samples to every configured sink."""
 
@@ -151,7 +155,12 @@ class Sinks:
         self.last_eval = numeric
         self._track(numeric, step)
         if self.console is not None:
-            shown = " │ ".join(f"{k} {v:.3f}" for k, v in numeric.items())
+            # An episode's many env/* numbers stay in eval.jsonl; the console shows two of them.
+            shown = " │ ".join(
+                f"{k} {v:.3f}"
+                for k, v in numeric.items()
+                if not k.startswith("eval/env/") or k in CONSOLE_EVAL_ENV
+            )
             self.console.print(
                 f"[bold]{self.run_name}[/bold] eval @ step {step}: {shown}", highlight=False
             )

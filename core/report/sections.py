@@ -243,7 +243,7 @@ def _changed(section: Any, shared: Any) -> dict[str, Any]:
 
 def _describe_arm(spec: ExperimentSpec | None, arm: str) -> str:
     """Every component of the arm with its params (algorithm, labeler, backend, devices,
-    modifiers), labeling settings that are not the defaults, and what the arm overrides."""
+    modifiers, environment and episode limits), labeling settings that are not the defaults, and what the arm overrides."""
     if spec is None or arm not in spec.arms:
         return f"**{arm}**"
     from alignzoo.config.schema import LabelingConfig
@@ -257,6 +257,14 @@ def _describe_arm(spec: ExperimentSpec | None, arm: str) -> str:
     ]
     if a.modifiers:
         parts.append("modifiers " + ", ".join(_component(m) for m in a.modifiers))
+    if a.environment is not None:
+        from alignzoo.config.schema import EpisodeConfig
+
+        episodes = _changed(a.episodes, EpisodeConfig())
+        parts.append(
+            f"environment {_component(a.environment)}"
+            + (f" episodes `{json.dumps(episodes, sort_keys=True)}`" if episodes else "")
+        )
     labeling = _changed(a.labeling, LabelingConfig())
     if labeling:
         parts.append(f"labeling `{json.dumps(labeling, sort_keys=True)}`")

@@ -8,6 +8,11 @@ an error observation. :func:`codec_for` picks the codec a tokenizer's chat templ
 - ``hermes``: the format of Hermes, Qwen2/2.5/3 and most tool-calling templates, one JSON
   object per call between ``<tool_call>`` and ``</tool_call>``:
   ``<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>``.
+- ``brackets``: the embedded world's plain-text syntax for a tokenizer without a chat
+  template (:mod:`alignzoo.world.calculator`): ``[12*34]`` calls the calculator with that
+  expression, and its answer is written ``=408`` and a newline. Such a codec also writes the
+  environment's messages as text (:meth:`BracketCodec.plain_text`), which the plain renderer
+  appends between turns.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, ClassVar
 
 from alignzoo.errors import UserError
 from alignzoo.rollout.episode import Message, ToolCall
+from alignzoo.world import calculator
 
 MAX_CALLS = 16
 """Most calls read from one turn; more are reported as one error."""
@@ -32,10 +38,21 @@ class Parsed:
     errors: tuple[str, ...]
 
 
+def _assistant_message(text: str, calls: tuple[ToolCall, ...]) -> Message:
+    message: Message = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    return message
+
+
 class HermesCodec:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Hermes and Qwen write it."""
 
     name: ClassVar[str] = "hermes"
+    plain: ClassVar[bool] = False
     _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 
     def parse(self, text: str) -> Parsed:
@@ -57,13 +74,42 @@ class HermesCodec:
 
     def assistant_message(self, text: str, calls: tuple[ToolCall, ...]) -> Message:
         """The model's turn as a transcript message (tool calls in the template's field)."""
-        message: Message = {"role": "assistant", "content": text}
-        if calls:
-            message["tool_calls"] = [
-                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in calls
-            ]
-        return message
+        return _assistant_message(text, calls)
+
+
+class BracketCodec:
+    """``[12*34]`` calls the calculator; its answer is written ``=408`` and a newline (the
+    embedded world's syntax, for a tokenizer without a chat template)."""
+
+    name: ClassVar[str] = "brackets"
+    plain: ClassVar[bool] = True
+
+    def parse(self, text: str) -> Parsed:
+        expressions, errors = calculator.find_calls(text)
+        if len(expressions) > MAX_CALLS:
+            errors.append(f"more than {MAX_CALLS} tool calls in one turn; the rest ignored")
+        calls = tuple(
+            ToolCall(calculator.TOOL_NAME, {"expression": e}) for e in expressions[:MAX_CALLS]
+        )
+        return Parsed(calls, tuple(errors))
+
+    def assistant_message(self, text: str, calls: tuple[ToolCall, ...]) -> Message:
+        """The model's turn as a transcript message (its calls in the ``tool_calls`` field)."""
+        return _assistant_message(text, calls)
+
+    def plain_text(self, messages: list[Message]) -> str:
+        """The environment's messages as the text appended after the model's turn: a tool's
+        answer as ``=<content>`` and a newline, any other message as its content and a newline."""
+        return "".join(
+            calculator.format_result(str(m.get("content", "")))
+            if m.get("role") == "tool"
+            else f"{m.get('content', '')}\n"
+            for m in messages
+        )
+
+    def stop_text(self) -> str:
+        """Where a model turn that calls stops: right after the closing bracket."""
+        return calculator.CALL_CLOSE
 
 
 def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
@@ -88,17 +134,29 @@ def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
     return ToolCall(name, arguments), ""
 
 
-CODECS: dict[str, type[HermesCodec]] = {HermesCodec.name: HermesCodec}
+Codec = HermesCodec | BracketCodec
+"""A tool-call codec: ``parse`` a model turn, write it as an ``assistant_message``; ``plain``
+says whether it also writes the environment's messages as text (``plain_text``), for a
+tokenizer without a chat template."""
+
+CODECS: dict[str, type[Codec]] = {
+    HermesCodec.name: HermesCodec,
+    BracketCodec.name: BracketCodec,
+}
 
 
-def codec_for(tokenizer: Any, name: str = "auto") -> HermesCodec:
+def codec_for(tokenizer: Any, name: str = "auto") -> Codec:
     """The codec ``name``, or with ``auto`` the one the tokenizer's chat template writes
-    (``hermes`` when it mentions ``<tool_call>``); a UserError saying what to set otherwise."""
+    (``hermes`` when it mentions ``<tool_call>``; ``brackets``, the embedded world's plain
+    syntax, when the tokenizer has no chat template); a UserError saying what to set
+    otherwise."""
     if name != "auto":
         if name not in CODECS:
             raise UserError(f"unknown tool-call codec {name!r}; known: {', '.join(CODECS)}")
         return CODECS[name]()
     template = getattr(tokenizer, "chat_template", None) or ""
+    if not template:
+        return BracketCodec()
     if "<tool_call>" in str(template):
         return HermesCodec()
     raise UserError(

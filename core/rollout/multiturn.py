@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from alignzoo.errors import UserError
-from alignzoo.rollout.codecs import HermesCodec, codec_for
+from alignzoo.rollout.codecs import BracketCodec, Codec, codec_for
 from alignzoo.rollout.episode import EpisodeStart, Message, StepResult, Turn
 
 if TYPE_CHECKING:
@@ -96,8 +96,9 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(
-                "an arm with an environment needs a tokenizer with a chat template (its "
-                "tokenizer_config.json 'chat_template'); the embedded tokenizer has none"
+                "a tool-call codec that follows a chat template needs a tokenizer with one (its "
+                "tokenizer_config.json 'chat_template'); for plain text without a template, "
+                "as the embedded tokenizer writes it, set episodes.codec: brackets"
             )
         self.tokenizer = tokenizer
 
@@ -141,19 +142,42 @@ class ChatRenderer:
         return [ids[0]] if ids and ids[0] in special else []
 
 
+class PlainRenderer:
+    """Renders episodes as plain text, for a tokenizer without a chat template: the start is
+    the messages' contents (one per line), and the codec writes the environment's answers
+    (``=408`` and a newline after ``[12*34]`` in the embedded world)."""
+
+    def __init__(self, tokenizer: Any, codec: BracketCodec) -> None:
+        self.tokenizer, self.codec = tokenizer, codec
+
+    def start(self, messages: list[Message], tools: Any) -> str:
+        return "\n".join(str(m.get("content", "")) for m in messages)
+
+    def between(self, turn_text: str, answer: list[Message], tools: Any) -> str:
+        return self.codec.plain_text(answer)
+
+    def stop_ids(self) -> list[int]:
+        """The codec's stop text (``]``) when it is one token: a turn that calls ends there."""
+        ids = self.tokenizer(self.codec.stop_text(), add_special_tokens=False)["input_ids"]
+        return list(ids) if len(ids) == 1 else []
+
+
 @dataclass
 class Episodes:
     """An arm's episode runner: its config, the policy's tokenizer, the codec and renderer."""
 
     cfg: EpisodeConfig
     tokenizer: Any
-    codec: HermesCodec = field(init=False)
-    renderer: ChatRenderer = field(init=False)
+    codec: Codec = field(init=False)
+    renderer: ChatRenderer | PlainRenderer = field(init=False)
     stop_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.renderer = ChatRenderer(self.tokenizer)
         self.codec = codec_for(self.tokenizer, self.cfg.codec)
+        if isinstance(self.codec, BracketCodec):
+            self.renderer = PlainRenderer(self.tokenizer, self.codec)
+        else:
+            self.renderer = ChatRenderer(self.tokenizer)
         self.stop_ids = self.renderer.stop_ids()  # rendered once, not per turn
 
     def run(

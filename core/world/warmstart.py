@@ -35,6 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from alignzoo.config.schema import EmbeddedModelConfig, ModelConfig, TaskConfig
 from alignzoo.errors import UserError
+from alignzoo.world.calculator import scripted_demonstrations
 from alignzoo.world.model import METADATA_FILE, build_model, save_policy
 from alignzoo.world.task import is_correct, make_examples, teacher_demonstrations
 from alignzoo.world.tokenizer import build_tokenizer
@@ -53,10 +54,12 @@ def cache_root() -> Path:
 
 def cache_key(embedded: EmbeddedModelConfig, task: TaskConfig) -> str:
     """A short hash naming the cached policy for these configs."""
+    # A field added after a policy was cached leaves its key alone while at its default.
+    unset = {"sft_tool_share"} if embedded.sft_tool_share == 0 else set()
     payload = json.dumps(
         {
             "format": FORMAT_VERSION,
-            "embedded": embedded.model_dump(mode="json"),
+            "embedded": embedded.model_dump(mode="json", exclude=unset),
             "task": task.model_dump(mode="json"),
         },
         sort_keys=True,
@@ -160,7 +163,8 @@ def _build(cfg: EmbeddedModelConfig, task: TaskConfig, folder: Path, log: Callab
     demonstrations, slips = teacher_demonstrations(
         make_examples(task, "train"), cfg.sft_slip, cfg.seed
     )
-    final_loss = supervised_warm_start(model, tokenizer, demonstrations, cfg, log)
+    traces, tool_calls = scripted_demonstrations(demonstrations, cfg.sft_tool_share, cfg.seed)
+    final_loss = supervised_warm_start(model, tokenizer, traces, cfg, log)
     eval_examples = make_examples(task, "eval")
     exact = greedy_exact_match(model, tokenizer, eval_examples, _max_answer_tokens(eval_examples))
     seconds = time.perf_counter() - start
@@ -172,6 +176,7 @@ def _build(cfg: EmbeddedModelConfig, task: TaskConfig, folder: Path, log: Callab
         "sft_final_loss": final_loss,
         "sft_slipped_demonstrations": slips,
         "sft_demonstrations": len(demonstrations),
+        "sft_tool_demonstrations": tool_calls,
         "eval_exact_match": exact,
         "eval_size": len(eval_examples),
         "build_seconds": round(seconds, 1),
@@ -186,16 +191,22 @@ def _max_answer_tokens(examples: Sequence[dict[str, str]]) -> int:
 
 
 def _encode_sft(
-    tokenizer: PreTrainedTokenizerBase, examples: Sequence[dict[str, str]]
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[dict[str, Any]]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``prompt + answer + EOS`` ids, attention mask and labels (answer + EOS)."""
+    """Right-padded ``prompt + answer + EOS`` ids, attention mask and labels (answer + EOS).
+
+    An example with ``segments`` (a scripted calculator trace, ``(text, trained)`` pairs)
+    has them in place of its answer, labels only on the trained ones (and EOS)."""
     rows, labels = [], []
     for ex in examples:
         prompt = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
-        answer = tokenizer(ex["answer"], add_special_tokens=False)["input_ids"]
-        answer = [*answer, tokenizer.eos_token_id]
-        rows.append(prompt + answer)
-        labels.append([IGNORE_INDEX] * len(prompt) + answer)
+        row, label = list(prompt), [IGNORE_INDEX] * len(prompt)
+        for text, trained in ex.get("segments") or [(ex["answer"], True)]:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            row += ids
+            label += ids if trained else [IGNORE_INDEX] * len(ids)
+        rows.append([*row, tokenizer.eos_token_id])
+        labels.append([*label, tokenizer.eos_token_id])
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -210,7 +221,7 @@ def _encode_sft(
 def supervised_warm_start(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    examples: Sequence[dict[str, str]],
+    examples: Sequence[dict[str, Any]],
     cfg: EmbeddedModelConfig,
     log: Callable[[str], None] = print,
 ) -> float:

@@ -80,8 +80,8 @@ class ToolsEnvironment(Environment):
 
     @hookimpl
     async def env_step(self, state: Any, turn: Turn) -> StepResult:
-        if not turn.tool_calls and not turn.errors:
-            return StepResult(done=True)
+        if not turn.tool_calls and not turn.errors:  # the answer; a rate of 0 is logged as 0
+            return StepResult(done=True, info={"metrics": {"tool_calls": 0.0, "tool_errors": 0.0}})
         answers: list[Message] = []
         failed = 0
         metrics: dict[str, float] = {}

@@ -220,3 +220,33 @@ def test_default_warm_start_reaches_target(tmp_path):
     folder = ensure_policy(ModelConfig(), TaskConfig(), cache_dir=tmp_path, log=log)
     meta = read_metadata(folder)
     assert meta["eval_exact_match"] >= 0.15, log
+
+
+def test_sft_of_a_calculator_trace_labels_the_models_part_and_not_the_tools():
+    from alignzoo.world.calculator import tool_trace
+
+    tok = build_tokenizer()
+    trace = {"prompt": "12*34=", "segments": tool_trace("12*34=")}
+    ids, _, labels = _encode_sft(tok, [trace])
+    text = tok.decode(ids[0])
+    assert text == "12*34=[12*34]=408\n408<|endoftext|>"
+    trained = tok.decode([t for t in labels[0].tolist() if t != IGNORE_INDEX])
+    assert trained == "[12*34]408<|endoftext|>"  # the prompt and '=408\n' are not trained on
+
+
+def test_a_tool_share_of_zero_keeps_the_cache_key_of_policies_built_before_it():
+    import hashlib
+    import json
+
+    from alignzoo.config.schema import TaskConfig
+    from alignzoo.world.warmstart import FORMAT_VERSION, cache_key
+
+    task = TaskConfig()
+    plain = EmbeddedModelConfig()
+    assert cache_key(plain, task) == cache_key(EmbeddedModelConfig(sft_tool_share=0.0), task)
+    assert cache_key(plain, task) != cache_key(EmbeddedModelConfig(sft_tool_share=0.2), task)
+    # The key as it was computed before the field existed.
+    fields = {k: v for k, v in plain.model_dump(mode="json").items() if k != "sft_tool_share"}
+    payload = {"format": FORMAT_VERSION, "embedded": fields, "task": task.model_dump(mode="json")}
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    assert cache_key(plain, task) == digest
