@@ -73,6 +73,7 @@ class Episode:
     trained: list[int] = field(default_factory=list)  # 1 on the model's sampled tokens
     logprobs: list[float] = field(default_factory=list)
     turn_start: int = 0  # where the model's latest turn begins in ``ids``
+    turn: Turn | None = None  # the model's latest turn, as env_step receives it
     turns: int = 0
     reward: float | None = None
     outcome: str = ""
@@ -260,13 +261,9 @@ class Episodes:
 
     async def _step(self, pm: Any, live: list[Episode], index: int) -> None:
         async def one(episode: Episode) -> None:
-            if not episode.active:  # a limit ended it while sampling
+            if not episode.active or episode.turn is None:  # a limit ended it while sampling
                 return
-            text = self._turn_text(episode)
-            parsed = self.codec.parse(text)
-            turn = Turn(text, parsed.calls, parsed.errors, index)
-            episode.messages.append(self.codec.assistant_message(text, parsed.calls))
-            episode.turns += 1
+            turn = episode.turn
             result = await self._guarded(
                 episode, pm.hook.env_step, "env_step", state=episode.state, turn=turn
             )
@@ -319,6 +316,13 @@ class Episodes:
             episode.trained += [1] * len(ids)
             episode.logprobs += logprobs
             episode.turn_start = len(episode.ids) - len(ids)
+            # The turn joins the transcript as sampled, also when the token limit cuts it (its
+            # tokens are trained on, so its text is what the labeler sees).
+            text = self._turn_text(episode)
+            parsed = self.codec.parse(text)
+            episode.turn = Turn(text, parsed.calls, parsed.errors, turn)
+            episode.messages.append(self.codec.assistant_message(text, parsed.calls))
+            episode.turns += 1
             if len(episode.ids) >= self.cfg.max_tokens:
                 episode.end("truncated", f"{self.cfg.max_tokens} tokens")
 

@@ -165,6 +165,17 @@ def test_limits_truncate_and_are_recorded(policy):
     batch, metrics, _ = run(policy, ["1+1="], max_tokens=8)
     assert all(int(batch.response_attention[r].sum()) <= 8 for r in range(batch.size))
     assert metrics["env/truncated_frac"] == 1.0
+    # A turn the limit cut is still a turn: in the transcript (what the labeler scores) and
+    # counted, as its tokens are trained on (max_tokens 3 cuts the first turn of 6 tokens).
+    cut, _, _ = run(policy, ["1+1="], max_tokens=3)
+    for episodes in (batch, cut):
+        for row, extra in enumerate(episodes.extras):
+            trained = episodes.response_mask[row].tolist()
+            ids = episodes.response_ids[row].tolist()
+            assert extra["episode"]["turns"] == len(segments(trained, ids, 1)) >= 1
+            turns = [m for m in extra["messages"] if m["role"] == "assistant"]
+            assert len(turns) == extra["episode"]["turns"]
+            assert episodes.responses[row] == turns[-1]["content"]
 
 
 @pytest.mark.parametrize("fault", ["raise", "hang", "nonsense"])

@@ -158,3 +158,56 @@ def test_multi_turn_episodes_keep_the_ids_vllm_sampled(backends):
     mask = batch.response_mask.bool()
     diff = (trainer - batch.rollout_logprobs).abs()[mask]
     assert float(diff.max()) < 1e-3, float(diff.max())
+
+
+def test_a_bpe_chat_models_episodes_do_not_drift_with_vllm(tmp_path):
+    """The drift property of tests/core/rollout/test_bpe_drift.py with vLLM sampling: a Qwen2
+    BPE tokenizer with merges and a Qwen2.5-style tool-calling template; the ids trained on
+    are the ids vLLM sampled, the environment's answers tokenised once between them, and the
+    trainer's log-probs of the sampled ids equal vLLM's."""
+    from alignzoo.config.schema import EpisodeConfig
+    from alignzoo.plugins.backends.vllm import VLLMBackend
+    from alignzoo.registry import build_plugin_manager
+    from alignzoo.rollout.multiturn import Episodes
+    from tests.core.rollout.bpe_chat import (
+        Answers,
+        Recorder,
+        check_token_in_token_out,
+        save_bpe_chat_policy,
+    )
+
+    folder = save_bpe_chat_policy(tmp_path / "policy")
+    model, tokenizer = load_policy(folder)
+    run = SimpleNamespace(
+        models=SimpleNamespace(policy_path=str(folder)),
+        placement=lambda role: Placement(device="cpu"),
+        device=lambda role: "cpu",
+        tokenizer=tokenizer,
+        actor=model,
+        seed=0,
+        out_dir=tmp_path,
+    )
+    engine = VLLMBackend({"max_model_len": 512})
+    engine.on_run_start(run)
+    try:
+        engine.sync_weights(PolicyWeights(model, 0))
+        recorder = Recorder(engine)
+        pm = build_plugin_manager([recorder, Answers()])
+        episodes = Episodes(EpisodeConfig(max_turns=4, max_tokens=160), tokenizer)
+        assert episodes.codec.name == "hermes"
+        rows = [
+            {"prompt": "What is 12*34?", "answers": ["408", "the result é 字"]},
+            {"prompt": "Weather in Paris, then add 3 and 4.", "answers": ["sunny\n", ""]},
+            {"prompt": "Say hi.", "answers": []},
+        ]
+        prompts = [r["prompt"] for r in rows]
+        drifted = 0
+        for max_new_tokens in (3, 12):
+            sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
+            batch, metrics = episodes.run(pm, prompts, rows, 2, sampling, [5, 6, 7])
+            assert batch.size == 6 and metrics["env/error_frac"] == 0.0
+            # vLLM's CPU kernels sum in another order than the trainer's: 1e-3, as above.
+            drifted += check_token_in_token_out(batch, recorder, tokenizer, model, atol=1e-3)
+        assert drifted >= 1, "premise broken: every sampled episode re-tokenises to its own ids"
+    finally:
+        engine.on_run_end(run, "finished")
