@@ -11,7 +11,10 @@ environment's ids between them.
 Rewards come from the arm's labeler, as for single-turn arms: it sees the last assistant
 message as the response and the whole transcript in ``extra["messages"]``; the environment's
 own rewards (summed over the episode) are in ``extra["episode"]["reward"]``, which the
-``episode_reward`` labeler returns, alone or in a ``combine`` with others.
+``episode_reward`` labeler returns, alone or in a ``combine`` with others; each step's reward
+is kept with the response index of the model's last token before it in
+``extra["episode"]["step_rewards"]`` (``[index, reward]`` pairs: token rewards for an algorithm
+that credits turns).
 
 The batch an episode becomes: ``prompt_ids`` the rendered start, ``response_ids`` every later
 token, ``response_mask`` 1 on the model's sampled tokens only (every loss, KL, entropy and
@@ -76,6 +79,7 @@ class Episode:
     turn: Turn | None = None  # the model's latest turn, as env_step receives it
     turns: int = 0
     reward: float | None = None
+    step_rewards: list[tuple[int, float]] = field(default_factory=list)  # (response index, reward)
     outcome: str = ""
     reason: str = ""
     started: float = field(default_factory=time.monotonic)
@@ -334,6 +338,8 @@ class Episodes:
         """The environment's answer: reward, transcript and the ids between turns."""
         if result.reward is not None:
             episode.reward = (episode.reward or 0.0) + float(result.reward)
+            # Where it was earned: after the model's last token so far (a token reward there).
+            episode.step_rewards.append((len(episode.ids) - 1, float(result.reward)))
         for key, value in (result.info.get("metrics") or {}).items():
             if isinstance(value, (int, float)):
                 episode.metrics[key] = episode.metrics.get(key, 0.0) + float(value)
@@ -443,5 +449,6 @@ def _extra(episode: Episode) -> dict[str, Any]:
         "reason": episode.reason,
         "turns": episode.turns,
         "reward": episode.reward,
+        "step_rewards": [list(pair) for pair in episode.step_rewards],
     }
     return extra

@@ -156,6 +156,15 @@ def test_trained_ids_are_the_sampled_ids_and_the_log_probs_agree(policy):
         "assistant",
     ]
     assert batch.extras[0]["episode"]["reward"] == 2.0
+    # Each step's reward sits after the model's last token of that step: 0.5, 0.5, then 1.0.
+    for row, extra in enumerate(batch.extras):
+        pairs = extra["episode"]["step_rewards"]
+        assert [r for _, r in pairs] == [0.5, 0.5, 1.0]
+        trained = batch.response_mask[row].tolist()
+        ends = [
+            i for i, m in enumerate(trained) if m and (i + 1 == len(trained) or not trained[i + 1])
+        ]
+        assert [i for i, _ in pairs] == ends
 
 
 def test_limits_truncate_and_are_recorded(policy):
