@@ -9,18 +9,29 @@ the function's result (``str(result)``, cut to ``max_result_chars``) or the erro
 a malformed call is answered with what was wrong. The episode ends on a turn without a call
 (TRL's rule). It gives no reward of its own: the arm's labeler scores the transcript.
 
-Functions are stateless and run in a worker thread (``async def`` ones on the event loop), so
-a slow one does not hold up the step's other episodes; one that hangs makes its episode time
-out (``episodes.step_timeout_s``). Per tool the step's metrics carry ``env/tool/<name>/calls``,
-``errors`` and ``seconds`` (means per episode), beside ``env/tool_calls`` and ``env/tool_errors``.
+Functions are stateless. Each call has ``call_timeout_s``; past it the model is answered
+``error: ... timed out`` and the episode goes on (keep it below ``episodes.step_timeout_s``,
+which ends the episode). Where a call runs is ``isolation``:
+
+- ``thread`` (default, as TRL): in a worker thread (``async def`` ones on the event loop), so a
+  slow one does not hold up the step's other episodes. A thread cannot be stopped: one that
+  hangs runs on in the background after its answer (an ``async def`` one is cancelled).
+- ``process``: in a child process of its own (forkserver), killed at the timeout, so a call
+  that hangs, crashes the interpreter or leaks memory leaves nothing behind; each call pays a
+  process start (milliseconds) and its arguments and result cross a pipe.
+
+Per tool the step's metrics carry ``env/tool/<name>/calls``, ``errors``, ``timeouts`` and
+``seconds`` (means per episode), beside ``env/tool_calls`` and ``env/tool_errors``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import multiprocessing
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -45,6 +56,14 @@ class ToolsEnvironment(Environment):
         max_result_chars: int = Field(
             2000, ge=16, description="A tool's answer is cut to this many characters."
         )
+        call_timeout_s: float = Field(
+            10.0, gt=0, description="Longest tool call; past it the model is answered an error."
+        )
+        isolation: Literal["thread", "process"] = Field(
+            "thread",
+            description="Where calls run: 'thread' (fast; a hung call's thread runs on) or "
+            "'process' (a child process per call, killed at the timeout).",
+        )
 
     params: Params
 
@@ -53,6 +72,7 @@ class ToolsEnvironment(Environment):
         from transformers.utils import get_json_schema
 
         self.functions: dict[str, Any] = {}
+        self.specs: dict[str, str] = {}  # name -> spec with an absolute path, for child processes
         self.schemas: list[dict[str, Any]] = []
         for spec in self.params.functions:
             fn = load_callable(spec, "tools environment")
@@ -64,6 +84,7 @@ class ToolsEnvironment(Environment):
             if name in self.functions:
                 raise UserError(f"tools environment: two tools are named {name!r}")
             self.functions[name] = fn
+            self.specs[name] = _absolute(spec)
             self.schemas.append(schema)
 
     @hookimpl
@@ -95,13 +116,30 @@ class ToolsEnvironment(Environment):
                 started = time.perf_counter()
                 prefix = f"tool/{call.name}"
                 metrics[f"{prefix}/calls"] = metrics.get(f"{prefix}/calls", 0.0) + 1
+                timeout = self.params.call_timeout_s
                 try:
-                    result = await _call(fn, call.arguments)
-                    text = str(result)
+                    if self.params.isolation == "process":
+                        text = await _call_in_process(
+                            self.specs[call.name],
+                            call.arguments,
+                            timeout,
+                            self.params.max_result_chars,
+                        )
+                    else:
+                        text = str(await asyncio.wait_for(_call(fn, call.arguments), timeout))
+                except (asyncio.TimeoutError, TimeoutError):
+                    failed += 1
+                    metrics[f"{prefix}/timeouts"] = metrics.get(f"{prefix}/timeouts", 0.0) + 1
+                    text = f"error: {call.name} timed out after {timeout:g}s"
                 except Exception as exc:  # the tool's failure is the model's to read
                     failed += 1
                     metrics[f"{prefix}/errors"] = metrics.get(f"{prefix}/errors", 0.0) + 1
-                    text = f"error: {type(exc).__name__}: {exc}"
+                    what = (
+                        str(exc)
+                        if isinstance(exc, ToolCallFailed)
+                        else f"{type(exc).__name__}: {exc}"
+                    )
+                    text = f"error: {what}"
                 seconds = time.perf_counter() - started
                 metrics[f"{prefix}/seconds"] = metrics.get(f"{prefix}/seconds", 0.0) + seconds
             limit = self.params.max_result_chars
@@ -121,3 +159,55 @@ async def _call(fn: Any, arguments: dict[str, Any]) -> Any:
     if inspect.iscoroutinefunction(fn):
         return await fn(**arguments)
     return await asyncio.to_thread(fn, **arguments)
+
+
+def _absolute(spec: str) -> str:
+    """``spec`` with a file path made absolute (a child process may start elsewhere)."""
+    target, _, name = spec.rpartition(":")
+    if target.endswith(".py"):
+        return f"{Path(target).expanduser().resolve()}:{name}"
+    return spec
+
+
+class ToolCallFailed(RuntimeError):
+    """A call in a child process failed: what it raised (``"ValueError: ..."``), or that the
+    process ended without an answer (a crash, ``os._exit``, a kill)."""
+
+
+def _run_call(spec: str, arguments: dict[str, Any], limit: int, conn: Any) -> None:
+    """In the child process: load the tool, call it, send back ("ok"|"error", text)."""
+    try:
+        result = load_callable(spec, "tools environment")(**arguments)
+        if inspect.isawaitable(result):
+            result = asyncio.run(result)  # type: ignore[arg-type]
+        conn.send(("ok", str(result)[: limit + 1]))
+    except BaseException as exc:  # everything the call raises is the model's to read
+        conn.send(("error", f"{type(exc).__name__}: {exc}"[: limit + 1]))
+    finally:
+        conn.close()
+
+
+async def _call_in_process(spec: str, arguments: dict[str, Any], timeout: float, limit: int) -> str:
+    """``spec(**arguments)`` in a child process, killed (and reaped) at ``timeout``; its text,
+    or the error it raised as an exception here."""
+    context = multiprocessing.get_context("forkserver")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_run_call, args=(spec, arguments, limit, sender), daemon=True)
+    child.start()
+    sender.close()
+    try:
+        if not await asyncio.to_thread(receiver.poll, timeout):
+            raise TimeoutError
+        try:
+            status, text = receiver.recv()
+        except EOFError:
+            child.join(1.0)
+            raise ToolCallFailed(f"the call's process ended with code {child.exitcode}") from None
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        receiver.close()
+    if status == "error":
+        raise ToolCallFailed(text)
+    return str(text)

@@ -4,6 +4,8 @@ errors answered not raised, an episode ending on a turn without a call."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import time
 
 import pytest
 
@@ -42,6 +44,36 @@ def broken(x: int) -> int:
 
 def undocumented(x):
     return x
+
+def stuck(seconds: float) -> str:
+    """Sleeps (a tool that hangs).
+
+    Args:
+        seconds: How long.
+    """
+    import time
+
+    time.sleep(seconds)
+    return "woke"
+
+async def stuck_async(seconds: float) -> str:
+    """Sleeps without blocking (an async tool that hangs).
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return "woke"
+
+def crash(code: int) -> str:
+    """Ends its process at once (a tool that crashes the interpreter).
+
+    Args:
+        code: The exit code.
+    """
+    import os
+
+    os._exit(code)
 '''
 
 
@@ -93,3 +125,54 @@ def test_a_function_without_a_docstring_is_refused_naming_it(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"tools\.py:undocumented"):
         ToolsEnvironment({"functions": ["tools.py:undocumented"]})
+
+
+ALL = [
+    "tools.py:add",
+    "tools.py:broken",
+    "tools.py:stuck",
+    "tools.py:stuck_async",
+    "tools.py:crash",
+]
+
+
+def test_a_hanging_call_is_answered_at_its_timeout_and_the_episode_goes_on(tmp_path, monkeypatch):
+    (tmp_path / "tools.py").write_text(TOOLS)
+    monkeypatch.chdir(tmp_path)
+    env = ToolsEnvironment({"functions": ALL, "call_timeout_s": 0.3})
+    start = env.env_reset(row={"prompt": "?"}, seed=0)
+    calls = (ToolCall("stuck_async", {"seconds": 30}), ToolCall("add", {"a": 1, "b": 1}))
+    began = time.monotonic()
+    result = step(env, start.state, Turn("", calls))
+    assert time.monotonic() - began < 5
+    contents = [m["content"] for m in result.messages]
+    assert contents == ["error: stuck_async timed out after 0.3s", "2"]
+    assert result.info["metrics"]["tool/stuck_async/timeouts"] == 1.0 and not result.done
+
+
+def test_process_isolation_kills_what_hangs_or_crashes_and_leaves_nothing(tmp_path, monkeypatch):
+    (tmp_path / "tools.py").write_text(TOOLS)
+    monkeypatch.chdir(tmp_path)
+    env = ToolsEnvironment({"functions": ALL, "call_timeout_s": 2.0, "isolation": "process"})
+    monkeypatch.chdir(tmp_path.parent)  # the child finds the file wherever the run is
+    start = env.env_reset(row={"prompt": "?"}, seed=0)
+    calls = (
+        ToolCall("add", {"a": 2, "b": 3}),
+        ToolCall("broken", {"x": 0}),
+        ToolCall("stuck", {"seconds": 60}),
+        ToolCall("crash", {"code": 3}),
+        ToolCall("stuck_async", {"seconds": 0}),
+    )
+    began = time.monotonic()
+    result = step(env, start.state, Turn("", calls))
+    assert time.monotonic() - began < 20
+    contents = [m["content"] for m in result.messages]
+    assert contents[0] == "5"
+    assert contents[1] == "error: RuntimeError: down"
+    assert contents[2] == "error: stuck timed out after 2s"
+    assert contents[3] == "error: the call's process ended with code 3"
+    assert contents[4] == "woke"
+    assert multiprocessing.active_children() == []  # every call's process killed and reaped
+    metrics = result.info["metrics"]
+    assert (metrics["tool_calls"], metrics["tool_errors"]) == (5.0, 3.0)
+    assert metrics["tool/stuck/timeouts"] == 1.0 and metrics["tool/crash/errors"] == 1.0
