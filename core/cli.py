@@ -545,7 +545,7 @@ def doctor() -> None:
     broken = [e for e in entries if e.error or e.duplicates]
     table.add_row("plugins", f"{len(entries) - len(broken)} load, {len(broken)} broken")
     for e in broken:
-        table.add_row(f"  {e.kind}.{e.name}", f"[red]{e.error or 'duplicate'}[/red]")
+        table.add_row(f"  {e.kind}.{e.name}", f"[red]{escape(str(e.error or 'duplicate'))}[/red]")
     console.print(table)
 
 

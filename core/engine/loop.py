@@ -505,7 +505,9 @@ def run_one(
             handle.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {error}\n")
             handle.write(traceback.format_exc())
         if console is not None:
-            console.print(f"[red]{out_dir}: run failed: {error}[/red]")
+            # The error's text is shown as written: never read as markup (a gloo error's
+            # "[/path/pair.cc:537]" would otherwise raise MarkupError and hide it).
+            console.print(f"{out_dir}: run failed: {error}", style="red", markup=False)
     finally:
         if sinks is not None:
             sinks.close()

@@ -77,3 +77,32 @@ def test_a_step_whose_batch_is_filtered_empty_trains_nothing(write_experiment, t
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert all("loss" not in r and "reward/mean" in r for r in rows)  # sampled, not trained
+
+
+GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed"
+
+
+class GlooLikeFailure(GRPO):
+    """GRPO whose loss raises with text in square brackets, as a gloo error reads (test plugin)."""
+
+    @hookimpl
+    def compute_loss(self, batch, outputs, context):
+        raise RuntimeError(GLOO + " [/tmp/x] [bold]")
+
+
+def test_an_error_in_square_brackets_reaches_the_console_and_status_as_written(
+    write_experiment, tmp_path
+) -> None:
+    from rich.console import Console
+
+    registry = Registry(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    registry.register(GlooLikeFailure, "gloo_grpo")
+    spec = tiny_experiment(budget={"steps": 2}, arms={"broken": {"algorithm": "gloo_grpo"}})
+    loaded = load_experiment(write_experiment(spec), registry=registry)
+    console = Console(record=True, width=400)
+    summary = run_one(loaded, "broken", 0, tmp_path / "run", console=console)
+    expected = f"RuntimeError: {GLOO} [/tmp/x] [bold]"
+    assert summary.status == "failed" and expected in summary.error  # not a MarkupError
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert expected in status["error"]
+    assert expected in console.export_text()
