@@ -23,6 +23,19 @@ DIMS = dict(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128)
 PROMPTS = ["12+7=", "3+45=", "1+1=", "100+250=", "9+9=", "31+4=", "0+0=", "77+8="]
 
 
+def cpu_run(folder, model, tokenizer, out_dir):
+    """What a backend's on_run_start reads of a run: the policy on the CPU."""
+    return SimpleNamespace(
+        models=SimpleNamespace(policy_path=str(folder)),
+        placement=lambda role: Placement(device="cpu"),
+        device=lambda role: "cpu",
+        tokenizer=tokenizer,
+        actor=model,
+        seed=0,
+        out_dir=out_dir,
+    )
+
+
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory):
     from alignzoo.plugins.backends.hf import HFBackend
@@ -31,15 +44,7 @@ def backends(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     folder = _save_tiny_policy(root / "policy", 4.0, 10.0, eos_boost=0.0, dims=DIMS)
     model, tokenizer = load_policy(folder)
-    run = SimpleNamespace(
-        models=SimpleNamespace(policy_path=str(folder)),
-        placement=lambda role: Placement(device="cpu"),
-        device=lambda role: "cpu",
-        tokenizer=tokenizer,
-        actor=model,
-        seed=0,
-        out_dir=root,
-    )
+    run = cpu_run(folder, model, tokenizer, root)
     hf, engine = HFBackend(), VLLMBackend({"max_model_len": 64})
     for backend in (hf, engine):
         backend.on_run_start(run)
@@ -178,15 +183,7 @@ def test_a_bpe_chat_models_episodes_do_not_drift_with_vllm(tmp_path):
 
     folder = save_bpe_chat_policy(tmp_path / "policy")
     model, tokenizer = load_policy(folder)
-    run = SimpleNamespace(
-        models=SimpleNamespace(policy_path=str(folder)),
-        placement=lambda role: Placement(device="cpu"),
-        device=lambda role: "cpu",
-        tokenizer=tokenizer,
-        actor=model,
-        seed=0,
-        out_dir=tmp_path,
-    )
+    run = cpu_run(folder, model, tokenizer, tmp_path)
     engine = VLLMBackend({"max_model_len": 512})
     engine.on_run_start(run)
     try:
