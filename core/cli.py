@@ -530,6 +530,7 @@ def doctor() -> None:
         "tensorboard",
         "ray",
         "trl",
+        "reasoning-gym",
     ):
         try:
             table.add_row(dist, version(dist))
@@ -985,14 +986,14 @@ def annotate_export(
 def _base_model(base: str, arm: str | None) -> str:
     """The folder ``--base`` names: a model folder, "embedded" (the default embedded warm
     start), or an experiment file (its arm's starting policy, built if need be)."""
-    from alignzoo.config.schema import ModelConfig, TaskConfig
-    from alignzoo.engine.models import policy_path
+    from alignzoo.config.schema import DataConfig, ModelConfig
+    from alignzoo.engine.policy import policy_path
 
     def say(message: str) -> None:
         console.print(message, highlight=False)
 
     if base == "embedded":
-        return policy_path(ModelConfig(), TaskConfig(), say)
+        return policy_path(ModelConfig(), DataConfig(), say)
     if base.endswith((".yaml", ".yml")):
         from alignzoo.config.loader import load_experiment
 
@@ -1000,7 +1001,7 @@ def _base_model(base: str, arm: str | None) -> str:
         name = arm or next(iter(loaded.spec.arms))
         if name not in loaded.spec.arms:
             raise UserError(f"--arm {name}: {base} has arms {', '.join(loaded.spec.arms)}")
-        return policy_path(loaded.spec.arms[name].model, loaded.spec.data.task, say)
+        return policy_path(loaded.spec.arms[name].model, loaded.spec.data, say)
     if not Path(base).expanduser().is_dir():
         raise UserError(
             f"--base {base}: not a model folder, 'embedded', or an experiment file (.yaml)"

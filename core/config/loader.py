@@ -682,6 +682,8 @@ def _check_model_paths(
             )
     for field_name in ("train", "eval"):
         value = getattr(spec.data, field_name)
+        if not isinstance(value, str):  # a generator (reasoning_gym): checked when it is opened
+            continue
         if value == "embedded" or Path(value).expanduser().exists():
             continue
         issues[f"data:{field_name}"] = ConfigIssue(

@@ -25,6 +25,7 @@ from alignzoo.engine.hooks import Hooks
 from alignzoo.engine.learner import Learner, build_learner, shard_units
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
+from alignzoo.engine.policy import policy_path
 from alignzoo.engine.sampler import PromptSampler
 from alignzoo.engine.update import fuses_behaviour
 from alignzoo.errors import UserError
@@ -256,7 +257,7 @@ def assemble(
     seed_everything(seed)
 
     mcfg = arm_spec.model
-    path = model_loading.policy_path(mcfg, spec.data.task, log)
+    path = policy_path(mcfg, spec.data, log)
     models = model_loading.load_models(path, mcfg, devices, req.reference, req.critic, seed)
     models.placements = placements
     note = model_loading.precision_note(mcfg, models.device("actor"))

@@ -1,9 +1,11 @@
 """Loading prompt sets, preference pairs and unpaired feedback as ``datasets.Dataset``.
 
 ``data.train`` / ``data.eval`` name either ``"embedded"`` (the arithmetic task of
-:mod:`alignzoo.world.task`) or a file: ``.jsonl`` / ``.json`` (JSON lines or one JSON array),
-``.parquet``, or a folder written by ``Dataset.save_to_disk`` (a ``DatasetDict`` folder too:
-the split of the same name is used, or its only split).
+:mod:`alignzoo.world.task`), a generator (``{reasoning_gym: {...}}``:
+:mod:`alignzoo.integrations.reasoning_gym`, online prompts with their answers and scorer's
+entry) or a file: ``.jsonl`` / ``.json`` (JSON lines or one JSON array), ``.parquet``, or a
+folder written by ``Dataset.save_to_disk`` (a ``DatasetDict`` folder too: the split of the
+same name is used, or its only split).
 
 The columns are TRL's standard names, by kind of data (each data mode of
 :mod:`alignzoo.engine.modes` declares the columns it reads):
@@ -47,7 +49,7 @@ from typing import Any, Literal
 import datasets
 from datasets.table import InMemoryTable
 
-from alignzoo.config.schema import DataConfig
+from alignzoo.config.schema import DataConfig, ReasoningGymData
 from alignzoo.engine.modes import required_columns
 from alignzoo.errors import UserError
 from alignzoo.types import DataMode
@@ -74,15 +76,30 @@ def load_split(
     if mode not in KINDS:
         raise ValueError(f"mode must be one of {', '.join(KINDS)}, got {mode!r}")
     source = data.train if split == "train" else data.eval
-    if source == "embedded":
+    field = f"data.{split}"
+    if isinstance(source, ReasoningGymData):
+        dataset = _reasoning_gym(source, mode, field)
+    elif source == "embedded":
         dataset = _embedded(data, split, mode)
     else:
-        dataset = _read(Path(source).expanduser(), split, mode, f"data.{split}")
+        dataset = _read(Path(source).expanduser(), split, mode, field)
     if split == "train" and data.sample_ratio < 1.0:
         dataset = _sample(dataset, data.sample_ratio, seed=data.task.seed)
     if tokenizer is not None:
-        dataset = render(dataset, tokenizer, mode, source if source != "embedded" else "data")
+        named = source if isinstance(source, str) and source != "embedded" else "data"
+        dataset = render(dataset, tokenizer, mode, named)
     return dataset
+
+
+def _reasoning_gym(source: ReasoningGymData, mode: DataMode, field: str) -> datasets.Dataset:
+    from alignzoo.integrations.reasoning_gym import generate
+
+    if mode != "online":
+        raise UserError(
+            f"{field}: reasoning-gym data gives prompts with answers, for arms that sample "
+            f"(online); this arm reads {mode} data from it (set data.online: true)"
+        )
+    return datasets.Dataset.from_list(generate(source.reasoning_gym, field))
 
 
 # --------------------------------------------------------------------------- embedded

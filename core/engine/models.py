@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from alignzoo.config.schema import ModelConfig, TaskConfig
+from alignzoo.config.schema import ModelConfig
 from alignzoo.errors import UserError
 from alignzoo.types import Placement
 
@@ -75,21 +75,6 @@ def load_models(
         models.critic = load_critic(path, cfg, models.device("critic"), seed)
     models.autocast = autocast_factory(cfg, models.device("actor"))
     return models
-
-
-def policy_path(model_cfg: ModelConfig, task_cfg: TaskConfig, log: Callable[[str], None]) -> str:
-    """The folder the policy loads from: the cached embedded warm start, or the user's path."""
-    if model_cfg.policy == "embedded":
-        from alignzoo import distributed
-        from alignzoo.world.warmstart import ensure_policy
-
-        if not distributed.is_main():  # rank 0 builds the cached warm start, the others read it
-            distributed.barrier()
-        path = str(ensure_policy(model_cfg, task_cfg, log=log))
-        if distributed.is_main():
-            distributed.barrier()
-        return path
-    return model_cfg.policy
 
 
 def _quiet_transformers() -> contextlib.AbstractContextManager[Any]:

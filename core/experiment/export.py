@@ -82,6 +82,7 @@ def export(run: Path, out: Path, step: str = "last", merge: bool = False) -> Pat
     from alignzoo.config.schema import ArmSpec, DataConfig
     from alignzoo.engine import models as model_loading
     from alignzoo.engine.checkpoint import load_actor_weights
+    from alignzoo.engine.policy import policy_path
     from alignzoo.experiment.runfiles import metric_key
 
     run = Path(run)
@@ -98,7 +99,7 @@ def export(run: Path, out: Path, step: str = "last", merge: bool = False) -> Pat
     if merge and arm.model.lora is None:
         raise UserError("--merge: the arm trains every weight (no LoRA), nothing to merge")
 
-    base = model_loading.policy_path(arm.model, data.task, log=lambda _: None)
+    base = policy_path(arm.model, data, log=lambda _: None)
     tokenizer = model_loading.load_tokenizer(base)
     actor = model_loading.load_actor(base, arm.model, "cpu")
     load_actor_weights(actor, folder / "actor.safetensors")

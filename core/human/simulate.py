@@ -185,14 +185,15 @@ def sample_pool(
     from types import SimpleNamespace
 
     from alignzoo.engine.datasets import load_split
-    from alignzoo.engine.models import load_actor, load_tokenizer, policy_path
+    from alignzoo.engine.models import load_actor, load_tokenizer
     from alignzoo.engine.modes import split_rows
+    from alignzoo.engine.policy import policy_path
     from alignzoo.engine.sampler import PromptSampler
     from alignzoo.weights import PolicyWeights
 
     spec = loaded.spec
     arm_spec = spec.arms[arm]
-    path = policy_path(arm_spec.model, spec.data.task, log)
+    path = policy_path(arm_spec.model, spec.data, log)
     tokenizer = load_tokenizer(path)
     actor = load_actor(path, arm_spec.model, "cpu")
     rows, seeds = PromptSampler(load_split(spec.data, "train", "online", tokenizer), 0).next_seeded(

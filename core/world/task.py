@@ -148,16 +148,23 @@ def is_correct(response: str, answer: str) -> bool:
 
 
 def _operands(prompt: str) -> tuple[int, str, int] | None:
-    match = re.fullmatch(r"(\d+)([+*-])(\d+)=", prompt)
-    return (int(match[1]), match[2], int(match[3])) if match else None
+    """The two operands and the operator of a prompt that is one binary operation: the
+    embedded task's ``"37+45="``, or the same in words and spaces (reasoning-gym's
+    ``"Calculate 37 + 45."``)."""
+    found = re.findall(r"(?<!\d)(?<!\d\.)(\d+)\s*([+*-])\s*(\d+)(?!\d|\.\d)", prompt)
+    if len(found) != 1 or len(re.findall(r"\d+", prompt)) != 2:
+        return None
+    a, op, b = found[0]
+    return int(a), op, int(b)
 
 
 def slipped_answer(prompt: str) -> str | None:
     """The answer a sloppy teacher writes when it drops the units column's carry or borrow.
 
     ``"37+45="`` -> ``"72"`` (the carry of 7+5 forgotten), ``"52-37="`` -> ``"25"`` (the borrow
-    of 2-7 forgotten); ``None`` when the units column has no carry or borrow (the slip cannot
-    happen) or the prompt is not an addition or subtraction.
+    of 2-7 forgotten), also written ``"Calculate 37 + 45."``; ``None`` when the units column has
+    no carry or borrow (the slip cannot happen) or the prompt is not one addition or
+    subtraction of two numbers.
     """
     parsed = _operands(prompt)
     if parsed is None:

@@ -52,19 +52,29 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "alignzoo"
 
 
-def cache_key(embedded: EmbeddedModelConfig, task: TaskConfig) -> str:
-    """A short hash naming the cached policy for these configs."""
-    # A field added after a policy was cached leaves its key alone while at its default.
+def cache_key(
+    embedded: EmbeddedModelConfig, task: TaskConfig, examples: Examples | None = None
+) -> str:
+    """A short hash naming the cached policy for these configs (and, for ``sft_on: train``,
+    the demonstrations and eval rows themselves)."""
+    # Fields added after a policy was cached leave its key alone while at their defaults.
     unset = {"sft_tool_share"} if embedded.sft_tool_share == 0 else set()
-    payload = json.dumps(
-        {
-            "format": FORMAT_VERSION,
-            "embedded": embedded.model_dump(mode="json", exclude=unset),
-            "task": task.model_dump(mode="json"),
-        },
-        sort_keys=True,
-    )
+    unset |= {"sft_on"} if embedded.sft_on == "task" else set()
+    content: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "embedded": embedded.model_dump(mode="json", exclude=unset),
+        "task": task.model_dump(mode="json"),
+    }
+    if examples is not None:
+        content["examples"] = hashlib.sha256(
+            json.dumps(examples, sort_keys=True).encode()
+        ).hexdigest()
+    payload = json.dumps(content, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+Examples = dict[str, list[dict[str, str]]]
+"""The warm start's ``train`` demonstrations and ``eval`` rows (``prompt``, ``answer``)."""
 
 
 def read_metadata(folder: str | Path) -> dict[str, Any]:
@@ -77,12 +87,14 @@ def ensure_policy(
     task_cfg: TaskConfig,
     cache_dir: Path | None = None,
     log: Callable[[str], None] = print,
+    examples: Examples | None = None,
 ) -> Path:
     """The folder to ``from_pretrained`` the policy (and its tokenizer) from.
 
     A path policy is returned as is (it must be an existing folder). ``"embedded"`` is built,
     warm-started and cached on first use (see the module docstring); later calls return the
-    cached folder at once.
+    cached folder at once. ``examples``: with ``model.embedded.sft_on: train``, the
+    experiment's own train and eval rows (:func:`alignzoo.engine.datasets.warm_start_examples`).
     """
     if model_cfg.policy != "embedded":
         path = Path(model_cfg.policy).expanduser()
@@ -93,7 +105,11 @@ def ensure_policy(
             )
         return path
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    key = cache_key(model_cfg.embedded, task_cfg)
+    if model_cfg.embedded.sft_on == "train" and examples is None:
+        raise UserError("model.embedded.sft_on: train needs the experiment's data")
+    if model_cfg.embedded.sft_on == "task":
+        examples = None
+    key = cache_key(model_cfg.embedded, task_cfg, examples)
     folder = root / "embedded" / key
     if _cache_problem(folder) is None:
         log(f"embedded policy: using cached {folder}")
@@ -106,7 +122,7 @@ def ensure_policy(
             return folder
         if folder.exists():
             log(f"embedded policy: the cached {folder} is damaged ({problem}); rebuilding it")
-        _build(model_cfg.embedded, task_cfg, folder, log)
+        _build(model_cfg.embedded, task_cfg, folder, log, examples)
     return folder
 
 
@@ -152,7 +168,13 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build(cfg: EmbeddedModelConfig, task: TaskConfig, folder: Path, log: Callable[[str], None]):
+def _build(
+    cfg: EmbeddedModelConfig,
+    task: TaskConfig,
+    folder: Path,
+    log: Callable[[str], None],
+    examples: Examples | None = None,
+) -> None:
     log(
         f"embedded policy: building {cfg.architecture} (hidden {cfg.hidden_size}, "
         f"{cfg.num_layers} layers) and warm-starting for {cfg.sft_steps} steps -> {folder}"
@@ -160,12 +182,12 @@ def _build(cfg: EmbeddedModelConfig, task: TaskConfig, folder: Path, log: Callab
     start = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(cfg, tokenizer)
-    demonstrations, slips = teacher_demonstrations(
-        make_examples(task, "train"), cfg.sft_slip, cfg.seed
-    )
+    if examples is None:
+        examples = {split: make_examples(task, split) for split in ("train", "eval")}  # type: ignore[arg-type]
+    demonstrations, slips = teacher_demonstrations(examples["train"], cfg.sft_slip, cfg.seed)
     traces, tool_calls = scripted_demonstrations(demonstrations, cfg.sft_tool_share, cfg.seed)
     final_loss = supervised_warm_start(model, tokenizer, traces, cfg, log)
-    eval_examples = make_examples(task, "eval")
+    eval_examples = examples["eval"]
     exact = greedy_exact_match(model, tokenizer, eval_examples, _max_answer_tokens(eval_examples))
     seconds = time.perf_counter() - start
     metadata = {

@@ -143,6 +143,9 @@ def test_slipped_answer_drops_the_units_carry_or_borrow(a, b):
         assert minus is None
     assert slipped_answer(f"{a}*{b}=") is None
     assert slipped_answer("not a prompt") is None
+    if plus is not None:  # the same operation in words (reasoning-gym's wording)
+        assert slipped_answer(f"Calculate {a} + {b}.") == plus
+    assert slipped_answer(f"Calculate {a} + {b} + 1.") is None  # not one operation
 
 
 def test_teacher_demonstrations_slip_only_where_a_carry_is_dropped():

@@ -234,7 +234,7 @@ def test_sft_of_a_calculator_trace_labels_the_models_part_and_not_the_tools():
     assert trained == "[12*34]408<|endoftext|>"  # the prompt and '=408\n' are not trained on
 
 
-def test_a_tool_share_of_zero_keeps_the_cache_key_of_policies_built_before_it():
+def test_fields_added_later_keep_the_cache_key_of_policies_built_before_them():
     import hashlib
     import json
 
@@ -245,8 +245,10 @@ def test_a_tool_share_of_zero_keeps_the_cache_key_of_policies_built_before_it():
     plain = EmbeddedModelConfig()
     assert cache_key(plain, task) == cache_key(EmbeddedModelConfig(sft_tool_share=0.0), task)
     assert cache_key(plain, task) != cache_key(EmbeddedModelConfig(sft_tool_share=0.2), task)
-    # The key as it was computed before the field existed.
-    fields = {k: v for k, v in plain.model_dump(mode="json").items() if k != "sft_tool_share"}
+    assert cache_key(plain, task) != cache_key(EmbeddedModelConfig(sft_on="train"), task, {})
+    # The key as it was computed before the fields existed.
+    added = ("sft_tool_share", "sft_on")
+    fields = {k: v for k, v in plain.model_dump(mode="json").items() if k not in added}
     payload = {"format": FORMAT_VERSION, "embedded": fields, "task": task.model_dump(mode="json")}
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
     assert cache_key(plain, task) == digest

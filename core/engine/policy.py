@@ -1,0 +1,47 @@
+"""Where the policy's weights come from: the user's folder, or the embedded warm start, built
+on the embedded task or (``model.embedded.sft_on: train``) on the experiment's own rows.
+
+Its own module because it reads data (:mod:`alignzoo.engine.datasets`) as well as models:
+:mod:`alignzoo.engine.models` stays below the data layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from alignzoo.config.schema import DataConfig, ModelConfig
+from alignzoo.engine.datasets import load_split
+from alignzoo.errors import UserError
+
+
+def warm_start_examples(data: DataConfig) -> dict[str, list[dict[str, str]]]:
+    """The experiment's own train and eval rows as the embedded warm start's examples
+    (``model.embedded.sft_on: train``): ``prompt`` and ``answer`` of each row."""
+    out: dict[str, list[dict[str, str]]] = {}
+    for split in ("train", "eval"):
+        rows = load_split(data, split, "online")  # type: ignore[arg-type]
+        if "answer" not in rows.column_names:
+            raise UserError(
+                f"model.embedded.sft_on: train warm-starts on each prompt's 'answer'; "
+                f"data.{split} has no 'answer' column (columns: {', '.join(rows.column_names)})"
+            )
+        pairs = zip(rows["prompt"], rows["answer"], strict=True)
+        out[split] = [{"prompt": str(p), "answer": str(a)} for p, a in pairs]
+    return out
+
+
+def policy_path(model_cfg: ModelConfig, data: DataConfig, log: Callable[[str], None]) -> str:
+    """The folder the policy loads from: the cached embedded warm start (on the embedded task
+    or, with ``sft_on: train``, on ``data``'s own rows), or the user's path."""
+    if model_cfg.policy == "embedded":
+        from alignzoo import distributed
+        from alignzoo.world.warmstart import ensure_policy
+
+        if not distributed.is_main():  # rank 0 builds the cached warm start, the others read it
+            distributed.barrier()
+        examples = warm_start_examples(data) if model_cfg.embedded.sft_on == "train" else None
+        path = str(ensure_policy(model_cfg, data.task, log=log, examples=examples))
+        if distributed.is_main():
+            distributed.barrier()
+        return path
+    return model_cfg.policy
