@@ -531,6 +531,7 @@ def doctor() -> None:
         "ray",
         "trl",
         "reasoning-gym",
+        "textarena",
     ):
         try:
             table.add_row(dist, version(dist))
