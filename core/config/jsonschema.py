@@ -60,7 +60,7 @@ def experiment_json_schema(registry: Registry | None = None) -> dict[str, Any]:
     arm = defs["ArmSpec"]
     arm.pop("required", None)  # `defaults:` may supply the algorithm
     ref_schemas: dict[str, dict[str, Any]] = {}
-    for slot, kind in [*_SLOTS.items(), ("modifiers", "modifier")]:
+    for slot, kind in [*_SLOTS.items(), ("modifiers", "modifier"), ("environment", "environment")]:
         name = f"{kind}.ref"
         ref_schemas[slot] = {
             "anyOf": [
@@ -72,6 +72,10 @@ def experiment_json_schema(registry: Registry | None = None) -> dict[str, Any]:
     for slot in _SLOTS:
         described = arm["properties"][slot].get("description", "")
         arm["properties"][slot] = {"$ref": f"#/$defs/{_SLOTS[slot]}.ref", "description": described}
+    arm["properties"]["environment"] = {  # optional: an arm without one samples single turns
+        "anyOf": [{"$ref": "#/$defs/environment.ref"}, {"type": "null"}],
+        "description": arm["properties"]["environment"].get("description", ""),
+    }
     arm["properties"]["modifiers"] = {
         "type": "array",
         "items": {"$ref": "#/$defs/modifier.ref"},

@@ -7,7 +7,8 @@ response: ``Score.info["correct"]``), ``eval/response_length`` and, when
 ``evaluation.pass_at_k`` is set, ``eval/pass@k`` (a prompt passes when one of k sampled
 responses is correct, or scores above 0 for a labeler that does not say what is correct).
 A response that no labeler of the arm's chain could give a value is left out of these, and
-``eval/labeled_frac`` says which share of the greedy responses was labeled. An arm with an
+``eval/labeled_frac`` says which share of the greedy responses was labeled (when none was,
+it is the only score reported). An arm with an
 environment evaluates by greedy episodes and adds their ``env/*`` metrics as ``eval/env/*``
 (``eval/env/tool_calls``: the held-out tool-call rate, per episode).
 """
@@ -76,6 +77,9 @@ def evaluate(
     arm's own labeling."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     batch, env_metrics = _sample(hooks, rows, 1, greedy, labeling)
+    env = {f"eval/{key}": value for key, value in env_metrics.items()}
+    if batch.size == 0:  # nothing to score (every episode failed, no label): said, not guessed
+        return {"eval/labeled_frac": 0.0, **env}
     assert batch.scores is not None
     # A labeler that rescales its scores per call (normalize: true) keeps the value it rescaled
     # in info["raw"]; evaluation reports that, so eval/score stays comparable across steps.
@@ -89,7 +93,7 @@ def evaluate(
         out[canonical.EVAL_EXACT_MATCH] = sum(correct) / len(correct)
     out[canonical.EVAL_RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
     out["eval/labeled_frac"] = batch.size / len(rows) if rows else 0.0
-    out.update({f"eval/{key}": value for key, value in env_metrics.items()})
+    out.update(env)
     if pass_at_k:
         params = (sampling or SamplingParams()).model_copy(
             update={"max_new_tokens": max_new_tokens}

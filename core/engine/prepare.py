@@ -83,8 +83,12 @@ def prepare_step(
     scoring (unless the batch's behaviour snapshot was taken at generation, or the update takes
     it, ``fused``), the mode's selection, the arm's batch transforms and the mode's no-grad
     extras. Its canonical metrics go into ``collected.metrics``. None when nothing is left to
-    train on (online pairs with no untied group, or a transform that filtered every sample);
+    train on (nothing collected, online pairs with no untied group, or a transform that
+    filtered every sample);
     every rank has a batch of the same size (their collectives would otherwise hang)."""
+    if collected.batch.size == 0:  # every sample dropped (unlabeled, or its episode failed)
+        distributed.all_equal(0, f"step {step}'s batch size")
+        return None
     if not collected.behaviour_taken:
         behaviour = prepare(scorer, collected.batch, generated=mode.online, behaviour=not fused)
         collected.metrics.update(behaviour)

@@ -53,3 +53,8 @@ def test_the_schema_checks_defaults_and_the_one_budget_rule():
     assert list(validator.iter_errors(none))
     typo = {**experiment, "defaults": {"labeler": "no_such_labeler"}}
     assert list(validator.iter_errors(typo))
+    tools = yaml.safe_load((root / "experiments" / "tool_use.yaml").read_text())
+    tools["arms"]["tool"]["environment"] = "no_such_environment"
+    assert list(validator.iter_errors(tools))  # environments are named like any component
+    tools["arms"]["tool"]["environment"] = {"name": "calculator", "params": {"enabled": "no"}}
+    assert list(validator.iter_errors(tools))  # and their params checked
