@@ -79,6 +79,13 @@ def load_split(
     field = f"data.{split}"
     if isinstance(source, ReasoningGymData):
         dataset = _reasoning_gym(source, mode, field)
+        if split == "train" and isinstance(data.eval, ReasoningGymData):
+            # Generated splits can repeat each other's prompts (a small task has few): the
+            # training rows drop every eval prompt, so the evaluation is held out.
+            held_out = set(_reasoning_gym(data.eval, "online", "data.eval")["prompt"])
+            dataset = dataset.select(
+                [i for i, prompt in enumerate(dataset["prompt"]) if prompt not in held_out]
+            )
     elif source == "embedded":
         dataset = _embedded(data, split, mode)
     else:

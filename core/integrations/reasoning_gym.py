@@ -8,6 +8,10 @@ the task's own scorer (the ``reasoning-gym`` extra: ``pip install 'alignzoo[reas
 ``reasoning_gym_entry`` (the whole entry as JSON, what the task's scorer reads), so the
 ``reasoning_gym`` labeler can score a response exactly as reasoning-gym does.
 
+When ``data.eval`` is generated too, the training rows drop every prompt of the eval split
+(different seeds can draw the same prompt, and a small task has few), so the evaluation is
+held out.
+
 Task names and configurations are checked when the data is opened, which ``alignzoo validate``
 does before any model loads: an unknown task gets the closest names, a config field the task
 does not have gets its error, both naming the field.

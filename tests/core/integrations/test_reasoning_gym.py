@@ -54,6 +54,19 @@ def test_rows_carry_the_prompt_answer_task_and_entry_as_reasoning_gym_makes_them
     )
 
 
+def test_training_rows_never_repeat_an_eval_prompt():
+    small = {**ADDITION, "max_digits": 1}  # 1-digit sums: few distinct prompts, many repeats
+    data = DataConfig(
+        train=source(task="basic_arithmetic", config=small, size=300),
+        eval=source(task="basic_arithmetic", config=small, seed=2, size=20),
+    )
+    train = load_split(data, "train", "online")["prompt"]
+    held_out = set(load_split(data, "eval", "online")["prompt"])
+    everything = rg.create_dataset("basic_arithmetic", size=300, seed=1, **small)
+    assert any(e["question"] in held_out for e in everything)  # premise: the seeds overlap
+    assert train and not set(train) & held_out
+
+
 def test_a_weighted_composite_mixes_tasks_and_each_row_names_its_own():
     tasks = [{"name": "basic_arithmetic", "weight": 3, "config": ADDITION},
              {"name": "chain_sum", "weight": 1, "config": {}}]  # fmt: skip
@@ -139,7 +152,9 @@ def test_the_warm_start_can_learn_the_tasks_own_rows(tmp_path):
     evaluation = source(task="basic_arithmetic", config=ADDITION, seed=2, size=5)
     data = DataConfig(train=source(task="basic_arithmetic", config=ADDITION), eval=evaluation)
     examples = warm_start_examples(data)
-    assert len(examples["train"]) == 20 and len(examples["eval"]) == 5
+    train = load_split(data, "train", "online")  # the eval prompts left out
+    assert len(examples["eval"]) == 5 and 0 < len(examples["train"]) == len(train)
+    assert [e["answer"] for e in examples["train"]] == train["answer"]
     assert examples["train"][0]["prompt"].startswith("Calculate")
     on_train = EmbeddedModelConfig(sft_on="train")
     other = warm_start_examples(
@@ -177,5 +192,6 @@ def test_the_reasoning_gym_experiment_runs_end_to_end_at_a_tiny_size(tmp_path, m
     metadata = json.loads(
         next((tmp_path / "cache" / "embedded").glob("*/alignzoo_world.json")).read_text()
     )
-    assert metadata["sft_demonstrations"] == 64 and metadata["eval_size"] == 8
+    trained = load_split(load_experiment(path).spec.data, "train", "online")
+    assert metadata["sft_demonstrations"] == len(trained) and metadata["eval_size"] == 8
     assert "grpo" in (tmp_path / "out" / "report.md").read_text()
