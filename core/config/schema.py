@@ -617,8 +617,9 @@ class EpisodeConfig(_Strict):
     )
     codec: str = Field(
         "auto",
-        description="How tool calls are written: 'auto' (from the tokenizer's chat template) "
-        "or a codec name (hermes).",
+        description="How tool calls are written: 'auto' (from the tokenizer's chat template), "
+        "'hermes' (<tool_call> JSON) or 'brackets' (the embedded world's plain [12*34] "
+        "calculator calls, for a tokenizer without a chat template).",
     )
     on_failure: Literal["drop_sample", "drop_group", "keep"] = Field(
         "drop_sample",

@@ -82,10 +82,16 @@ def load_split(
         if split == "train" and isinstance(data.eval, ReasoningGymData):
             # Generated splits can repeat each other's prompts (a small task has few): the
             # training rows drop every eval prompt, so the evaluation is held out.
-            held_out = set(_reasoning_gym(data.eval, "online", "data.eval")["prompt"])
+            # Compared by question, so prompts templated differently are caught too.
+            held_out = set(_reasoning_gym(data.eval, "online", "data.eval")["question"])
             dataset = dataset.select(
-                [i for i, prompt in enumerate(dataset["prompt"]) if prompt not in held_out]
+                [i for i, question in enumerate(dataset["question"]) if question not in held_out]
             )
+            if len(dataset) == 0:
+                raise UserError(
+                    f"{field}: every generated training prompt is also an eval prompt; draw more "
+                    "(size), another seed, or a task with more distinct prompts"
+                )
     elif source == "embedded":
         dataset = _embedded(data, split, mode)
     else:

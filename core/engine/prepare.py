@@ -86,8 +86,11 @@ def prepare_step(
     train on (nothing collected, online pairs with no untied group, or a transform that
     filtered every sample);
     every rank has a batch of the same size (their collectives would otherwise hang)."""
-    if collected.batch.size == 0:  # every sample dropped (unlabeled, or its episode failed)
-        distributed.all_equal(0, f"step {step}'s batch size")
+    # Every sample dropped (unlabeled, or its episode failed): nothing to score. Every rank
+    # agrees first, so none runs the scoring passes' collectives while another skips them.
+    empty = collected.batch.size == 0
+    distributed.all_equal(int(empty), f"whether step {step}'s batch is empty")
+    if empty:
         return None
     if not collected.behaviour_taken:
         behaviour = prepare(scorer, collected.batch, generated=mode.online, behaviour=not fused)

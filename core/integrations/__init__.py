@@ -6,3 +6,20 @@ which extra to install (exit 2) when it is missing, so the core runs without any
 - :mod:`alignzoo.integrations.reasoning_gym`: reasoning-gym's procedural tasks as a data source
   (``data.train: {reasoning_gym: {...}}``) and their scorers (the ``reasoning_gym`` labeler).
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from alignzoo.errors import UserError
+
+
+def require(module: str, extra: str, owner: str) -> ModuleType:
+    """``module`` imported, or a UserError from ``owner`` saying which extra installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(
+            f"{owner}: {module.split('.')[0]} is not installed; pip install 'alignzoo[{extra}]'"
+        ) from None

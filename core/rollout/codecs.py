@@ -147,19 +147,21 @@ CODECS: dict[str, type[Codec]] = {
 
 def codec_for(tokenizer: Any, name: str = "auto") -> Codec:
     """The codec ``name``, or with ``auto`` the one the tokenizer's chat template writes
-    (``hermes`` when it mentions ``<tool_call>``; ``brackets``, the embedded world's plain
-    syntax, when the tokenizer has no chat template); a UserError saying what to set
-    otherwise."""
+    (``hermes`` when it mentions ``<tool_call>``); a UserError saying what to set otherwise
+    (``brackets``, the embedded world's plain syntax, is only ever chosen by name: it reads
+    nothing but calculator calls)."""
     if name != "auto":
         if name not in CODECS:
             raise UserError(f"unknown tool-call codec {name!r}; known: {', '.join(CODECS)}")
         return CODECS[name]()
     template = getattr(tokenizer, "chat_template", None) or ""
-    if not template:
-        return BracketCodec()
     if "<tool_call>" in str(template):
         return HermesCodec()
+    if not template:
+        why = "this tokenizer has no chat template"
+    else:
+        why = "this tokenizer's chat template does not mention <tool_call>"
     raise UserError(
-        "cannot tell how this tokenizer's chat template writes tool calls (it does not mention "
-        f"<tool_call>); set episodes.codec to one of {', '.join(CODECS)}"
+        f"cannot tell how tool calls are written ({why}); set episodes.codec: hermes for "
+        "<tool_call> JSON, or brackets for the embedded world's plain [12*34] calculator calls"
     )

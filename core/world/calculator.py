@@ -118,15 +118,22 @@ def scripted_demonstrations(
     examples: list[dict[str, str]], tool_share: float, seed: int
 ) -> tuple[list[dict[str, object]], int]:
     """Each example as a scripted trace: calling the calculator with probability
-    ``tool_share`` (and copying its result), answering with the example's answer otherwise. Returns dicts with ``prompt`` and
+    ``tool_share`` (and copying its result), answering with the example's answer otherwise (and
+    where the calculator cannot read the prompt, e.g. a question in words). Returns dicts with ``prompt`` and
     ``segments`` (see :data:`Segment`), and how many call the calculator. Deterministic from
     ``seed``."""
     rng = random.Random(f"calculator/{seed}")
     out: list[dict[str, object]] = []
     calls = 0
     for ex in examples:
+        trace = None
         if rng.random() < tool_share:
-            out.append({"prompt": ex["prompt"], "segments": tool_trace(ex["prompt"])})
+            try:
+                trace = tool_trace(ex["prompt"])
+            except CalculatorError:  # a prompt the calculator cannot read: answered directly
+                trace = None
+        if trace is not None:
+            out.append({"prompt": ex["prompt"], "segments": trace})
             calls += 1
         else:
             out.append({"prompt": ex["prompt"], "segments": direct_trace(ex["answer"])})

@@ -151,7 +151,8 @@ def _operands(prompt: str) -> tuple[int, str, int] | None:
     """The two operands and the operator of a prompt that is one binary operation: the
     embedded task's ``"37+45="``, or the same in words and spaces (reasoning-gym's
     ``"Calculate 37 + 45."``)."""
-    found = re.findall(r"(?<!\d)(?<!\d\.)(\d+)\s*([+*-])\s*(\d+)(?!\d|\.\d)", prompt)
+    # Not after a digit, a decimal point or a minus sign (a negative first operand).
+    found = re.findall(r"(?<![\d-])(?<!\d\.)(\d+)\s*([+*-])\s*(\d+)(?!\d|\.\d)", prompt)
     if len(found) != 1 or len(re.findall(r"\d+", prompt)) != 2:
         return None
     a, op, b = found[0]

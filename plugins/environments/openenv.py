@@ -21,6 +21,7 @@ the run goes on.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 from typing import Any, Literal
@@ -29,19 +30,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from alignzoo.callables import load_callable
 from alignzoo.errors import UserError
+from alignzoo.integrations import require
 from alignzoo.plugin import Environment, hookimpl
 from alignzoo.rollout.episode import EpisodeStart, StepResult, Turn
 
-EXTRA = "pip install 'alignzoo[openenv]'"
 _HIDDEN = ("done", "reward", "metadata")
 
 
 def _openenv() -> Any:
-    try:
-        import openenv.core
-    except ImportError:
-        raise UserError(f"openenv environment: openenv-core is not installed; {EXTRA}") from None
-    return openenv.core
+    return require("openenv.core", "openenv", "openenv environment")
 
 
 class OpenEnvEnvironment(Environment):
@@ -92,24 +89,29 @@ class OpenEnvEnvironment(Environment):
     @hookimpl
     async def env_reset(self, row: dict[str, Any], seed: int) -> EpisodeStart:
         seed = seed % 2**31
-        if self.factory is not None:
-            local = self.factory()
-            observation = local.reset(seed=seed)
-            state = {"local": local, "client": None}
-            fields, done = _fields(observation), observation.done
-        else:
-            client = self.core.GenericEnvClient(
-                base_url=self.params.url,
-                connect_timeout_s=self.params.connect_timeout_s,
-                message_timeout_s=self.params.message_timeout_s,
-            )
-            state = {"local": None, "client": client}
-            await client.connect()
-            result = await client.reset(seed=seed)
-            fields, done = dict(result.observation), result.done
+        state: dict[str, Any] = {"local": None, "client": None, "done": False}
+        try:
+            if self.factory is not None:
+                # In a worker thread: a slow or hung environment holds its episode (and its
+                # timeout applies), never the event loop the step's other episodes run on.
+                state["local"] = local = self.factory()
+                observation = await asyncio.to_thread(local.reset, seed=seed)
+                fields, done = _fields(observation), observation.done
+            else:
+                state["client"] = client = self.core.GenericEnvClient(
+                    base_url=self.params.url,
+                    connect_timeout_s=self.params.connect_timeout_s,
+                    message_timeout_s=self.params.message_timeout_s,
+                )
+                await client.connect()
+                result = await client.reset(seed=seed)
+                fields, done = dict(result.observation), result.done
+            shown = self._show(fields)
+        except BaseException:  # a session opened for a reset that failed is closed here
+            await self.env_close(state)
+            raise
         state["done"] = bool(done)
         prompt = str(row.get("prompt", "")).strip()
-        shown = self._show(fields)
         content = f"{prompt}\n\n{shown}" if prompt else shown
         return EpisodeStart(state=state, messages=[{"role": "user", "content": content}])
 
@@ -120,7 +122,7 @@ class OpenEnvEnvironment(Environment):
             return StepResult(done=True)
         if state["local"] is not None:
             env = state["local"]
-            observation = env.step(env_action(env, action))
+            observation = await asyncio.to_thread(env.step, env_action(env, action))
             fields, done, reward = _fields(observation), observation.done, observation.reward
         else:
             result = await state["client"].step(action)
@@ -136,7 +138,7 @@ class OpenEnvEnvironment(Environment):
         if state["client"] is not None:
             await state["client"].close()
         elif state["local"] is not None and hasattr(state["local"], "close"):
-            state["local"].close()
+            await asyncio.to_thread(state["local"].close)
 
     # ------------------------------------------------------------------ mapping
     def _action(self, turn: Turn) -> dict[str, Any] | None:

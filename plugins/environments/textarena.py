@@ -19,18 +19,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo.errors import UserError
+from alignzoo.integrations import require
 from alignzoo.plugin import Environment, hookimpl
 from alignzoo.rollout.episode import EpisodeStart, StepResult, Turn
 
-EXTRA = "pip install 'alignzoo[textarena]'"
-
 
 def _textarena() -> Any:
-    try:
-        import textarena
-    except ImportError:
-        raise UserError(f"textarena environment: textarena is not installed; {EXTRA}") from None
-    return textarena
+    return require("textarena", "textarena", "textarena environment")
 
 
 class TextArenaEnvironment(Environment):

@@ -18,7 +18,7 @@ which ends the episode). Where a call runs is ``isolation``:
   hangs runs on in the background after its answer (an ``async def`` one is cancelled).
 - ``process``: in a child process of its own (forkserver), killed at the timeout, so a call
   that hangs, crashes the interpreter or leaks memory leaves nothing behind; each call pays a
-  process start (milliseconds) and its arguments and result cross a pipe.
+  process start (about 0.2 s on 2 CPU cores) and its arguments and result cross a pipe.
 
 Per tool the step's metrics carry ``env/tool/<name>/calls``, ``errors``, ``timeouts`` and
 ``seconds`` (means per episode), beside ``env/tool_calls`` and ``env/tool_errors``.

@@ -1,12 +1,13 @@
 """Labeler "reasoning_gym": a response scored by its reasoning-gym task's own scorer.
 
-For rows from a ``{reasoning_gym: {...}}`` data source (which carry the task's name and the
-whole entry): the answer is read from the response (``extract``: reasoning-gym's
+For rows from a ``{reasoning_gym: {...}}`` data source (which carry their spec and entry
+index): the answer is read from the response (``extract``: reasoning-gym's
 ``<answer>...</answer>`` convention, the first line, or the whole text) and scored with the
-task's ``score_answer(answer, entry)``, also inside a composite (each entry's own task).
+generating dataset's own ``score_answer(answer, entry)``, with the task's config, also inside a
+composite (each entry's own task).
 
-All or nothing by default: some scorers give partial credit (chain_sum gives 0.125 for a wrong
-answer that contains the right one), which a policy can learn to farm; the value is then 1.0
+All or nothing by default: some scorers give partial credit (chain_sum gives 0.86 of a point
+to a wrong answer that contains the right one), which a policy can learn to farm; the value is then 1.0
 for a full score and 0.0 otherwise, and ``partial_credit: true`` keeps the scorer's value.
 Either way ``info["correct"]`` is a full score and ``info["task_score"]`` the scorer's value.
 Needs the ``reasoning-gym`` extra.
@@ -14,7 +15,6 @@ Needs the ``reasoning-gym`` extra.
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,15 +46,15 @@ class ReasoningGymLabeler(Labeler):
     params: Params
 
     def score(self, request: LabelRequest) -> Score:
-        task = request.extra.get(rg.TASK_COLUMN)
-        entry = request.extra.get(rg.ENTRY_COLUMN)
-        if not isinstance(task, str) or not isinstance(entry, str):
+        source = request.extra.get(rg.SOURCE_COLUMN)
+        index = request.extra.get(rg.INDEX_COLUMN)
+        if not isinstance(source, str) or isinstance(index, bool) or not isinstance(index, int):
             raise UserError(
-                f"reasoning_gym labeler: the row has no {rg.TASK_COLUMN!r} / {rg.ENTRY_COLUMN!r} "
+                f"reasoning_gym labeler: the row has no {rg.SOURCE_COLUMN!r} / {rg.INDEX_COLUMN!r} "
                 "columns; use it with data from {reasoning_gym: {...}}"
             )
         answer = self._extract(request.response)
-        value = float(rg.scorer(task)(answer, json.loads(entry)))
+        value = rg.score(source, index, answer)
         correct = value >= 1.0
         scored = value if self.params.partial_credit else float(correct)
         return Score(scored, info={"correct": correct, "task_score": value, "extracted": answer})

@@ -41,8 +41,8 @@ def test_rows_carry_the_prompt_answer_task_and_entry_as_reasoning_gym_makes_them
     assert rows["prompt"] == [e["question"] for e in direct]
     assert rows["answer"] == [str(e["answer"]) for e in direct]
     assert set(rows["reasoning_gym_task"]) == {"basic_arithmetic"}
-    entry = json.loads(rows["reasoning_gym_entry"][3])
-    assert entry["question"] == direct[3]["question"] and entry["metadata"]["expression"]
+    assert rows["question"] == rows["prompt"] and rows["reasoning_gym_index"] == list(range(20))
+    assert len(set(rows["reasoning_gym_source"])) == 1  # the spec, to rebuild the entries from
     again = load_split(data, "train", "online")
     assert again["prompt"] == rows["prompt"]  # the seed fixes the data
     templated = DataConfig(
@@ -65,6 +65,20 @@ def test_training_rows_never_repeat_an_eval_prompt():
     everything = rg.create_dataset("basic_arithmetic", size=300, seed=1, **small)
     assert any(e["question"] in held_out for e in everything)  # premise: the seeds overlap
     assert train and not set(train) & held_out
+    # Compared by question: another template for the eval split holds the same questions out.
+    data = DataConfig(
+        train=source(task="basic_arithmetic", config=small, size=300),
+        eval=source(
+            task="basic_arithmetic", config=small, seed=2, size=20, template="Q: {question}"
+        ),
+    )
+    assert not set(load_split(data, "train", "online")["prompt"]) & held_out
+    everything_held_out = DataConfig(
+        train=source(task="basic_arithmetic", config=small, size=5, seed=2),
+        eval=source(task="basic_arithmetic", config=small, seed=2, size=20),
+    )
+    with pytest.raises(UserError, match="every generated training prompt is also an eval"):
+        load_split(everything_held_out, "train", "online")
 
 
 def test_a_weighted_composite_mixes_tasks_and_each_row_names_its_own():
@@ -108,43 +122,58 @@ def test_preference_arms_are_told_that_this_data_is_prompts():
         load_split(DataConfig(train=source(task="basic_arithmetic")), "train", "preference")
 
 
-def request(response, entry, task):
-    extra = {"reasoning_gym_task": task, "reasoning_gym_entry": json.dumps(entry)}
-    return LabelRequest(prompt=entry["question"], response=response, extra=extra)
+def rows_of(**spec):
+    return load_split(DataConfig(train=source(**spec)), "train", "online").to_list()
+
+
+def request(response, row):
+    extra = {k: v for k, v in row.items() if k != "prompt"}
+    return LabelRequest(prompt=row["prompt"], response=response, extra=extra)
+
+
+@pytest.mark.parametrize(
+    ("task", "config"),
+    [
+        ("basic_arithmetic", ADDITION),
+        ("chain_sum", {}),
+        ("arc_agi", {}),  # answers are grids: compared as reasoning-gym's tuples, not JSON lists
+        ("decimal_arithmetic", {"min_num_decimal_places": 1, "max_num_decimal_places": 1}),
+    ],
+)
+def test_every_generated_rows_own_answer_scores_full_marks(task, config):
+    labeler = ReasoningGymLabeler({"extract": "full"})
+    for row in rows_of(task=task, config=config, size=4):
+        scored = labeler.score(request(row["answer"], row))
+        assert scored.value == 1.0 and scored.info["correct"], (task, row["answer"], scored)
 
 
 def test_the_tasks_own_scorer_all_or_nothing_unless_partial_credit():
-    chain = rg.create_dataset("chain_sum", size=1, seed=0)
-    entry = chain[0]
-    answer = entry["answer"]
+    row = rows_of(task="chain_sum", size=1, seed=0)[0]
+    answer = row["answer"]
     # The trap: chain_sum gives partial credit to a wrong answer that contains the right one.
-    partial = chain.score_answer(answer + "0", entry)
+    chain = rg.create_dataset("chain_sum", size=1, seed=0)
+    partial = chain.score_answer(answer + "0", chain[0])
     assert 0 < partial < 1, "premise: chain_sum's scorer gives partial credit"
     strict = ReasoningGymLabeler({"extract": "full"})
     lenient = ReasoningGymLabeler({"extract": "full", "partial_credit": True})
-    right = strict.score(request(answer, entry, "chain_sum"))
+    right = strict.score(request(answer, row))
     assert right.value == 1.0 and right.info["correct"] is True
-    wrong = strict.score(request(answer + "0", entry, "chain_sum"))
+    wrong = strict.score(request(answer + "0", row))
     assert wrong.value == 0.0 and wrong.info["correct"] is False
     assert wrong.info["task_score"] == pytest.approx(partial)
-    kept = lenient.score(request(answer + "0", entry, "chain_sum"))
+    kept = lenient.score(request(answer + "0", row))
     assert kept.value == pytest.approx(partial) and kept.info["correct"] is False
 
 
 def test_the_answer_is_read_as_asked():
-    entry = rg.create_dataset("basic_arithmetic", size=1, seed=3, **ADDITION)[0]
-    answer = entry["answer"]
+    row = rows_of(task="basic_arithmetic", config=ADDITION, size=1, seed=3)[0]
+    answer = row["answer"]
     tagged = ReasoningGymLabeler()  # <answer>...</answer>, reasoning-gym's convention
-    assert (
-        tagged.score(
-            request(f"think... <answer>{answer}</answer>", entry, "basic_arithmetic")
-        ).value
-        == 1.0
-    )
-    assert tagged.score(request(answer, entry, "basic_arithmetic")).value == 0.0
+    assert tagged.score(request(f"think... <answer>{answer}</answer>", row)).value == 1.0
+    assert tagged.score(request(answer, row)).value == 0.0
     first = ReasoningGymLabeler({"extract": "first_line"})
-    assert first.score(request(f"{answer}\nmore", entry, "basic_arithmetic")).value == 1.0
-    with pytest.raises(UserError, match="reasoning_gym_task"):
+    assert first.score(request(f"{answer}\nmore", row)).value == 1.0
+    with pytest.raises(UserError, match="reasoning_gym_source"):
         first.score(LabelRequest(prompt="?", response="1", extra={"answer": "1"}))
 
 

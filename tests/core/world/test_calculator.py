@@ -79,3 +79,21 @@ def test_scripted_demonstrations_call_on_the_share_asked_for_deterministically()
     none, zero = calculator.scripted_demonstrations(examples, 0.0, seed=0)
     assert zero == 0
     assert [t["segments"] for t in none] == [[(e["answer"], True)] for e in examples]
+
+
+def test_a_prompt_the_calculator_cannot_read_is_answered_directly():
+    examples = [{"prompt": "Calculate 47 + 8.", "answer": "55"}, {"prompt": "2*3=", "answer": "6"}]
+    traces, calls = calculator.scripted_demonstrations(examples, 1.0, seed=0)
+    assert calls == 1 and traces[0]["segments"] == [("55", True)]
+    assert traces[1]["segments"] == calculator.tool_trace("2*3=")
+
+
+def test_auto_never_guesses_the_plain_syntax():
+    from alignzoo.errors import UserError
+    from alignzoo.rollout.codecs import codec_for
+    from alignzoo.world.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()  # no chat template
+    with pytest.raises(UserError, match=r"episodes\.codec: hermes .* or brackets"):
+        codec_for(tokenizer, "auto")
+    assert codec_for(tokenizer, "brackets").name == "brackets"

@@ -146,6 +146,8 @@ def test_slipped_answer_drops_the_units_carry_or_borrow(a, b):
     if plus is not None:  # the same operation in words (reasoning-gym's wording)
         assert slipped_answer(f"Calculate {a} + {b}.") == plus
     assert slipped_answer(f"Calculate {a} + {b} + 1.") is None  # not one operation
+    assert slipped_answer(f"Calculate -{a} + {b}.") is None  # a negative operand: no such slip
+    assert slipped_answer(f"Calculate {a} + -{b}.") is None
 
 
 def test_teacher_demonstrations_slip_only_where_a_carry_is_dropped():

@@ -47,6 +47,16 @@ class Says(Environment[SayAction, SayObservation, State]):
         return State(episode_id="says", step_count=self.turns)
 
 
+class SlowSays(Says):
+    """Says, taking a second per step (a slow environment in process)."""
+
+    def step(self, action, timeout_s=None, **kwargs):
+        import time
+
+        time.sleep(1.0)
+        return super().step(action, timeout_s, **kwargs)
+
+
 if __name__ == "__main__":
     import uvicorn
 

@@ -18,6 +18,7 @@ from alignzoo.rollout.episode import ToolCall, Turn
 from alignzoo.rollout.multiturn import Episodes
 from alignzoo.testing.environments import check_environment
 from alignzoo.types import SamplingParams
+from alignzoo.world import calculator
 from alignzoo.world.calculator import scripted_demonstrations
 from alignzoo.world.model import build_model
 from alignzoo.world.tokenizer import build_tokenizer
@@ -89,7 +90,7 @@ def test_an_episode_in_plain_syntax_keeps_the_sampled_ids_and_trains_only_on_the
         run=SimpleNamespace(device=lambda role: "cpu", actor=model, tokenizer=tokenizer)
     )
     pm = build_plugin_manager([backend, CalculatorEnvironment()])
-    episodes = Episodes(EpisodeConfig(max_turns=3, max_tokens=32), tokenizer)  # codec: auto
+    episodes = Episodes(EpisodeConfig(codec="brackets", max_turns=3, max_tokens=32), tokenizer)
     assert episodes.codec.name == "brackets"
     assert tokenizer.decode(episodes.stop_ids) == "]"
     prompts = ["3*4=", "7*6="]
@@ -98,19 +99,27 @@ def test_an_episode_in_plain_syntax_keeps_the_sampled_ids_and_trains_only_on_the
     batch, metrics = episodes.run(pm, prompts, extras, 1, greedy, [1, 2])
     # Premise: the warm start taught the policy to call (checked, not assumed).
     assert metrics.get("env/tool_calls") == 1.0, ("the warm start did not teach calling", metrics)
-    for row, (prompt, extra) in enumerate(zip(prompts, extras, strict=True)):
+    # What follows holds whatever the policy wrote after its call (it is read from the
+    # transcript, not assumed): the call, the calculator's answer, the final turn.
+    for row in range(batch.size):
         length = int(batch.response_attention[row].sum())
         ids = batch.response_ids[row, :length].tolist()
         trained = batch.response_mask[row, :length].tolist()
-        expression = prompt[:-1]
-        text = tokenizer.decode(ids)
-        assert text == f"[{expression}]={extra['answer']}\n{extra['answer']}<|endoftext|>"
-        model_part = tokenizer.decode([t for t, m in zip(ids, trained, strict=True) if m])
+        messages = batch.extras[row]["messages"]
+        first, answer = messages[1], messages[2]
+        assert first["role"] == "assistant" and first["tool_calls"], messages
+        expression = first["tool_calls"][0]["function"]["arguments"]["expression"]
+        assert first["content"] == f"[{expression}]"  # the turn stopped right after the call
+        assert answer == {"role": "tool", "name": "calculator", "content": answer["content"]}
         env_part = tokenizer.decode([t for t, m in zip(ids, trained, strict=True) if not m])
-        assert model_part == f"[{expression}]{extra['answer']}<|endoftext|>"
-        assert env_part == f"={extra['answer']}\n"
-        assert batch.responses[row] == extra["answer"]  # the final turn, what is scored
-        assert batch.extras[row]["episode"]["outcome"] == "done"
+        assert env_part == calculator.format_result(answer["content"])  # "=12\n", never trained
+        assert answer["content"] == str(calculator.evaluate(expression))
+        model_part = tokenizer.decode(
+            [t for t, m in zip(ids, trained, strict=True) if m], skip_special_tokens=True
+        )
+        final = [m["content"] for m in messages[3:] if m["role"] == "assistant"]
+        assert model_part == first["content"] + "".join(final)
+        assert batch.responses[row] == (final[-1] if final else first["content"])
     with torch.no_grad():
         logprobs, _ = policy_forward(model, batch)
     mask = batch.response_mask.bool()

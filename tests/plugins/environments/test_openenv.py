@@ -75,6 +75,18 @@ def test_an_episode_through_the_hooks(serve, where):
     assert last.done and last.reward == 1.0
 
 
+def test_a_slow_environment_in_process_holds_its_episode_not_the_others():
+    env = OpenEnvEnvironment({"environment": f"{SERVER}:SlowSays"})
+
+    async def three():
+        starts = [await env.env_reset(row={}, seed=s) for s in range(3)]
+        began = time.monotonic()
+        await asyncio.gather(*(env.env_step(state=x.state, turn=Turn("hi")) for x in starts))
+        return time.monotonic() - began
+
+    assert asyncio.run(three()) < 2.5  # three 1-second steps side by side, not one after another
+
+
 def spec(policy, environment, steps=2):
     return tiny_experiment(
         budget={"steps": steps},
