@@ -86,7 +86,7 @@ def test_a_missing_device_fails_before_any_model_loads(
         raise AssertionError("a model was loaded before the devices were checked")
 
     monkeypatch.setattr(models, "load_actor", no_loading)
-    monkeypatch.setattr(models, "policy_path", no_loading)
+    monkeypatch.setattr(assemble_mod, "policy_path", no_loading)
     with pytest.raises(UserError, match="cuda:7"):
         assemble(loaded, "a", 0, tmp_path / "run", log=lambda *_: None)
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from alignzoo.config.schema import ModelConfig, TaskConfig
-from alignzoo.engine.models import policy_path
+from alignzoo.config.schema import DataConfig, ModelConfig, TaskConfig
+from alignzoo.engine.policy import policy_path
 from alignzoo.human.reward_model import ENSEMBLE_FILE, METRICS_FILE, aggregate, member_std
 from alignzoo.plugins.labelers.reward_model import RewardModelLabeler
 from alignzoo.types import LabelRequest
@@ -106,7 +106,9 @@ def test_a_single_model_keeps_its_plain_scores_and_no_stats() -> None:
 
 @pytest.mark.slow
 def test_train_rm_ensemble_of_two_trains_and_loads_end_to_end(engine_cache, tmp_path) -> None:  # noqa: F811
-    base = policy_path(ModelConfig(embedded=TINY_MODEL), TaskConfig(**TINY_TASK), lambda _: None)
+    base = policy_path(
+        ModelConfig(embedded=TINY_MODEL), DataConfig(task=TaskConfig(**TINY_TASK)), lambda _: None
+    )
     rng = random.Random(0)
     examples = make_examples(TaskConfig(**{**TINY_TASK, "train_size": 40}), "train")
     rows = [
