@@ -218,6 +218,9 @@ class Episodes:
                 episode.end("truncated", f"{self.cfg.max_turns} turns")
         finally:
             loop.run_until_complete(self._close(pm, episodes))
+            # What an environment left running on the loop (a client's keep-alive, a call past
+            # its timeout) is cancelled and awaited: nothing of this step outlives it.
+            loop.run_until_complete(_cancel_the_rest())
             loop.close()
         kept = self._kept(episodes)
         return self._batch(episodes, kept), self._metrics(episodes, kept)
@@ -431,6 +434,14 @@ class Episodes:
         for key in keys:
             m[f"env/{key}"] = float(np.mean([e.metrics.get(key, 0.0) for e in episodes]))
         return m
+
+
+async def _cancel_the_rest() -> None:
+    """Cancel and await every other task of the running loop."""
+    left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
 
 
 def _last_assistant(messages: list[Message]) -> str:
