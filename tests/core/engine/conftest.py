@@ -48,6 +48,33 @@ def tiny_experiment(**overrides: Any) -> dict[str, Any]:
     return deep_merge(base, overrides)
 
 
+def episode_experiment(
+    policy: Any, arm: str, environment: dict[str, Any], steps: int = 2, **episodes: Any
+) -> dict[str, Any]:
+    """A tiny experiment whose one GRPO arm ``arm`` plays ``environment`` with the chat
+    ``policy`` folder, rewarded by the environment (``episode_reward``, 0 when it gives none);
+    ``episodes`` override the episode limits (hermes calls, 3 turns)."""
+    return tiny_experiment(
+        budget={"steps": steps},
+        model={"policy": str(policy)},
+        training={
+            "prompts_per_step": 2,
+            "samples_per_prompt": 2,
+            "checkpoint_every": 2,
+            "sampling": {"max_new_tokens": 6},
+        },
+        evaluation={"every": steps, "num_prompts": 2},
+        arms={
+            arm: {
+                "algorithm": "grpo",
+                "labeler": {"name": "episode_reward", "params": {"missing": 0.0}},
+                "environment": environment,
+                "episodes": {"codec": "hermes", "max_turns": 3, **episodes},
+            }
+        },
+    )
+
+
 @pytest.fixture(scope="session")
 def engine_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """ALIGNZOO_CACHE pointed at a session folder (so warm starts are built once per session)."""

@@ -18,7 +18,7 @@ from alignzoo.config.loader import load_experiment
 from alignzoo.engine.loop import run_one
 from alignzoo.rollout.episode import Turn
 
-from ...core.engine.conftest import read_jsonl, tiny_experiment
+from ...core.engine.conftest import episode_experiment, read_jsonl
 from ...core.engine.test_episodes_run import chat_policy  # noqa: F401 - a fixture
 
 pytest.importorskip("openenv.core", reason="the openenv extra is not installed")
@@ -88,31 +88,10 @@ def test_a_slow_environment_in_process_holds_its_episode_not_the_others():
 
 
 def spec(policy, environment, steps=2):
-    return tiny_experiment(
-        budget={"steps": steps},
-        model={"policy": str(policy)},
-        training={
-            "prompts_per_step": 2,
-            "samples_per_prompt": 2,
-            "checkpoint_every": 2,
-            "sampling": {"max_new_tokens": 6},
-        },
-        evaluation={"every": steps, "num_prompts": 2},
-        arms={
-            "says": {
-                "algorithm": "grpo",
-                "labeler": {"name": "episode_reward", "params": {"missing": 0.0}},
-                "environment": {"name": "openenv", "params": environment},
-                "episodes": {
-                    "codec": "hermes",
-                    "max_turns": 3,
-                    "max_tokens": 256,
-                    "step_timeout_s": 20,
-                    "on_failure": "drop_sample",
-                },
-            }
-        },
-    )
+    return episode_experiment(
+        policy, "says", {"name": "openenv", "params": environment}, steps,
+        max_tokens=256, step_timeout_s=20, on_failure="drop_sample",
+    )  # fmt: skip
 
 
 def run(tmp_path, experiment):

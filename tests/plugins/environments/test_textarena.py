@@ -15,7 +15,7 @@ from alignzoo.errors import UserError
 from alignzoo.rollout.episode import Turn
 from alignzoo.testing.environments import check_environment
 
-from ...core.engine.conftest import read_jsonl, tiny_experiment
+from ...core.engine.conftest import episode_experiment, read_jsonl
 from ...core.engine.test_episodes_run import chat_policy  # noqa: F401 - a fixture
 
 pytest.importorskip("textarena", reason="the textarena extra is not installed")
@@ -58,25 +58,8 @@ def test_textarena_passes_the_environment_contract():
 
 
 def test_an_arm_trains_a_few_steps_on_the_game(tmp_path, chat_policy):  # noqa: F811
-    spec = tiny_experiment(
-        budget={"steps": 2},
-        model={"policy": str(chat_policy)},
-        training={
-            "prompts_per_step": 2,
-            "samples_per_prompt": 2,
-            "checkpoint_every": 2,
-            "sampling": {"max_new_tokens": 6},
-        },
-        evaluation={"every": 2, "num_prompts": 2},
-        arms={
-            "game": {
-                "algorithm": "grpo",
-                "labeler": {"name": "episode_reward", "params": {"missing": 0.0}},
-                "environment": {"name": "textarena", "params": {"env_id": "GuessTheNumber-v0"}},
-                "episodes": {"codec": "hermes", "max_turns": 3, "max_tokens": 512},
-            }
-        },
-    )
+    game = {"name": "textarena", "params": {"env_id": "GuessTheNumber-v0"}}
+    spec = episode_experiment(chat_policy, "game", game, max_tokens=512)
     path = tmp_path / "game.yaml"
     path.write_text(yaml.safe_dump(spec))
     loaded = load_experiment(path)
