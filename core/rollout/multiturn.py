@@ -235,8 +235,14 @@ class Episodes:
             timeout = min(timeout, max(left, 0.0))
 
         async def call() -> Any:
-            result = await asyncio.to_thread(hook, **kwargs)
-            return await result if inspect.isawaitable(result) else result
+            implementations = hook.get_hookimpls()
+            if implementations and all(
+                inspect.iscoroutinefunction(impl.function) for impl in implementations
+            ):
+                result = hook(**kwargs)  # only creates the coroutines: nothing blocks here
+            else:
+                result = await asyncio.to_thread(hook, **kwargs)
+            return await _settled(result)
 
         return await asyncio.wait_for(call(), timeout)
 
@@ -463,3 +469,11 @@ def _extra(episode: Episode) -> dict[str, Any]:
         "step_rewards": [list(pair) for pair in episode.step_rewards],
     }
     return extra
+
+
+async def _settled(result: Any) -> Any:
+    """What a hook call gave, awaited: a ``firstresult`` hook gives one value, which an
+    ``async def`` implementation makes a coroutine; any other hook gives a list of them."""
+    if isinstance(result, list):
+        return [await _settled(item) for item in result]
+    return await result if inspect.isawaitable(result) else result

@@ -88,7 +88,23 @@ class Echo(Environment):
         self.closed.append(state["seed"])
 
 
-def run(policy, prompts, fault="", n=2, **limits) -> tuple[Any, dict[str, float], Recording]:
+class AsyncEcho(Echo):
+    """Echo with every hook ``async def``, closing as a client of a server would (awaiting)."""
+
+    @hookimpl
+    async def env_reset(self, row, seed):
+        await asyncio.sleep(0)
+        return super().env_reset(row, seed)
+
+    @hookimpl
+    async def env_close(self, state):
+        await asyncio.sleep(0.01)
+        self.closed.append(state["seed"])
+
+
+def run(
+    policy, prompts, fault="", n=2, env=Echo, **limits
+) -> tuple[Any, dict[str, float], Recording]:
     model, tokenizer = policy
     backend = Recording()
     backend.calls = []
@@ -97,7 +113,7 @@ def run(policy, prompts, fault="", n=2, **limits) -> tuple[Any, dict[str, float]
     )
     backend.on_run_start(run=run_ctx)
     Echo.closed, Echo.fault = [], fault
-    pm = build_plugin_manager([backend, Echo()])
+    pm = build_plugin_manager([backend, env()])
     cfg = EpisodeConfig(codec="hermes", **{"max_turns": 4, "max_tokens": 96, **limits})
     episodes = Episodes(cfg, tokenizer)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
@@ -205,6 +221,13 @@ def test_a_failing_environment_is_an_outcome_with_the_arms_policy(policy, fault,
     else:  # drop_sample and drop_group agree here: both samples of 'bad' failed
         assert prompts == ["ok", "ok"] and batch.group_ids.tolist() == [0, 0]
     assert len(Echo.closed) == 4  # every opened episode closed
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a coroutine never awaited fails it
+def test_async_hooks_are_awaited_the_close_of_every_episode_included(policy):
+    batch, metrics, _ = run(policy, ["1+1=", "2+3="], env=AsyncEcho)
+    assert batch.size == 4 and metrics["env/done_frac"] == 1.0
+    assert len(Echo.closed) == 4 and "env/close_failed" not in metrics
 
 
 def test_the_hermes_codec_reads_calls_and_reports_malformed_ones():
