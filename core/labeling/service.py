@@ -15,12 +15,13 @@ labeler is its client):
 
 Requests are stateless, so replicas behind a load balancer scale labeling out. Items of
 concurrent requests are batched together on the server (up to ``max_batch_size``, waiting at
-most ``max_wait_ms`` for more) and scored in a worker thread. When a batched call raises, the
-batch is split in halves and retried, down to single items, so an item that makes the labeler
-raise gets the ``error`` outcome (the reason in ``info``) and the other items, other clients'
-included, their scores; once :data:`DOWN_AFTER_FAILED_CALLS` retries failed before any
-succeeded (or the labeler raised :class:`~alignzoo.errors.LabelerUnavailable`), the labeler is
-taken to be failing and the batch's requests get 503, as before. The token is read from the
+most ``max_wait_ms`` for more) and scored in a worker thread. When a batched call raises, its
+items are retried alone until one is scored (the labeler works), then the rest in halves down to
+single items, so every item that makes the labeler raise gets the ``error`` outcome (the reason
+in ``info``) and the other items, other clients' included, their scores; once
+:data:`DOWN_AFTER_FAILED_CALLS` items failed alone before any succeeded (or the labeler raised
+:class:`~alignzoo.errors.LabelerUnavailable`), the labeler is taken to be failing and the
+batch's requests get 503, as before. The token is read from the
 environment variable the YAML names, never from the YAML itself; the server binds 127.0.0.1
 unless told otherwise, and refuses an address other than loopback without a token unless
 ``--insecure`` (:func:`binding_notice`).
@@ -54,9 +55,10 @@ from alignzoo.labeling.protocol import (
 from alignzoo.types import LabelRequest, Outcome, Score
 
 DOWN_AFTER_FAILED_CALLS = 3
-"""A batch whose labeler call raised is retried in halves, down to single items; once this many
-of those retries failed before any succeeded, the labeler is taken to be failing (not one bad
-item) and the whole batch fails (503): a failing labeler costs at most this many extra calls."""
+"""A batch whose labeler call raised is retried item by item until one item is scored; once this
+many items failed alone before any succeeded, the labeler is taken to be failing (not a few bad
+items) and the whole batch fails (503): a failing labeler costs at most this many extra calls.
+Once one succeeded, the rest is retried in halves, however many of its items are bad."""
 
 
 class BatchingConfig(BaseModel):
@@ -149,10 +151,11 @@ class Batcher:
         return list(scores)
 
     async def _score(self, batch: list[tuple[LabelRequest, asyncio.Future[Any]]]) -> None:
-        """Score a batch; when the call raises, retry it in halves (breadth first) until every
-        item has a score, or an ``error`` Score when its call alone raised, or the labeler is
-        taken to be failing: :data:`DOWN_AFTER_FAILED_CALLS` retries failed before one
-        succeeded, or it raised :class:`LabelerUnavailable`; then every item left fails."""
+        """Score a batch; when the call raises, score its items alone one by one until one
+        succeeds (the labeler works), then the rest in halves until each failure is one item,
+        which gets an ``error`` Score. The labeler is taken to be failing, and every item left
+        fails, when :data:`DOWN_AFTER_FAILED_CALLS` items alone failed before one succeeded, or
+        when it raised :class:`LabelerUnavailable`."""
 
         def settle(part: list[int], scores: list[Any]) -> None:
             for i, score in zip(part, scores, strict=True):
@@ -166,29 +169,34 @@ class Batcher:
         except Exception as exc:
             first: Exception = exc
         gave_up = len(batch) == 1 or isinstance(first, LabelerUnavailable)
-        parts = deque([] if gave_up else _halves(everything))
-        alive = False  # a retry succeeded: the labeler works, the failures are the items'
-        failed_calls = 0
         bad: dict[int, Exception] = {}
-        while parts:
+        pending = [] if gave_up else everything
+        alive = False  # a retry succeeded: the labeler works, the failures are the items'
+        while pending and not alive:  # single items, until one is scored: does it work at all?
+            i, pending = pending[0], pending[1:]
+            try:
+                settle([i], await self._call([batch[i][0]]))
+                alive = True
+            except LabelerUnavailable as exc:  # the labeler says it is failing as a whole
+                first, gave_up = exc, True
+            except Exception as exc:
+                bad[i] = exc
+                gave_up = len(bad) >= DOWN_AFTER_FAILED_CALLS
+            if gave_up:
+                break
+        parts = deque([pending] if alive and pending else [])
+        while parts:  # the labeler works: the rest in halves until each failure is one item
             part = parts.popleft()
             try:
-                scores = await self._call([batch[i][0] for i in part])
-            except LabelerUnavailable as exc:  # the labeler says it is failing as a whole
+                settle(part, await self._call([batch[i][0] for i in part]))
+            except LabelerUnavailable as exc:
                 first, gave_up = exc, True
                 break
             except Exception as exc:
-                failed_calls += 1
-                if not alive and failed_calls >= DOWN_AFTER_FAILED_CALLS:
-                    gave_up = True
-                    break
                 if len(part) == 1:
                     bad[part[0]] = exc
                 else:
                     parts.extend(_halves(part))
-                continue
-            alive = True
-            settle(part, scores)
         if alive and not gave_up:
             self.metrics["item_errors"].inc(len(bad))
             for i, error in bad.items():

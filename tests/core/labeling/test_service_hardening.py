@@ -130,6 +130,29 @@ def test_a_poisoned_item_fails_alone_and_other_clients_batched_with_it_get_their
         assert not [r for r in records.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
+def test_several_poisoned_clients_fail_alone_wherever_the_batch_splits(calls) -> None:
+    """Two bad items in one server batch (they land in different halves of it) fail only their
+    own requests: the labeler is judged failing only when items alone fail, never for a batch
+    that holds bad items."""
+    goods = [{"version": 1, "requests": [item(i)]} for i in range(14)]
+    poisoned = {"version": 1, "requests": [POISON]}
+    together = 0
+    with serving(SHARED_WINDOW) as (url, _):
+        for trial in range(4):
+            first = len(calls)
+            replies = post_all(url, [poisoned, *goods, poisoned])
+            statuses = [r.status_code for r in replies]
+            assert statuses == [200] * 16, (trial, statuses, [r.text[:200] for r in replies])
+            for reply in (replies[0], replies[-1]):
+                (error,) = reply.json()["scores"]
+                assert error["outcome"] == "error" and "not an integer" in error["info"]["reason"]
+            for i, reply in enumerate(replies[1:-1]):
+                (value,) = reply.json()["scores"]
+                assert value["outcome"] == "value" and value["value"] == (1.0 if i % 2 else 0.0)
+            together += any(c.count("poison") == 2 for c in calls[first:])
+    assert together, f"premise: no call batched both poisoned items: {calls}"
+
+
 def test_a_labeler_failing_every_call_is_still_a_503_after_a_bounded_number_of_calls(
     monkeypatch,
 ) -> None:
