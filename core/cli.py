@@ -533,6 +533,7 @@ def doctor() -> None:
         "reasoning-gym",
         "textarena",
         "openenv-core",
+        "verifiers",
     ):
         try:
             table.add_row(dist, version(dist))

@@ -682,7 +682,9 @@ def _check_model_paths(
             )
     for field_name in ("train", "eval"):
         value = getattr(spec.data, field_name)
-        if not isinstance(value, str):  # a generator (reasoning_gym): checked when it is opened
+        if not isinstance(
+            value, str
+        ):  # a generator (reasoning_gym, verifiers): checked when opened
             continue
         if value == "embedded" or Path(value).expanduser().exists():
             continue

@@ -206,7 +206,30 @@ class ReasoningGymData(_Strict):
     )
 
 
-DataSource = str | ReasoningGymData
+class VerifiersSpec(_Strict):
+    """Tasks from a verifiers taskset (an installed taskset package, as verifiers loads it)."""
+
+    taskset: str = Field(
+        description="The taskset's id: an installed package exporting a verifiers Taskset "
+        "(verifiers' --env.taskset.id)."
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="The taskset's configuration (its TasksetConfig fields)."
+    )
+    select: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Which tasks, as verifiers' SelectConfig: include, exclude, shuffle, seed, "
+        "skip, limit (e.g. {skip: 100, limit: 500}).",
+    )
+
+
+class VerifiersData(_Strict):
+    """A data source from a verifiers taskset (the ``verifiers`` extra)."""
+
+    verifiers: VerifiersSpec = Field(description="Which taskset, its configuration and tasks.")
+
+
+DataSource = str | ReasoningGymData | VerifiersData
 
 
 class DataConfig(_Strict):
@@ -214,13 +237,14 @@ class DataConfig(_Strict):
 
     train: DataSource = Field(
         "embedded",
-        description="'embedded', a jsonl / parquet file or dataset folder, or "
-        "{reasoning_gym: {...}} (prompts and scorers from reasoning-gym).",
+        description="'embedded', a jsonl / parquet file or dataset folder, "
+        "{reasoning_gym: {...}} (prompts and scorers from reasoning-gym) or {verifiers: {...}} "
+        "(a verifiers taskset).",
     )
     eval: DataSource = Field(
         "embedded",
-        description="'embedded', a jsonl / parquet file or dataset folder, or "
-        "{reasoning_gym: {...}}.",
+        description="'embedded', a jsonl / parquet file or dataset folder, "
+        "{reasoning_gym: {...}} or {verifiers: {...}}.",
     )
     task: TaskConfig = Field(
         default_factory=TaskConfig,

@@ -3,7 +3,8 @@
 ``data.train`` / ``data.eval`` name either ``"embedded"`` (the arithmetic task of
 :mod:`alignzoo.world.task`), a generator (``{reasoning_gym: {...}}``:
 :mod:`alignzoo.integrations.reasoning_gym`, online prompts with their answers and scorer's
-entry) or a file: ``.jsonl`` / ``.json`` (JSON lines or one JSON array), ``.parquet``, or a
+entry; ``{verifiers: {...}}``: :mod:`alignzoo.integrations.verifiers`, a taskset's tasks) or
+a file: ``.jsonl`` / ``.json`` (JSON lines or one JSON array), ``.parquet``, or a
 folder written by ``Dataset.save_to_disk`` (a ``DatasetDict`` folder too: the split of the
 same name is used, or its only split).
 
@@ -49,7 +50,7 @@ from typing import Any, Literal
 import datasets
 from datasets.table import InMemoryTable
 
-from alignzoo.config.schema import DataConfig, ReasoningGymData
+from alignzoo.config.schema import DataConfig, ReasoningGymData, VerifiersData
 from alignzoo.engine.modes import required_columns
 from alignzoo.errors import UserError
 from alignzoo.types import DataMode
@@ -78,12 +79,12 @@ def load_split(
     source = data.train if split == "train" else data.eval
     field = f"data.{split}"
     if isinstance(source, ReasoningGymData):
-        dataset = _reasoning_gym(source, mode, field)
+        dataset = _generated(source, mode, field)
         if split == "train" and isinstance(data.eval, ReasoningGymData):
             # Generated splits can repeat each other's prompts (a small task has few): the
             # training rows drop every eval prompt, so the evaluation is held out.
             # Compared by question, so prompts templated differently are caught too.
-            held_out = set(_reasoning_gym(data.eval, "online", "data.eval")["question"])
+            held_out = set(_generated(data.eval, "online", "data.eval")["question"])
             dataset = dataset.select(
                 [i for i, question in enumerate(dataset["question"]) if question not in held_out]
             )
@@ -92,6 +93,8 @@ def load_split(
                     f"{field}: every generated training prompt is also an eval prompt; draw more "
                     "(size), another seed, or a task with more distinct prompts"
                 )
+    elif isinstance(source, VerifiersData):
+        dataset = _generated(source, mode, field)
     elif source == "embedded":
         dataset = _embedded(data, split, mode)
     else:
@@ -104,15 +107,24 @@ def load_split(
     return dataset
 
 
-def _reasoning_gym(source: ReasoningGymData, mode: DataMode, field: str) -> datasets.Dataset:
-    from alignzoo.integrations.reasoning_gym import generate
-
+def _generated(
+    source: ReasoningGymData | VerifiersData, mode: DataMode, field: str
+) -> datasets.Dataset:
+    """The rows a generator gives (reasoning-gym's tasks, a verifiers taskset's): prompts that
+    its labeler scores, so only for arms that sample."""
     if mode != "online":
+        library = "reasoning-gym" if isinstance(source, ReasoningGymData) else "a verifiers taskset"
         raise UserError(
-            f"{field}: reasoning-gym data gives prompts with answers, for arms that sample "
+            f"{field}: {library} gives prompts with their scorers, for arms that sample "
             f"(online); this arm reads {mode} data from it (set data.online: true)"
         )
-    return datasets.Dataset.from_list(generate(source.reasoning_gym, field))
+    if isinstance(source, ReasoningGymData):
+        from alignzoo.integrations import reasoning_gym
+
+        return datasets.Dataset.from_list(reasoning_gym.generate(source.reasoning_gym, field))
+    from alignzoo.integrations import verifiers
+
+    return datasets.Dataset.from_list(verifiers.generate(source.verifiers, field))
 
 
 # --------------------------------------------------------------------------- embedded

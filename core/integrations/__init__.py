@@ -5,6 +5,8 @@ which extra to install (exit 2) when it is missing, so the core runs without any
 
 - :mod:`alignzoo.integrations.reasoning_gym`: reasoning-gym's procedural tasks as a data source
   (``data.train: {reasoning_gym: {...}}``) and their scorers (the ``reasoning_gym`` labeler).
+- :mod:`alignzoo.integrations.verifiers`: a verifiers taskset's tasks as a data source
+  (``data.train: {verifiers: {...}}``) and their in-process rewards (the ``verifiers`` labeler).
 """
 
 from __future__ import annotations
