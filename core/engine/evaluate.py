@@ -42,9 +42,10 @@ def _sample(
     n: int,
     sampling: SamplingParams,
     labeling: LabelingStage | None = None,
+    step: int | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """The labeled samples of ``rows`` and, for episodes, their ``env/*`` metrics (each a mean
-    per episode over every chunk)."""
+    per episode over every chunk); ``step`` reaches the labelers with each request."""
     parts = []
     totals: dict[str, float] = {}
     episodes = 0.0
@@ -56,7 +57,8 @@ def _sample(
         for key, value in env_metrics.items():
             if key != "env/episodes":
                 totals[key] = totals.get(key, 0.0) + value * count
-        report = label(hooks, batch, labeling, normalize=False)  # raw values, state untouched
+        # raw values, state untouched
+        report = label(hooks, batch, labeling, normalize=False, step=step)
         # A response no labeler of the chain could value is left out of the evaluation.
         parts.append(batch if len(report.keep) == batch.size else batch.select(report.keep))
     means = {key: total / episodes for key, total in totals.items()} if episodes else {}
@@ -70,13 +72,15 @@ def evaluate(
     pass_at_k: int | None = None,
     sampling: SamplingParams | None = None,
     labeling: LabelingStage | None = None,
+    step: int | None = None,
 ) -> dict[str, float]:
     """Evaluate the backend's current weights on ``rows``; returns ``eval/*`` metrics.
 
     ``labeling``: the stage that labels the responses (``evaluation.labeler``); default the
-    arm's own labeling."""
+    arm's own labeling. ``step``: the training step evaluated (the optimizer's steps so far),
+    given to labelers with each request as in training (TRL's reward functions get it)."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    batch, env_metrics = _sample(hooks, rows, 1, greedy, labeling)
+    batch, env_metrics = _sample(hooks, rows, 1, greedy, labeling, step)
     env = {f"eval/{key}": value for key, value in env_metrics.items()}
     if batch.size == 0:  # nothing to score (every episode failed, no label): said, not guessed
         return {"eval/labeled_frac": 0.0, **env}
@@ -100,7 +104,7 @@ def evaluate(
         )
         if params.temperature == 0:
             params = params.model_copy(update={"temperature": 1.0})
-        sampled, _ = _sample(hooks, rows, pass_at_k, params, labeling)
+        sampled, _ = _sample(hooks, rows, pass_at_k, params, labeling, step)
         hits = correct_flags(sampled)
         if hits is None:  # the labeler does not say what is correct: a score above 0 passes
             assert sampled.scores is not None

@@ -334,6 +334,7 @@ class _Loop:
             cfg.pass_at_k,
             sampling,
             labeling=self.run.eval_labeling,
+            step=self.state.step,
         )
         self.tick()
         row = {"step": self.state.step, "time_s": self.state.time_s, "samples": self.state.samples}

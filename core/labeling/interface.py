@@ -23,10 +23,10 @@ from typing import Any
 class LabelRequest:
     """One thing to score: the prompt, the response and any extra dataset columns.
 
-    In a training pass two more fields are set (None elsewhere: evaluation, relabel, a
-    served labeler): ``completion_ids``, the token ids the policy sampled for the response
-    (what TRL passes as ``completion_ids``), and ``step``, the training step the sample is
-    for. Neither is part of the request's identity: the label store keys on prompt, response
+    In a run two more fields are set (None outside one: relabel, a served labeler):
+    ``completion_ids``, the token ids the policy sampled for the response (what TRL passes as
+    ``completion_ids``), and ``step``, the training step the sample is for (in evaluation, the
+    step evaluated: 0 before training). Neither is part of the request's identity: the label store keys on prompt, response
     and extra only.
     """
 

@@ -37,7 +37,8 @@ The properties (check names):
   margin; unpaired ones raise the desirable completions and lower the undesirable. A loss with
   its sign flipped, or advantages with theirs, fails it.
 - ``weights_honoured``: for an algorithm whose requirements declare ``weights``, a sample
-  (a pair, for preference data) given weight 0 in ``batch.weights`` gets no gradient; an
+  (a pair, for preference data) given weight 0 in ``batch.weights`` gets no gradient, and
+  given twice its weight gets twice its gradient (a 0/1 mask made of the weights fails); an
   algorithm that does not declare it passes with that said (a weight-setting modifier around it
   is refused by ``alignzoo validate``).
 - ``state_roundtrip``: an instance that has seen one batch, saved with ``state_dict`` (through
@@ -406,12 +407,22 @@ def _prop_weights(factory: Callable[[], Any], case: BatchCase, data: str) -> Non
     ev = evaluate(factory(), dataclasses.replace(case, weights=weights))
     grad = _grad(ev)
     leaked = float(grad[zeroed].abs().nan_to_num(math.inf).max())
+    what = "sample 0" if data != "preference" else f"the pair of samples {zeroed}"
     if leaked > 0.0:
-        what = "sample 0" if data != "preference" else f"the pair of samples {zeroed}"
         raise ContractViolation(
             f"weights_honoured: {what} has weight 0 in batch.weights but gets gradient up to "
             f"{leaked:.3g}; multiply each sample's loss by batch.weights, or do not declare "
             "AlgorithmRequirements(weights=True)"
+        )
+    doubled = tuple(2.0 * w if i in zeroed else w for i, w in enumerate(case.weights))
+    once = _grad(evaluate(factory(), case))[zeroed]
+    twice = _grad(evaluate(factory(), dataclasses.replace(case, weights=doubled)))[zeroed]
+    if not torch.allclose(twice, 2.0 * once, rtol=RTOL, atol=ATOL):
+        ratio = float(twice.abs().sum() / once.abs().sum().clamp_min(1e-30))
+        raise ContractViolation(
+            f"weights_honoured: doubling {what}'s weight in batch.weights scaled its gradient by "
+            f"{ratio:.3g}, not 2; multiply each sample's loss by its weight (not by a 0/1 mask "
+            "of the weights, nor normalised by their sum)"
         )
 
 
@@ -838,7 +849,8 @@ def check_algorithm(
                 "weights_honoured",
                 batch_cases(requirements, weighted=True),
                 lambda c: _prop_weights(factory, c, requirements.data),
-                "example = one weighted batch, sample 0 (or its pair) then given weight 0",
+                "example = one weighted batch, sample 0 (or its pair) then given weight 0, then twice "
+                "its weight",
             ),
         )
     results = [CheckResult("instantiate", True, f"{label}: {requirements}")]

@@ -13,8 +13,8 @@ per response. The function is called by keyword, exactly as TRL calls reward fun
 - ``completion_ids``: the token ids the policy sampled for each completion;
 - each dataset column by its name (e.g. ``answer``), as a list;
 - ``trainer_state``: an object whose ``global_step`` is the training step the samples are
-  for (TRL's ``TrainerState`` carries the same attribute; None outside training, e.g. in
-  evaluation), and ``step``, the same number as a plain int;
+  for (TRL's ``TrainerState`` carries the same attribute), in evaluation the step evaluated
+  (0 before training), None outside a run (``relabel``, a served labeler), and ``step``, the same number as a plain int;
 - ``params.kwargs`` by name.
 
 So ``def reward(completions, **kwargs)`` from TRL's documentation works as written; a

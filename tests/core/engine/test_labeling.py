@@ -3,6 +3,7 @@ circuit breaker, timeouts that end the work, and a ledger that balances."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -494,3 +495,31 @@ def test_the_values_each_labeler_gives_and_their_drift_are_reported() -> None:
     assert report.metrics() == report.metrics()  # reading the metrics twice changes nothing
     assert report.metrics()["labeler/l0/drift"] == pytest.approx(0.9)  # 6.5 vs 5.5*0.9+6.5*0.1
     assert labeling.label(requests(0)).metrics()["label/generated"] == 0  # an empty pass
+
+
+CURRICULUM = """
+import json, os
+
+
+def reward_curr(completions, trainer_state, **kwargs):
+    with open(os.environ["STEPS_SEEN"], "a") as log:
+        log.write(json.dumps(trainer_state.global_step) + "\\n")
+    return [trainer_state.global_step / 10 for _ in completions]  # as TRL's examples do
+"""
+
+
+def test_a_reward_function_gets_the_step_in_evaluation_too(tmp_path, write_experiment, monkeypatch):
+    """TRL always passes trainer_state with an integer global_step: a curriculum reward that
+    divides it trains and evaluates (evaluation gets the step evaluated, 0 before training)."""
+    from alignzoo.config.loader import load_experiment
+    from alignzoo.experiment.runner import run_experiment
+
+    (tmp_path / "curr.py").write_text(CURRICULUM)
+    monkeypatch.setenv("STEPS_SEEN", str(tmp_path / "steps.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    labeler = {"name": "python", "params": {"function": "curr.py:reward_curr"}}
+    path = write_experiment(budget={"steps": 2}, arms={"grpo": {"labeler": labeler}})
+    result = run_experiment(load_experiment(path), out_dir=tmp_path / "out")
+    assert not result.failed, [r.error for r in result.runs]
+    seen = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert None not in seen and {0, 1, 2} <= set(seen), seen

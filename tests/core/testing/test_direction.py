@@ -106,3 +106,21 @@ def test_an_algorithm_that_declares_weights_but_ignores_them_is_caught() -> None
                                            checks=["weights_honoured"])
                 if r.name == "weights_honoured"]  # fmt: skip
     assert not result.passed and result.detail.startswith("weights_honoured: sample 0")
+
+
+def test_weights_used_as_a_mask_are_caught() -> None:
+    """A loss that keeps the weighted samples but drops their size (weights > 0 as a 0/1 mask)
+    passes the weight-0 half of the property and fails the doubling half."""
+    from alignzoo.plugins.algorithms.grpo import GRPO
+
+    class MasksWeights(GRPO):
+        @hookimpl
+        def compute_loss(self, batch: RolloutBatch, outputs: Any, context: Any) -> LossOutput:
+            if batch.weights is not None:
+                batch.weights = (batch.weights > 0).to(batch.weights.dtype)
+            return super().compute_loss(batch, outputs, context)
+
+    [result] = [r for r in check_algorithm(MasksWeights, max_examples=15,
+                                           checks=["weights_honoured"])
+                if r.name == "weights_honoured"]  # fmt: skip
+    assert not result.passed and "scaled its gradient by 1, not 2" in result.detail

@@ -185,7 +185,7 @@ def test_python_labeler_calls_by_keyword_as_trl_does(tmp_path, monkeypatch):
         "prompts", "completions", "answer", "completion_ids", "trainer_state", "step"
     }  # fmt: skip
     assert seen["prompts"] == ["1+1=", "2+2=", "3+3="]
-    assert seen["completion_ids"] == [None, None, None]  # not a training pass: no ids, no step
+    assert seen["completion_ids"] == [None, None, None]  # outside a run: no ids, no step
     assert seen["trainer_state"].global_step is None and seen["step"] is None
     trained = [LabelRequest(r.prompt, r.response, r.extra, [7, 8], step=3) for r in REQS]
     score(labeler, trained)
