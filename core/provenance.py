@@ -47,8 +47,13 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def git_state(folder: Path) -> dict[str, Any]:
-    """``{"commit": sha, "dirty": bool}`` of the git checkout holding ``folder``; {} if none."""
+def git_state(folder: Path, scope: Path | None = None) -> dict[str, Any]:
+    """``{"commit": sha, "dirty": bool}`` of the git checkout holding ``folder``; {} if none.
+
+    ``dirty``: uncommitted changes to tracked files; with ``scope`` (a file or folder of the
+    checkout), changes under it only, new files not yet added included."""
+    untracked = ["--untracked-files=no"] if scope is None else ["--untracked-files=normal"]
+    limit = [] if scope is None else ["--", str(scope)]
     try:
         commit = subprocess.run(
             ["git", "-C", str(folder), "rev-parse", "HEAD"],
@@ -58,7 +63,7 @@ def git_state(folder: Path) -> dict[str, Any]:
             check=True,
         ).stdout.strip()
         status = subprocess.run(
-            ["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(folder), "status", "--porcelain", *untracked, *limit],
             capture_output=True,
             text=True,
             timeout=10,
@@ -147,8 +152,16 @@ def component_fields(components: dict[str, Any]) -> dict[str, Any]:
     """``components``: per slot of the arm (``algorithm``, ``labeler``, ``modifiers.0``, ...)
     the component's kind, registered name, class, the distribution and version that provide
     it, and, for one imported from a git checkout (an editable or local install, or a plugin
-    file beside the experiment), that checkout's commit and whether it had uncommitted
-    changes: what tells two runs of an outside plugin apart."""
+    file beside the experiment; not an installed wheel in site-packages), that checkout's
+    commit and whether its source had uncommitted changes (new files included): what tells
+    two runs of an outside plugin apart.
+
+    A component built from others (a ``combine``'s parts, a ``panel``'s raters) lists them in
+    ``provenance_parts()`` (``{name: component}``), recorded as slots of their own
+    (``labeler.parts.NAME``); one that runs code from a file of its own (the ``python``
+    labeler's function) names it in ``provenance_sources()`` (``{what: path}``), recorded
+    with its git state under ``sources``."""
+    import contextlib
     import inspect
 
     from alignzoo.registry import get_registry
@@ -161,7 +174,9 @@ def component_fields(components: dict[str, Any]) -> dict[str, Any]:
     except Exception:  # a broken registry must not stop a run from recording the rest
         entries = {}
     out: dict[str, Any] = {}
-    for slot, component in sorted(components.items()):
+    todo = sorted(components.items())
+    while todo:
+        slot, component = todo.pop(0)
         cls = type(component)
         entry = next((entries[c] for c in cls.__mro__ if c in entries), None)
         row: dict[str, Any] = {
@@ -171,15 +186,26 @@ def component_fields(components: dict[str, Any]) -> dict[str, Any]:
             "distribution": entry.distribution if entry is not None else None,
             "version": (entry.version or None) if entry is not None else None,
         }
-        try:
-            source = Path(inspect.getfile(cls)).resolve()
-        except (TypeError, OSError):
-            source = None
-        if source is not None:
-            row["source"] = str(source)
-            row["git"] = git_state(source.parent)
+        with contextlib.suppress(TypeError, OSError):  # a class without a file (built-in)
+            row.update(source_fields(Path(inspect.getfile(cls))))
+        sources = getattr(component, "provenance_sources", None)
+        if callable(sources):
+            row["sources"] = {what: source_fields(Path(path)) for what, path in sources().items()}
+        parts = getattr(component, "provenance_parts", None)
+        if callable(parts):
+            todo.extend((f"{slot}.parts.{name}", part) for name, part in parts().items())
         out[slot] = row
-    return {"components": out}
+    return {"components": dict(sorted(out.items()))}
+
+
+def source_fields(path: Path) -> dict[str, Any]:
+    """``{"source": path}`` and, outside an installed wheel (site-packages), ``"git"``: the
+    state of the checkout holding it, its changes counted under its folder."""
+    source = path.resolve()
+    row: dict[str, Any] = {"source": str(source)}
+    if not {"site-packages", "dist-packages"} & set(source.parts):
+        row["git"] = git_state(source.parent, scope=source.parent)
+    return row
 
 
 def policy_fields(policy: str | Path) -> dict[str, Any]:

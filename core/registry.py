@@ -188,7 +188,7 @@ class Registry:
                     f"with the python labeler (labeler: {{name: python, params: {{function: "
                     f"'{module}:{function}'}}}}), or register a Labeler subclass"
                     if entry.kind == "labeler"
-                    else "; it is a function: register a class (see alignzoo scaffold)"
+                    else "; it is a function: register a class (alignzoo new plugin writes one)"
                 )
             raise PluginLoadError(message)
         component: type[Component] = obj

@@ -82,7 +82,7 @@ def resolve_key(metric: str, runs: list[RunData], run_dir: Path) -> str:
     names = sorted(short_name(k) for k in recorded)
     pool = sorted(recorded) if "/" in metric else names
     close = difflib.get_close_matches(metric, pool, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]}?" if close else ""
+    hint = f"; did you mean {close[0]}?" if close else "."
     raise UserError(
         f"--metric {metric}: no run in {run_dir} recorded {key} in eval.jsonl{hint} "
         f"Recorded: {', '.join(names)}"

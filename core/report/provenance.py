@@ -106,25 +106,33 @@ def provenance_blocks(run_dir: Path, runs: list[RunData]) -> list[Block]:
 
 
 def _outside_components(runs: list[RunData]) -> list[str]:
-    """One line per distinct component not provided by alignzoo itself: arm, slot, name,
-    distribution and version, and the commit of its source checkout (dirty said)."""
+    """One line per distinct component not provided by alignzoo itself (a part of a combine or
+    a panel too), and per file of user code a component runs (a python labeler's function):
+    arm, slot, name, distribution and version, and the commit of its source checkout (dirty
+    said)."""
     seen: dict[str, None] = {}
     for run in runs:
         for entry in read_sessions(run.path)[-1:]:
             for slot, row in (entry.get("components") or {}).items():
-                if not isinstance(row, dict) or row.get("distribution") == "alignzoo":
+                if not isinstance(row, dict):
                     continue
-                git = row.get("git") or {}
-                commit = str(git.get("commit", ""))[:12]
-                where = (
-                    f", commit {commit}{' with uncommitted changes' if git.get('dirty') else ''}"
-                    if commit
-                    else ""
-                )
-                seen[
-                    f"{run.arm} {slot} `{row.get('name') or row.get('class')}` from "
-                    f"{row.get('distribution') or 'no registered distribution'} "
-                    f"{row.get('version') or ''}".rstrip()
-                    + where
-                ] = None
+                if row.get("distribution") != "alignzoo":
+                    seen[
+                        f"{run.arm} {slot} `{row.get('name') or row.get('class')}` from "
+                        f"{row.get('distribution') or 'no registered distribution'} "
+                        f"{row.get('version') or ''}".rstrip()
+                        + _commit(row)
+                    ] = None
+                for what, source in (row.get("sources") or {}).items():
+                    if isinstance(source, dict):
+                        name = Path(str(source.get("source", "?"))).name
+                        seen[f"{run.arm} {slot} {what} from `{name}`{_commit(source)}"] = None
     return list(seen)
+
+
+def _commit(row: dict[str, Any]) -> str:
+    git = row.get("git") or {}
+    commit = str(git.get("commit", ""))[:12]
+    if not commit:
+        return ""
+    return f", commit {commit}{' with uncommitted changes' if git.get('dirty') else ''}"

@@ -32,9 +32,9 @@ The properties (check names):
 - ``direction``: one gradient-descent step on the loss moves the policy the way the algorithm's
   kind promises, on an on-policy batch built for it (every log-prob -1, the reference and the
   behaviour policy equal to the policy, values 0; the group structure and lengths drawn):
-  online algorithms raise the log-probability of each group's best-scored sample more than the
-  others' (scores 1 and 0: a baseline may sit anywhere, the order may not flip); preference algorithms raise each pair's chosen-minus-rejected
-  margin; unpaired ones raise the desirable completions and lower the undesirable. A loss with
+  online algorithms raise the log-probability of each group's best-scored sample (scores 1 and
+  0; in a group of one a baseline may take its whole signal) and raise it more than the
+  others'; preference algorithms raise each pair's chosen-minus-rejected margin; unpaired ones raise the desirable completions and lower the undesirable. A loss with
   its sign flipped, or advantages with theirs, fails it.
 - ``weights_honoured``: for an algorithm whose requirements declare ``weights``, a sample
   (a pair, for preference data) given weight 0 in ``batch.weights`` gets no gradient, and
@@ -361,13 +361,17 @@ def _prop_direction(factory: Callable[[], Any], case: BatchCase, data: str) -> N
     # The change of each sample's log-probability under a small descent step: -dL/dlogp summed
     # over its real tokens.
     step = (-_grad(ev) * mask).sum(dim=1).tolist()
-    hint = "is the loss's sign, or the advantages', flipped?"
+    hint = (
+        "is the loss's sign, or the advantages', flipped?"
+        if data == "online"
+        else "is the loss's sign, or the chosen and rejected (desirable) sides, flipped?"
+    )
 
     def fail(i: int, what: str) -> ContractViolation:
         return ContractViolation(
-            f"direction: a gradient step on the loss {what} (sample {i}, change "
-            f"{step[i]:+.3g}; {built.size} samples, lengths {list(built.lengths)}, groups "
-            f"{list(built.group_ids)}); {hint}"
+            f"direction: a gradient step on the loss {what}: sample {i}'s log-probability "
+            f"changes by {step[i]:+.3g} ({built.size} samples, lengths {list(built.lengths)}, "
+            f"groups {list(built.group_ids)}); {hint}"
         )
 
     if data == "online":
@@ -375,11 +379,13 @@ def _prop_direction(factory: Callable[[], Any], case: BatchCase, data: str) -> N
         best = {g: i for i, (g, sc) in enumerate(zip(built.group_ids, built.scores, strict=True))
                 if sc == 1.0}  # fmt: skip
         for i, (group, score) in enumerate(zip(built.group_ids, built.scores, strict=True)):
+            if score == 1.0 and list(built.group_ids).count(group) > 1 and not step[i] > 0:
+                raise fail(i, "does not raise the log-probability of its group's best sample")
             if score == 0.0 and not step[best[group]] > step[i]:
                 raise fail(
                     i,
                     f"raises this worse sample's log-probability at least as much as its "
-                    f"group's best one's (sample {best[group]}, change {step[best[group]]:+.3g})",
+                    f"group's best one's (sample {best[group]}: {step[best[group]]:+.3g})",
                 )
     elif data == "preference":
         assert built.labels is not None

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from alignzoo import Labeler, LabelRequest, Score, hookimpl
 from alignzoo.config.schema import ComponentRef
-from alignzoo.errors import UserError
+from alignzoo.errors import LabelerTimeout, LabelerUnavailable, UserError
 from alignzoo.registry import build_plugin_manager, get_registry
 from alignzoo.types import Outcome
 
@@ -58,6 +58,7 @@ class CombineLabeler(Labeler):
         super().__init__(params)
         registry = get_registry()
         self.parts: list[tuple[str, Any]] = []
+        self.labelers: dict[str, Any] = {}
         names: list[str] = []
         for i, ref in enumerate(self.params.labelers):
             if ref.name == "combine":
@@ -67,8 +68,13 @@ class CombineLabeler(Labeler):
             name = part_name(ref) if self.params.names is None else self.params.names[i]
             name = name if name not in names else f"{name}_{i + 1}"
             names.append(name)
+            self.labelers[name] = part
             self.parts.append((name, build_plugin_manager([part])))
         self.weights = self.params.weights or [1.0] * len(self.parts)
+
+    def provenance_parts(self) -> dict[str, Any]:
+        """The parts, by name, for the run's provenance."""
+        return dict(self.labelers)
 
     @hookimpl
     def on_run_start(self, run: Any) -> None:
@@ -79,7 +85,12 @@ class CombineLabeler(Labeler):
     def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
         per_part = []
         for name, pm in self.parts:
-            scores = pm.hook.score_batch(requests=requests)
+            try:
+                scores = pm.hook.score_batch(requests=requests)
+            except (LabelerUnavailable, LabelerTimeout, UserError):  # keep what they mean
+                raise
+            except Exception as exc:  # named, so a run's failure says which part raised
+                raise PartFailed(f"combine part {name!r}: {type(exc).__name__}: {exc}") from exc
             if not isinstance(scores, list) or len(scores) != len(requests):
                 raise ValueError(
                     f"combine: part {name!r} returned {len(scores)} scores for {len(requests)}"
@@ -100,6 +111,10 @@ class CombineLabeler(Labeler):
                 info["correct"] = correct
             out.append(Score(value, valid=all(s.valid for s in parts), info=info))
         return out
+
+
+class PartFailed(RuntimeError):
+    """A part raised (the original is the ``__cause__``); the message names the part."""
 
 
 def part_name(ref: ComponentRef) -> str:

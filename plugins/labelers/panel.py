@@ -53,9 +53,16 @@ class PanelLabeler(Labeler):
         super().__init__(params)
         registry = get_registry()
         self.raters = []
-        for ref in self.params.labelers:
+        self.labelers: dict[str, Any] = {}
+        for i, ref in enumerate(self.params.labelers):
             cls = registry.get("labeler", ref.name)
-            self.raters.append(build_plugin_manager([cls(cls.Params.model_validate(ref.params))]))
+            rater = cls(cls.Params.model_validate(ref.params))
+            self.labelers[f"{i}.{ref.name}"] = rater
+            self.raters.append(build_plugin_manager([rater]))
+
+    def provenance_parts(self) -> dict[str, Any]:
+        """The raters, by position and name, for the run's provenance."""
+        return dict(self.labelers)
 
     @hookimpl
     def on_run_start(self, run: Any) -> None:

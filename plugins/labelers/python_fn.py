@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo import Labeler, LabelRequest, Score, hookimpl
 from alignzoo.callables import load_callable
+from alignzoo.errors import LabelerTimeout, LabelerUnavailable, UserError
 
 
 class PythonLabeler(Labeler):
@@ -65,9 +66,24 @@ class PythonLabeler(Labeler):
         self.fn = load_callable(self.params.function, "python labeler")
         self.accepts = accepted_arguments(self.fn)
 
+    def provenance_sources(self) -> dict[str, str]:
+        """The file the function is defined in, for the run's provenance."""
+        try:
+            return {"function": inspect.getfile(inspect.unwrap(self.fn))}
+        except (TypeError, OSError):
+            return {}
+
     @hookimpl
     def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
-        result = self.fn(**self._arguments(offered_arguments(requests, self.params.kwargs)))
+        arguments = self._arguments(offered_arguments(requests, self.params.kwargs))
+        try:
+            result = self.fn(**arguments)
+        except (LabelerUnavailable, LabelerTimeout, UserError):  # keep what they mean
+            raise
+        except Exception as exc:  # named, so a run's failure says which function raised
+            raise FunctionFailed(
+                f"{self.params.function} raised {type(exc).__name__}: {exc}"
+            ) from exc
         if inspect.isawaitable(result):
             result = asyncio.run(_wait(result))
         if not isinstance(result, (list, tuple)):
@@ -80,7 +96,8 @@ class PythonLabeler(Labeler):
         ``alignzoo validate``)."""
         try:
             scores = self.score_batch([request])
-        except Exception as exc:
+        except Exception as raised:
+            exc = raised.__cause__ if isinstance(raised, FunctionFailed) else raised
             text = f"{type(exc).__name__}: {exc}"
             hint = ""
             if isinstance(exc, TypeError) and not isinstance(exc, MissingArguments):
@@ -121,6 +138,11 @@ class PythonLabeler(Labeler):
 
 class MissingArguments(TypeError):
     """The function names an argument the call cannot give (the message says which)."""
+
+
+class FunctionFailed(RuntimeError):
+    """The reward function raised (the original is the ``__cause__``); the message names the
+    function."""
 
 
 @dataclass(frozen=True)

@@ -152,3 +152,49 @@ def test_each_component_records_its_distribution_version_and_source_commit(
     assert "Components from outside alignzoo" in text
     assert "a labeler `mine` from my-plugins, commit " in text
     assert "grpo" not in text.split("Components from outside alignzoo")[1]
+
+
+def test_parts_of_a_combine_and_a_python_function_file_are_recorded(tmp_path, monkeypatch):
+    """What a combine is built from is recorded like an arm's own components, and a python
+    labeler's function file with the state of its checkout (a new, unadded file is a change)."""
+    from alignzoo.plugins.labelers.combine import CombineLabeler
+
+    repo = tmp_path / "rewards"
+    repo.mkdir()
+    (repo / "trl_rewards.py").write_text(
+        "def reward_len(completions, **kwargs):\n    return [0.0 for _ in completions]\n"
+    )
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.email=a@b", "-c", "user.name=a",
+                                                "commit", "-qm", "x"]):  # fmt: skip
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+    function = f"{repo / 'trl_rewards.py'}:reward_len"
+    combine = CombineLabeler(
+        {"labelers": [{"name": "python", "params": {"function": function}}, {"name": "format"}]}
+    )
+    rows = provenance.component_fields({"labeler": combine})["components"]
+    assert set(rows) == {"labeler", "labeler.parts.reward_len", "labeler.parts.format"}
+    part = rows["labeler.parts.reward_len"]
+    assert part["name"] == "python" and part["kind"] == "labeler"
+    source = part["sources"]["function"]
+    assert source["source"] == str((repo / "trl_rewards.py").resolve())
+    assert len(source["git"]["commit"]) == 40 and source["git"]["dirty"] is False
+    (repo / "helper.py").write_text("# not added yet\n")
+    rows = provenance.component_fields({"labeler": combine})["components"]
+    assert rows["labeler.parts.reward_len"]["sources"]["function"]["git"]["dirty"] is True
+
+    run = _run(tmp_path, "a", 0, components=rows)
+    text = render_markdown(provenance_blocks(tmp_path, [run]))
+    assert "a labeler.parts.reward_len function from `trl_rewards.py`, commit " in text
+
+
+def test_an_installed_wheel_is_not_given_the_enclosing_checkouts_commit(tmp_path):
+    """A package installed into a virtual environment inside a checkout (site-packages) is not
+    that checkout's code: no git state is recorded for it."""
+    wheel = tmp_path / ".venv" / "lib" / "python3.11" / "site-packages" / "pkg" / "mod.py"
+    wheel.parent.mkdir(parents=True)
+    wheel.write_text("")
+    subprocess.run(["git", "-C", str(tmp_path), "init", "-q"], check=True)
+    assert "git" not in provenance.source_fields(wheel)
+    here = tmp_path / "plugin.py"
+    here.write_text("")
+    assert "git" in provenance.source_fields(here)

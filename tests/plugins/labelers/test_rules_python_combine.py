@@ -219,3 +219,31 @@ def test_each_combine_part_has_its_own_metric_name(tmp_path, monkeypatch):
     assert list(score(named, REQS)[0].info["rewards"]) == ["n", "d", "a", "b"]
     with pytest.raises(ValidationError, match="names must differ"):
         CombineLabeler.Params(labelers=parts, names=["n", "n", "a", "b"])
+
+
+def test_a_failing_part_is_named_in_the_error(tmp_path, monkeypatch):
+    """A reward function that raises inside a combine says which function and which part, so
+    a run's failure points at the user's code, not at the chain."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad_rewards.py").write_text(
+        "def ratio(completions, **kwargs):\n    return [1 / 0 for _ in completions]\n"
+    )
+    combine = CombineLabeler(
+        CombineLabeler.Params.model_validate(
+            {
+                "labelers": [
+                    {"name": "format", "params": {"pattern": ".*"}},
+                    {"name": "python", "params": {"function": "bad_rewards.py:ratio"}},
+                ]
+            }
+        )
+    )
+    with pytest.raises(RuntimeError) as raised:
+        score(combine, REQS)
+    assert str(raised.value) == (
+        "combine part 'ratio': FunctionFailed: bad_rewards.py:ratio raised "
+        "ZeroDivisionError: division by zero"
+    )
+    assert isinstance(raised.value.__cause__.__cause__, ZeroDivisionError)
+    alone = PythonLabeler(PythonLabeler.Params(function="bad_rewards.py:ratio"))
+    assert "raised ZeroDivisionError: division by zero" in alone.dry_call(REQS[0])
