@@ -15,6 +15,10 @@ per response. The function is called by keyword, exactly as TRL calls reward fun
 - ``trainer_state``: an object whose ``global_step`` is the training step the samples are
   for (TRL's ``TrainerState`` carries the same attribute), in evaluation the step evaluated
   (0 before training), None outside a run (``relabel``, a served labeler), and ``step``, the same number as a plain int;
+- ``log_metric(name, value)``: a scalar for the step's metrics, as in TRL (reported as
+  ``labeler/<name>/<metric>``, the mean of the values logged since the last labeling call);
+  ``log_extra(column, values)``: one value per completion, kept in each sample's score info
+  (``info["extra"][column]``, written to samples.jsonl);
 - ``params.kwargs`` by name.
 
 So ``def reward(completions, **kwargs)`` from TRL's documentation works as written; a
@@ -65,6 +69,16 @@ class PythonLabeler(Labeler):
         super().__init__(params)
         self.fn = load_callable(self.params.function, "python labeler")
         self.accepts = accepted_arguments(self.fn)
+        self.logged: dict[str, list[float]] = {}  # log_metric's values since stats() read them
+
+    def stats(self) -> dict[str, float]:
+        """The mean of each metric the function logged (``log_metric``) since the last read."""
+        means = {name: sum(values) / len(values) for name, values in self.logged.items() if values}
+        self.logged = {}
+        return means
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self.logged.setdefault(str(name), []).append(float(value))
 
     def provenance_sources(self) -> dict[str, str]:
         """The file the function is defined in, for the run's provenance."""
@@ -75,7 +89,14 @@ class PythonLabeler(Labeler):
 
     @hookimpl
     def score_batch(self, requests: list[LabelRequest]) -> list[Score]:
-        arguments = self._arguments(offered_arguments(requests, self.params.kwargs))
+        extra: dict[str, list[Any]] = {}
+
+        def log_extra(column: str, values: list[Any]) -> None:
+            extra.setdefault(str(column), []).extend(values)
+
+        offered = offered_arguments(requests, self.params.kwargs)
+        offered.update(log_metric=self._log_metric, log_extra=log_extra)
+        arguments = self._arguments(offered)
         try:
             result = self.fn(**arguments)
         except (LabelerUnavailable, LabelerTimeout, UserError):  # keep what they mean
@@ -88,7 +109,12 @@ class PythonLabeler(Labeler):
             result = asyncio.run(_wait(result))
         if not isinstance(result, (list, tuple)):
             return result  # type: ignore[no-any-return]  # the stage rejects it, saying why
-        return [_as_score(v) for v in result]
+        scores = [_as_score(v) for v in result]
+        for column, values in extra.items():
+            for score, value in zip(scores, values, strict=False):  # one per completion
+                if isinstance(score, Score):
+                    score.info.setdefault("extra", {})[column] = value
+        return scores
 
     def dry_call(self, request: LabelRequest, where: str = "a row of the data") -> str:
         """Call the function once on ``request`` (from ``where``) as a training step would;

@@ -182,7 +182,8 @@ def test_python_labeler_calls_by_keyword_as_trl_does(tmp_path, monkeypatch):
     score(labeler, REQS)
     seen = labeler.fn.__globals__["seen"]
     assert set(seen) == {
-        "prompts", "completions", "answer", "completion_ids", "trainer_state", "step"
+        "prompts", "completions", "answer", "completion_ids", "trainer_state", "step",
+        "log_metric", "log_extra",
     }  # fmt: skip
     assert seen["prompts"] == ["1+1=", "2+2=", "3+3="]
     assert seen["completion_ids"] == [None, None, None]  # outside a run: no ids, no step
@@ -247,3 +248,31 @@ def test_a_failing_part_is_named_in_the_error(tmp_path, monkeypatch):
     assert isinstance(raised.value.__cause__.__cause__, ZeroDivisionError)
     alone = PythonLabeler(PythonLabeler.Params(function="bad_rewards.py:ratio"))
     assert "raised ZeroDivisionError: division by zero" in alone.dry_call(REQS[0])
+
+
+def test_log_metric_and_log_extra_as_trl_passes_them(tmp_path, monkeypatch):
+    """TRL hands reward functions log_metric (a scalar for the step's metrics) and log_extra
+    (a column of the completions table): both work, through the labeling stage too."""
+    from alignzoo.config.schema import LabelingConfig
+    from alignzoo.engine.hooks import Hooks
+    from alignzoo.labeling.orchestrator import LabelingStage
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logging_rewards.py").write_text(
+        "def reward(completions, log_metric, log_extra, **kwargs):\n"
+        "    lengths = [len(c) for c in completions]\n"
+        "    log_metric('mean_length', sum(lengths) / len(lengths))\n"
+        "    log_extra('length', lengths)\n"
+        "    return [float(n) for n in lengths]\n"
+    )
+    labeler = PythonLabeler(PythonLabeler.Params(function="logging_rewards.py:reward"))
+    out = score(labeler, REQS)
+    assert [s.info["extra"]["length"] for s in out] == [len(r.response) for r in REQS]
+    lengths = [len(r.response) for r in REQS]
+    assert labeler.stats() == {"mean_length": sum(lengths) / len(lengths)}
+    assert labeler.stats() == {}  # each value is reported once
+
+    hooks = Hooks(build_plugin_manager([labeler]))
+    stage = LabelingStage.build(LabelingConfig(), [("python", labeler, hooks)])
+    metrics = stage.label(REQS).metrics()
+    assert metrics["labeler/python/mean_length"] == sum(lengths) / len(lengths)
