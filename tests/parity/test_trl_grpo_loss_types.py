@@ -253,3 +253,18 @@ def test_surrogates_micro_batches_match_trl(
     az_loss.backward()
     assert outputs.logprobs.grad is not None and leaf.grad is not None
     assert_parity((az_loss.detach(), outputs.logprobs.grad), (trl_loss.detach(), leaf.grad))
+
+
+def test_every_trl_grpo_loss_type_is_tested_here_or_in_the_parity_suite() -> None:
+    """Every loss type TRL 1.16's GRPOTrainer._compute_loss branches on has a parity test:
+    the four aggregations in test_trl_parity, the surrogates here."""
+    import inspect
+    import re
+
+    from trl import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    named = set(re.findall(r'loss_type == "(\w+)"', source))
+    for group in re.findall(r"loss_type in \[([^\]]+)\]", source):
+        named |= set(re.findall(r'"(\w+)"', group))
+    assert named == {"grpo", "bnpo", "dr_grpo", "dapo", *AGGREGATION}, named

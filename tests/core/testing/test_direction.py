@@ -124,3 +124,13 @@ def test_weights_used_as_a_mask_are_caught() -> None:
                                            checks=["weights_honoured"])
                 if r.name == "weights_honoured"]  # fmt: skip
     assert not result.passed and "scaled its gradient by 1, not 2" in result.detail
+
+
+def test_the_built_ins_listed_here_are_the_registrys() -> None:
+    """A new built-in algorithm joins BUILT_INS (and so every direction and weights check)."""
+    registered = {
+        e.name
+        for e in get_registry().entries()
+        if e.kind == "algorithm" and e.distribution == "alignzoo"
+    }
+    assert registered == set(BUILT_INS)
