@@ -21,10 +21,14 @@ typically ``assert f(1) == 2``) in a fresh interpreter (``python -I``) with:
     kernel kills every process in the namespace. A sample cannot leave its namespace, nor
     signal or trace its supervisors (outside it, and not dumpable);
   - ``subreaper`` (Linux without namespaces, e.g. a container whose seccomp profile refuses
-    ``unshare``): a supervisor process marked ``PR_SET_CHILD_SUBREAPER`` adopts every orphan
-    of the sample, however it detached, and after the sample (or at the timeout) kills every
-    descendant it finds under ``/proc`` round after round and waits for them until it has none.
-    The gap: the sample runs as the same user as its supervisor and could kill it first;
+    ``unshare``): the sample runs under a process filter (seccomp, x86-64 and arm64) that lets
+    it start no process (threads only), signal no process but itself, trace none and touch no
+    other's memory or limits, so it can neither kill its supervisor (the same user) nor leave a
+    child behind; behind it, a supervisor process marked ``PR_SET_CHILD_SUBREAPER`` adopts every
+    orphan of the sample, however it detached, and after the sample (or at the timeout) kills
+    every descendant it finds under ``/proc`` round after round and waits for them until it has
+    none. ``info["process_filter"]`` says whether the filter held (not on other architectures,
+    where a sample that kills its supervisor first escapes the subreaper);
   - ``process_group`` (no ``prctl``, e.g. macOS; never chosen where one of the above works):
     only the process group is killed, so ``setsid`` escapes it;
 - limits: CPU seconds (``RLIMIT_CPU``), address space (``memory_mb``), file size, and number
@@ -174,6 +178,60 @@ def _stop(signum, frame):
     os._exit(128 + signum)
 
 
+# The process filter of the subreaper's sample (seccomp, installed by the sample on itself):
+# no new process (fork, vfork, clone without CLONE_THREAD; clone3 answers ENOSYS so threads
+# fall back to clone), no signal but to itself, no ptrace, no reading or writing another
+# process's memory, no limits set on another process. A sample could otherwise kill its
+# supervisor (same user) and leave a detached child behind, or signal the run itself.
+_PROCESS_FILTER = True
+_SYSCALLS = {  # name: number, per architecture; AUDIT_ARCH value under "arch"
+    "x86_64": {"arch": 0xC000003E, "fork": 57, "vfork": 58, "clone": 56, "clone3": 435,
+               "kill": 62, "tkill": 200, "tgkill": 234, "pidfd_open": 434,
+               "pidfd_send_signal": 424, "ptrace": 101, "process_vm_readv": 310,
+               "process_vm_writev": 311, "prlimit64": 302},
+    "aarch64": {"arch": 0xC00000B7, "clone": 220, "clone3": 435, "kill": 129, "tkill": 130,
+                "tgkill": 131, "pidfd_open": 434, "pidfd_send_signal": 424, "ptrace": 117,
+                "process_vm_readv": 270, "process_vm_writev": 271, "prlimit64": 261},
+}
+
+
+def _install_process_filter():
+    nr = _SYSCALLS.get(os.uname().machine)
+    if nr is None or _prctl is None:
+        return False
+    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+    ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    me = os.getpid()
+    prog = [(LD, 0, 0, 4), (JEQ, 1, 0, nr["arch"]), (RET, 0, 0, EPERM), (LD, 0, 0, 0)]
+    if os.uname().machine == "x86_64":  # the x32 ABI's numbers: refused
+        prog += [(JGE, 0, 1, 0x40000000), (RET, 0, 0, EPERM)]
+    for name in ("fork", "vfork", "tkill", "pidfd_open", "pidfd_send_signal", "ptrace",
+                 "process_vm_readv", "process_vm_writev"):
+        if name in nr:
+            prog += [(JEQ, 0, 1, nr[name]), (RET, 0, 0, EPERM)]
+    prog += [(JEQ, 0, 1, nr["clone3"]), (RET, 0, 0, ENOSYS)]
+    prog += [(JEQ, 0, 4, nr["clone"]), (LD, 0, 0, 16), (JSET, 1, 0, 0x10000),  # CLONE_THREAD
+             (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)]
+    for name, allowed in (("kill", (me,)), ("tgkill", (me,)), ("prlimit64", (0, me))):
+        checks = [(JEQ, len(allowed) - i, 0, pid) for i, pid in enumerate(allowed)]
+        prog += [(JEQ, 0, len(checks) + 3, nr[name]), (LD, 0, 0, 16), *checks,
+                 (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)]
+    prog += [(RET, 0, 0, ALLOW)]
+
+    class Instruction(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                    ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Instruction))]
+
+    table = (Instruction * len(prog))(*[Instruction(*i) for i in prog])
+    program = Program(len(prog), table)
+    if _prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, which a filter needs
+        return False
+    return _prctl(22, 2, ctypes.byref(program), 0, 0) == 0  # PR_SET_SECCOMP, MODE_FILTER
+
+
 if _containment != "process_group":
     if _prctl is not None:
         _prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the sample may not ptrace its supervisors
@@ -201,8 +259,10 @@ if _containment != "process_group":
     else:
         _prctl(1, int(signal.SIGKILL), 0, 0, 0)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _filtered = _PROCESS_FILTER and _install_process_filter()
 
 # the sample's process
+_filtered = globals().get("_filtered", False)
 if _prctl is not None:
     _prctl(4, 1, 0, 0, 0)  # dumpable again, as an ordinary process (its supervisors stay not)
 def _no_network(*a, **k):
@@ -221,7 +281,8 @@ subprocess.Popen = _no_processes
 source = open("solution.py", encoding="utf-8").read()
 tests = json.load(open("tests.json", encoding="utf-8"))
 result = {"verdict": None, "passed": 0, "total": len(tests), "error": "",
-          "network_isolated": _isolated, "containment": _containment}
+          "network_isolated": _isolated, "containment": _containment,
+          "process_filter": _filtered}
 env = {"__name__": "__main__"}
 try:
     code = compile(source, "solution.py", "exec")

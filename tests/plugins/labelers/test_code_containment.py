@@ -1,7 +1,10 @@
 """The code labeler's sandbox holds every process a sample starts: after the sample is scored
 (and after ``close()``) none is alive, however it detached (setsid, double fork, a fork bomb,
 SIGTERM ignored). Each test runs under every containment this machine allows: the PID
-namespace where the kernel gives one, and the subreaper fallback, forced.
+namespace where the kernel gives one, and the subreaper fallback, forced. The subreaper's
+sample also runs under a process filter that lets it start no process and signal no other
+(tested on its own below); the forking tests turn that filter off, so they test the subreaper's
+own cleanup, the second line of defence.
 
 The sample's processes name themselves with a token unique to the test (``prctl(PR_SET_NAME)``,
 seen in ``/proc/PID/comm`` from outside any namespace), and tell the sample's main process
@@ -71,10 +74,31 @@ def token():
         time.sleep(0.02)
 
 
+FILTER_ON = "_PROCESS_FILTER = True"
+
+
+def without_process_filter(monkeypatch) -> None:
+    assert FILTER_ON in code_labeler._HARNESS
+    harness = code_labeler._HARNESS.replace(FILTER_ON, "_PROCESS_FILTER = False")
+    monkeypatch.setattr(code_labeler, "_HARNESS", harness)
+
+
 @pytest.fixture(params=MECHANISMS)
-def labeler(request):
+def labeler(request, monkeypatch):
+    """A labeler under each containment; the subreaper's without its process filter, so the
+    sample's processes start and the subreaper's cleanup is what is tested."""
+    if request.param == "subreaper":
+        without_process_filter(monkeypatch)
     lab = CodeLabeler(CodeLabeler.Params(containment=request.param, timeout_s=3.0))
     assert lab.containment == request.param
+    yield lab
+    lab.close()
+
+
+@pytest.fixture(params=MECHANISMS)
+def as_shipped(request):
+    """A labeler under each containment, exactly as users get it (the process filter on)."""
+    lab = CodeLabeler(CodeLabeler.Params(containment=request.param, timeout_s=3.0))
     yield lab
     lab.close()
 
@@ -231,6 +255,7 @@ def test_the_containment_is_detected_and_a_missing_one_refused(monkeypatch) -> N
 @pytest.mark.skipif("subreaper" not in MECHANISMS, reason="no subreaper here")
 def test_the_subreaper_finds_descendants_without_proc_children_files(monkeypatch, token) -> None:
     """Kernels built without CONFIG_PROC_CHILDREN: the supervisor reads every /proc/PID/stat."""
+    without_process_filter(monkeypatch)  # its processes must start to be found
     line = '_PROC_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")'
     assert line in code_labeler._HARNESS
     monkeypatch.setattr(
@@ -253,3 +278,58 @@ while len(got) < 15:  # all of them run
 """
     assert score(labeler, token, body)["verdict"] == "passed"
     assert_none_left(labeler, token)
+
+
+def test_a_sample_that_kills_its_supervisor_leaves_nothing_behind(as_shipped, token) -> None:
+    """The escape a same-user sample had under the subreaper: detach a child, then SIGKILL the
+    supervisor that would have killed it. The PID namespace kills the child with its init; the
+    subreaper's process filter never lets the child start, nor the supervisor be signalled."""
+    body = """
+pid = libc.fork()
+if pid == 0:
+    libc.setsid()
+    detach_stdio()
+    mark()
+    time.sleep(60)
+    os._exit(0)
+try:
+    os.kill(os.getppid(), signal.SIGKILL)
+except OSError:
+    pass
+time.sleep(0.3)
+"""
+    info = score(as_shipped, token, body)
+    time.sleep(0.3)
+    assert_none_left(as_shipped, token)
+    assert info["process_filter"] is (as_shipped.containment == "subreaper")
+
+
+@pytest.mark.skipif("subreaper" not in MECHANISMS, reason="no subreaper here")
+def test_the_subreapers_sample_starts_no_process_and_signals_no_other(token) -> None:
+    labeler = CodeLabeler(CodeLabeler.Params(containment="subreaper", timeout_s=5.0))
+    body = """
+import errno, posix, resource, threading
+assert libc.fork() == -1 and ctypes.get_errno() == errno.EPERM
+try:
+    posix.fork()
+except PermissionError:
+    pass
+else:
+    raise AssertionError("posix.fork started a process")
+done = []
+worker = threading.Thread(target=lambda: done.append(1))  # threads are not processes
+worker.start()
+worker.join()
+assert done == [1]
+assert libc.kill(os.getppid(), 0) == -1 and ctypes.get_errno() == errno.EPERM
+assert libc.kill(1, 0) == -1 and libc.kill(-1, 0) == -1 and libc.kill(0, 0) == -1
+assert libc.kill(os.getpid(), 0) == 0  # itself: allowed
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # its own limits: allowed
+assert libc.prlimit(os.getppid(), 4, None, None) == -1  # another's: refused
+"""
+    try:
+        info = score(labeler, token, body)
+    finally:
+        labeler.close()
+    assert info["process_filter"] is True
+    assert info["verdict"] == "passed", info
