@@ -762,9 +762,17 @@ def annotate_serve(
 ) -> None:
     """Serve the annotation app for the queue in QUEUE_DIR (the default command)."""
     from alignzoo.human.app import serve
+    from alignzoo.labeling.service import is_loopback
 
     _existing_queue(queue_dir)
     console.print(f"annotation app for {queue_dir} on http://{host}:{port}/", highlight=False)
+    if not is_loopback(host):
+        err_console.print(
+            f"warning: serving on {host} over plain HTTP: annotators' tokens and judgements "
+            "cross the network unencrypted; put a TLS proxy in front, or bind 127.0.0.1 and "
+            "reach it through an SSH tunnel",
+            highlight=False,
+        )
     serve(queue_dir, host=host, port=port)
 
 

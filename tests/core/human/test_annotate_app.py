@@ -416,3 +416,15 @@ def test_agreement_is_kept_up_to_date_and_equals_the_computation_over_the_queue(
 
 def _not_the_whole_queue(*args: object) -> None:
     raise AssertionError("read the whole queue")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_serving_beyond_loopback_warns_that_it_is_plain_http(queue_dir, monkeypatch, capsys, host):
+    import alignzoo.human.app as app
+
+    served: list[str] = []
+    monkeypatch.setattr(app, "serve", lambda queue, host, port: served.append(host))
+    assert cli.main(["annotate", "serve", str(queue_dir), "--host", host]) == 0
+    err = capsys.readouterr().err
+    assert served == [host]
+    assert ("plain HTTP" in err) is (host == "0.0.0.0"), err
