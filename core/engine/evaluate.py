@@ -45,23 +45,24 @@ def _sample(
     step: int | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """The labeled samples of ``rows`` and, for episodes, their ``env/*`` metrics (each a mean
-    per episode over every chunk); ``step`` reaches the labelers with each request."""
+    per episode over the chunks that reported it); ``step`` reaches the labelers with each
+    request."""
     parts = []
     totals: dict[str, float] = {}
-    episodes = 0.0
+    weights: dict[str, float] = {}  # the episodes of the chunks that reported each key
     for start in range(0, len(rows), EVAL_CHUNK):
         prompts, extras = split_rows(rows[start : start + EVAL_CHUNK])
         batch, env_metrics = hooks.rollout(prompts, extras, n, sampling)
         count = env_metrics.get("env/episodes", 0.0)
-        episodes += count
         for key, value in env_metrics.items():
             if key != "env/episodes":
                 totals[key] = totals.get(key, 0.0) + value * count
+                weights[key] = weights.get(key, 0.0) + count
         # raw values, state untouched
         report = label(hooks, batch, labeling, normalize=False, step=step)
         # A response no labeler of the chain could value is left out of the evaluation.
         parts.append(batch if len(report.keep) == batch.size else batch.select(report.keep))
-    means = {key: total / episodes for key, total in totals.items()} if episodes else {}
+    means = {key: total / weights[key] for key, total in totals.items() if weights[key]}
     return RolloutBatch.concat(parts), means
 
 

@@ -303,3 +303,42 @@ def test_evaluation_reports_raw_scores_of_a_normalising_labeler() -> None:
     pm = SimpleNamespace(hook=SimpleNamespace(generate=generate, score_batch=score_batch))
     out = evaluate(Hooks(pm), [{"prompt": "x"}, {"prompt": "y"}, {"prompt": "z"}], 3)
     assert out["eval/score"] == pytest.approx(2.0)  # mean of the raw 1, 2, 3, not 0
+
+
+def test_episode_metrics_of_an_evaluation_are_means_over_the_chunks_that_report_them(
+    monkeypatch,
+) -> None:
+    """Several chunks of eval prompts: each env/* metric is a mean per episode over the chunks
+    that reported it (a tool only one chunk called is not diluted by the others)."""
+    from alignzoo.engine import evaluate as evaluation
+
+    monkeypatch.setattr(evaluation, "EVAL_CHUNK", 2)
+    reported = iter(
+        [
+            {"env/episodes": 2.0, "env/turns": 1.0, "env/tool/calc/calls": 1.0},
+            {"env/episodes": 1.0, "env/turns": 4.0},
+        ]
+    )
+
+    def rollout(prompts, extras, n, sampling):
+        b = len(prompts)
+        batch = RolloutBatch(
+            prompt_ids=torch.ones(b, 1, dtype=torch.long),
+            prompt_mask=torch.ones(b, 1, dtype=torch.long),
+            response_ids=torch.ones(b, 1, dtype=torch.long),
+            response_mask=torch.ones(b, 1),
+            group_ids=torch.arange(b),
+            prompts=list(prompts),
+            responses=["a"] * b,
+            extras=[{} for _ in range(b)],
+        )
+        return batch, next(reported)
+
+    pm = SimpleNamespace(
+        hook=SimpleNamespace(score_batch=lambda requests: [Score(1.0)] * len(requests))
+    )
+    hooks = Hooks(pm)
+    monkeypatch.setattr(hooks, "rollout", rollout)
+    out = evaluation.evaluate(hooks, [{"prompt": p} for p in "xyz"], 3)
+    assert out["eval/env/turns"] == pytest.approx(2.0)  # (2 x 1 + 1 x 4) / 3 episodes
+    assert out["eval/env/tool/calc/calls"] == 1.0  # not diluted by the chunk without it
