@@ -18,7 +18,10 @@ which ends the episode). Where a call runs is ``isolation``:
   hangs runs on in the background after its answer (an ``async def`` one is cancelled).
 - ``process``: in a child process of its own (forkserver), killed at the timeout, so a call
   that hangs, crashes the interpreter or leaks memory leaves nothing behind; each call pays a
-  process start (about 0.2 s on 2 CPU cores) and its arguments and result cross a pipe.
+  process start (about 0.2 s on 2 CPU cores) and its arguments and result cross a pipe. As with
+  any multiprocessing program, a Python script that runs an experiment itself (not through the
+  ``alignzoo`` command) needs the ``if __name__ == "__main__":`` guard: the child processes
+  import the script's main module.
 
 Per tool the step's metrics carry ``env/tool/<name>/calls``, ``errors``, ``timeouts`` and
 ``seconds`` (means per episode), beside ``env/tool_calls`` and ``env/tool_errors``.
@@ -187,6 +190,19 @@ def _run_call(spec: str, arguments: dict[str, Any], limit: int, conn: Any) -> No
         conn.close()
 
 
+def _receive(receiver: Any, timeout: float) -> tuple[str, str] | None:
+    """The child's answer, or None when none came within ``timeout`` (EOFError: it ended
+    without one). Runs in a worker thread, which closes the pipe when done: a call cancelled
+    meanwhile never closes it under the read."""
+    try:
+        if not receiver.poll(timeout):
+            return None
+        status, text = receiver.recv()
+        return str(status), str(text)
+    finally:
+        receiver.close()
+
+
 async def _call_in_process(spec: str, arguments: dict[str, Any], timeout: float, limit: int) -> str:
     """``spec(**arguments)`` in a child process, killed (and reaped) at ``timeout``; its text,
     or the error it raised as an exception here."""
@@ -195,19 +211,19 @@ async def _call_in_process(spec: str, arguments: dict[str, Any], timeout: float,
     child = context.Process(target=_run_call, args=(spec, arguments, limit, sender), daemon=True)
     child.start()
     sender.close()
+    # A call cancelled meanwhile (the step's timeout) kills the child, which ends the read.
     try:
-        if not await asyncio.to_thread(receiver.poll, timeout):
-            raise TimeoutError
-        try:
-            status, text = receiver.recv()
-        except EOFError:
-            child.join(1.0)
-            raise ToolCallFailed(f"the call's process ended with code {child.exitcode}") from None
+        received = await asyncio.to_thread(_receive, receiver, timeout)
+    except EOFError:
+        child.join(1.0)
+        raise ToolCallFailed(f"the call's process ended with code {child.exitcode}") from None
     finally:
         if child.is_alive():
             child.kill()
         child.join()
-        receiver.close()
+    if received is None:
+        raise TimeoutError
+    status, text = received
     if status == "error":
         raise ToolCallFailed(text)
     return str(text)

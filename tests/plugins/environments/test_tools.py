@@ -176,3 +176,42 @@ def test_process_isolation_kills_what_hangs_or_crashes_and_leaves_nothing(tmp_pa
     metrics = result.info["metrics"]
     assert (metrics["tool_calls"], metrics["tool_errors"]) == (5.0, 3.0)
     assert metrics["tool/stuck/timeouts"] == 1.0 and metrics["tool/crash/errors"] == 1.0
+
+
+def test_a_call_cancelled_by_the_step_timeout_ends_its_process_and_its_read_first(
+    tmp_path, monkeypatch
+):
+    """The step's timeout cancels a call in flight: its process is killed, and the pipe is
+    closed only once the thread reading it has finished (never under it)."""
+    from alignzoo.plugins.environments import tools
+
+    (tmp_path / "tools.py").write_text(TOOLS)
+    monkeypatch.chdir(tmp_path)
+    read_ended: list[str] = []  # how the read ended: what it raised
+    read = tools._receive
+
+    def spy(receiver, timeout):
+        try:
+            return read(receiver, timeout)
+        except BaseException as exc:
+            read_ended.append(type(exc).__name__)
+            raise
+
+    monkeypatch.setattr(tools, "_receive", spy)
+
+    async def cancel_one() -> None:
+        call = asyncio.ensure_future(
+            tools._call_in_process("tools.py:stuck", {"seconds": 60}, 30.0, 100)
+        )
+        await asyncio.sleep(1.0)  # the child runs, the thread waits on the pipe
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        for _ in range(100):  # the read ends as the killed child's end of the pipe closes
+            if read_ended:
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(cancel_one())
+    assert read_ended == ["EOFError"]  # the child's end closed; not OSError: closed under it
+    assert multiprocessing.active_children() == []
