@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator
 from enum import Enum
@@ -153,13 +154,14 @@ def run(
         bool, typer.Option(help="Skip finished runs and continue unfinished ones.")
     ] = False,
     jobs: Annotated[
-        int,
+        int | None,
         typer.Option(
             min=1,
             help="Arm x seed runs in parallel worker processes (each gets cpu_count / jobs "
-            "threads; with --executor ray, the CPUs each task asks for).",
+            "threads; default 1). With --executor ray, the CPUs each task asks for are "
+            "cpu_count / jobs (default: one CPU per run, so runs go in parallel).",
         ),
-    ] = 1,
+    ] = None,
     executor: Annotated[
         Executors,
         typer.Option(help="Where runs train: local processes, or Ray tasks (the ray extra)."),
@@ -212,8 +214,9 @@ def run(
                 "and torch both accept)"
             )
         loaded.spec = loaded.spec.model_copy(update={"seeds": seed_list})
+    jobs = run_jobs(executor, jobs)
     chosen = (
-        RayExecutor(address=address, retries=retries)
+        RayExecutor(address=address, retries=retries, console=console)
         if executor is Executors.ray
         else LocalExecutor(jobs, console)
     )
@@ -551,6 +554,15 @@ def doctor() -> None:
     for e in broken:
         table.add_row(f"  {e.kind}.{e.name}", f"[red]{escape(str(e.error or 'duplicate'))}[/red]")
     console.print(table)
+
+
+def run_jobs(executor: Executors, jobs: int | None) -> int:
+    """``--jobs`` as the runner reads it: given, as given; else 1 locally (one run at a time)
+    and, on Ray, this machine's CPU count, so each task asks for one CPU and the cluster runs
+    as many at once as it has CPUs (an arm's placement still asks for its GPUs)."""
+    if jobs is not None:
+        return jobs
+    return (os.cpu_count() or 1) if executor is Executors.ray else 1
 
 
 def _parse_option(text: str | None, option: str) -> dict | None:

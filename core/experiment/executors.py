@@ -254,11 +254,12 @@ class RayExecutor:
     died (killed, out of memory, a lost node) is run again before its run is reported failed.
     """
 
-    def __init__(self, address: str | None = None, retries: int = 1) -> None:
+    def __init__(self, address: str | None = None, retries: int = 1, console: Any = None) -> None:
         if retries < 0:
             raise UserError(f"--retries must be at least 0, got {retries}")
         self.address = address
         self.retries = retries
+        self.console = console
 
     def run(
         self,
@@ -274,6 +275,8 @@ class RayExecutor:
         if ours:
             _init_ray(ray, self.address)
         task = ray.remote(_ray_task)
+        if self.console is not None:
+            self.console.print(ray_plan(jobs, ray.cluster_resources()), highlight=False)
         pending: dict[Any, RunJob] = {}
         try:
             for job in jobs:
@@ -308,6 +311,25 @@ class RayExecutor:
         finally:
             if ours:
                 ray.shutdown()
+
+
+def ray_plan(jobs: Sequence[RunJob], cluster: dict[str, float]) -> str:
+    """One line: how many runs, what each asks for, what the cluster has, how many fit at
+    once (by CPUs and GPUs)."""
+    if not jobs:
+        return "ray: no run to schedule"
+    cpus = max(job.resources.get("cpus", job.threads) for job in jobs)
+    gpus = max(job.resources.get("gpus", 0.0) for job in jobs)
+    have_cpus, have_gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
+    fits = [int(have_cpus // cpus)] if cpus else []
+    if gpus:
+        fits.append(int(have_gpus // gpus))
+    at_once = min([len(jobs), *fits])
+    return (
+        f"ray: {len(jobs)} runs, each asking {cpus:g} CPU(s) and {gpus:g} GPU(s); the cluster has "
+        f"{have_cpus:g} CPUs and {have_gpus:g} GPUs: up to {at_once} at a time"
+        + ("" if at_once else " (none fits: add nodes, or ask less per run with a larger --jobs)")
+    )
 
 
 def _init_ray(ray: Any, address: str | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -251,3 +252,28 @@ def test_parallel_workers_announce_evaluations_and_end_with_a_summary(
     summary = text[text.index("verdict vs baseline") :]
     assert "grpo" in summary and "baseline" in summary
     assert "worse" in summary  # lr0's verdict, as in the report
+
+
+def test_ray_runs_ask_one_cpu_each_unless_jobs_says_otherwise(monkeypatch, tmp_path) -> None:
+    """--executor ray without --jobs: one CPU per run, so a cluster runs them in parallel (each
+    asked for every CPU before and they went one at a time); locally one run at a time."""
+    from alignzoo.cli import Executors, run_jobs
+    from alignzoo.experiment.executors import RunJob, ray_plan
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert run_jobs(Executors.ray, None) == 8  # threads = cpu_count // jobs = 1 per run
+    assert run_jobs(Executors.local, None) == 1
+    assert run_jobs(Executors.ray, 2) == 2
+    spec = make_spec(arms={"a": 1e-3, "b": 1e-3}, seeds=(0, 1))
+    jobs = [
+        RunJob("x.yaml", spec, arm, seed, tmp_path, False, 1, {"cpus": 1.0, "gpus": 0.0})
+        for arm in ("a", "b")
+        for seed in (0, 1)
+    ]
+    assert ray_plan(jobs, {"CPU": 2.0}) == (
+        "ray: 4 runs, each asking 1 CPU(s) and 0 GPU(s); the cluster has 2 CPUs and 0 GPUs: "
+        "up to 2 at a time"
+    )
+    placed = [dataclasses.replace(j, resources={"cpus": 1.0, "gpus": 1.0}) for j in jobs]
+    assert ray_plan(placed, {"CPU": 16.0, "GPU": 3.0}).endswith("up to 3 at a time")
+    assert "none fits" in ray_plan(placed, {"CPU": 16.0})
