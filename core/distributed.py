@@ -156,6 +156,15 @@ def all_concat(items: Sequence[T]) -> list[T]:
     return [item for part in gathered for item in (part or [])]
 
 
+def all_gather_object(value: T) -> list[T]:
+    """Every rank's ``value``, in rank order (``[value]`` in one process)."""
+    if not active():
+        return [value]
+    gathered: list[T | None] = [None] * world_size()
+    _dist().all_gather_object(gathered, value)
+    return gathered  # type: ignore[return-value]
+
+
 def broadcast_object(value: T) -> T:
     """Rank 0's ``value`` on every rank (``value`` itself in one process): for decisions every
     rank must take alike, such as which runs to resume or whether a wall-clock budget is spent."""

@@ -368,8 +368,10 @@ def _run_data_parallel(
         shared_dir = out / arm / f"seed-{seed}"
         run_dir = shared_dir if main else scratch / arm / f"seed-{seed}"
         call = fn
-        if again and not main and fn is run_engine:  # rank 0's checkpoints, read by every rank
-            call = functools.partial(run_engine, resume_from=shared_dir)
+        if again and fn is run_engine:  # rank 0's checkpoints, read by every rank
+            agree_on_resume(loaded, arm, shared_dir)
+            if not main:
+                call = functools.partial(run_engine, resume_from=shared_dir)
         result = execute_run(call, loaded, arm, seed, run_dir, again, console if main else None)
         if result.status != "finished":
             raise RunError(
@@ -388,6 +390,46 @@ def _run_data_parallel(
         return ExperimentResult(out_dir=out, runs=results, failed=False)
     shutil.rmtree(out / ".ranks", ignore_errors=True)
     return _report(out, results, say, console)
+
+
+def agree_on_resume(loaded: LoadedExperiment, arm: str, run_dir: Path) -> None:
+    """Every rank proves it would resume from the checkpoint rank 0 resumes from (the same
+    name, the same files, sizes and hashes) before any rank loads it; otherwise every rank
+    raises the same :class:`UserError` (exit 2), naming the folder, the ranks and their hosts
+    that differ and what to do. Without it a node whose output folder is not shared resumes
+    from what its own disk holds (or from nothing) and the run silently diverges."""
+    import socket
+
+    from alignzoo.engine.checkpoint import checkpoint_manifest
+    from alignzoo.engine.loop import needs_critic, resume_point
+
+    try:
+        point = resume_point(run_dir, needs_critic(loaded, arm))
+        seen: Any = checkpoint_manifest(point.folder) if point.folder is not None else None
+    except UserError as exc:
+        seen = f"no usable checkpoint ({exc})"
+    views = distributed.all_gather_object((socket.gethostname(), seen))
+    host0, first = views[0]
+    differing = [(rank, host) for rank, (host, view) in enumerate(views) if view != first]
+    if not differing:
+        return
+
+    def said(view: Any) -> str:
+        if view is None:
+            return "no checkpoint"
+        if isinstance(view, str):
+            return view
+        return f"checkpoint {view['checkpoint']}"
+
+    ranks = ", ".join(
+        f"rank {rank} on {host} sees {said(views[rank][1])}" for rank, host in differing
+    )
+    raise UserError(
+        f"cannot resume {run_dir}: rank 0 on {host0} sees {said(first)}, but {ranks} "
+        "(or the same name with other files): every rank must read the same checkpoint. Put "
+        "the output folder (--out) on a filesystem every node shares, then run --resume again "
+        "on every node (nothing of this run was loaded or changed)"
+    )
 
 
 def _plan(

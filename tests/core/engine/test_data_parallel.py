@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +186,97 @@ def test_a_wall_clock_budget_stops_every_rank_after_the_same_step(
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert status["status"] == "finished" and status["step"] == len(rows) >= 1
     assert status["wall_clock_s"] >= 2.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+NODE_LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc-per-node", "1", "--master-addr", "127.0.0.1"]  # fmt: skip
+
+
+def _two_nodes(
+    cwds: tuple[Path, Path], args: list[str], env: dict[str, str]
+) -> list[subprocess.CompletedProcess[str]]:
+    """Two simulated nodes of one process each (torchrun --nnodes 2 on 127.0.0.1), node r in
+    ``cwds[r]``: a relative --out is then a folder of each node's own, as on machines that do
+    not share a filesystem."""
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [*NODE_LAUNCH, "--node-rank", str(rank), "--master-port", port, *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, cwd in enumerate(cwds)
+    ]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+def test_nodes_that_see_different_checkpoints_stop_before_resuming(
+    tmp_path: Path, engine_cache: Path
+) -> None:
+    """Two nodes whose output folders are not shared: the second has no checkpoint of the run
+    rank 0 resumes, so every rank stops with exit 2 in seconds, saying what to do, instead of
+    diverging. Given the same checkpoint (as a shared folder would), they resume to exactly
+    the uninterrupted run."""
+    import shutil
+    import time
+
+    from .conftest import back_to_checkpoint
+
+    spec = tiny_experiment(
+        budget={"steps": 3},
+        training={"prompts_per_step": 4, "samples_per_prompt": 2, "checkpoint_every": 2},
+        evaluation={"every": 3, "num_prompts": 4},
+        arms={"grpo": {"algorithm": "grpo", "labeler": ODD}},
+    )
+    nodes = (tmp_path / "node0", tmp_path / "node1")
+    for node in nodes:
+        node.mkdir()
+        (node / "exp.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    env = _env(engine_cache)
+    first = _two_nodes(nodes, ["-m", "alignzoo", "run", "exp.yaml", "--out", "runs"], env)
+    assert [r.returncode for r in first] == [0, 0], first[0].stderr[-3000:] + first[1].stderr
+    run_dir = nodes[0] / "runs" / "grpo" / "seed-0"
+    straight = read_jsonl(run_dir / "metrics.jsonl")
+    assert not (nodes[1] / "runs" / "grpo").exists(), "premise: node 1 holds no run folder"
+    back_to_checkpoint(run_dir, 2)  # as if killed after its step-2 checkpoint
+
+    began = time.monotonic()
+    stopped = _two_nodes(
+        nodes, ["-m", "alignzoo", "run", "exp.yaml", "--out", "runs", "--resume"], env
+    )
+    assert time.monotonic() - began < 120
+    assert all(r.returncode != 0 for r in stopped)
+    said = stopped[0].stderr + stopped[1].stderr
+    assert "rank 0 on " in said and "sees checkpoint step-000002, but rank 1 on " in said, said
+    assert "sees no checkpoint" in said and "on a filesystem every node shares" in said
+    # each worker exits 2 with the message alone (torchrun then reports the failed worker)
+    assert all(re.search(r"exitcode\s*:\s*2\b", r.stderr) for r in stopped), said
+    assert all(r.stderr.count("error: cannot resume") == 1 for r in stopped), said
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "running"
+
+    shutil.copytree(nodes[0] / "runs", nodes[1] / "runs", dirs_exist_ok=True)  # shared, now
+    resumed = _two_nodes(
+        nodes, ["-m", "alignzoo", "run", "exp.yaml", "--out", "runs", "--resume"], env
+    )
+    assert [r.returncode for r in resumed] == [0, 0], resumed[0].stderr[-3000:]
+    again = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in again] == [1, 2, 3]
+    for a, b in zip(straight, again, strict=True):
+        for key in COMPARED:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), key
