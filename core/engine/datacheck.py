@@ -14,6 +14,7 @@ the column (exit 2).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -95,9 +96,32 @@ def check_data(loaded: LoadedExperiment) -> None:
                         f"cannot read the tokenizer of {policy}: {exc}",
                     )
                 )  # fmt: skip
+        issues += _model_issues(loaded, arm)
     unique = list({str(i): i for i in issues}.values())
     if unique:
         raise ConfigError(unique)
+
+
+def _model_issues(loaded: LoadedExperiment, arm: str) -> list[ConfigIssue]:
+    """What the arm's backend says it cannot run of the arm's policy (its ``check_model``,
+    given the policy's Hugging Face config: the embedded world's shape, or config.json)."""
+    backend = loaded.components.get(arm, {}).get("backend")
+    check = getattr(backend, "check_model", None)
+    if not callable(check):
+        return []
+    model = loaded.spec.arms[arm].model
+    if model.policy == "embedded":
+        shape = model.embedded
+        config = {"hidden_size": shape.hidden_size, "num_attention_heads": shape.num_heads}
+    else:
+        try:
+            config = json.loads((Path(model.policy) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return []  # the model check reports an unreadable policy folder
+    problem = check(config)
+    if not problem:
+        return []
+    return [ConfigIssue(loaded.source, None, f"arms.{arm}.backend", f"arm {arm}: {problem}")]
 
 
 DRY_RESPONSE = "a response"

@@ -10,6 +10,7 @@ checkpoint on disk is left as it was. Only ``KeyboardInterrupt`` propagates (sta
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -218,6 +219,15 @@ def _lines_after(path: Path, step: int) -> bool:
     return False
 
 
+def literal_log(console: Console | None) -> Callable[..., None]:
+    """The run's log lines on ``console`` (nothing without one), printed as written: they carry
+    outside text (exception messages, file names, labeler specs) that must never be read as
+    rich markup (a ``[/path]`` in it would raise MarkupError and hide the message)."""
+    if console is None:
+        return lambda *_: None
+    return functools.partial(console.log, markup=False)
+
+
 def needs_critic(loaded: LoadedExperiment, arm: str) -> bool:
     """Whether the arm's algorithm trains a critic (so its checkpoints hold one)."""
     algorithm = loaded.components.get(arm, {}).get("algorithm")
@@ -295,7 +305,7 @@ class _Loop:
     def __init__(self, run: Run, state: TrainingState, sinks: Sinks) -> None:
         self.run, self.state, self.sinks = run, state, sinks
         console = run.context.console
-        self.log: Callable[[str], None] = console.log if console is not None else (lambda _: None)
+        self.log: Callable[[str], None] = literal_log(console)
         self.base_time = state.time_s
         self.clock_start = time.monotonic()
         self.last_eval = _last_step(run.context.out_dir / EVAL_FILE)
@@ -456,7 +466,7 @@ def run_one(
     source = Path(resume_from) if resume_from is not None else out_dir
     point = resume_point(source, needs_critic(loaded, arm)) if resume else ResumePoint(None)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = console.log if console is not None else (lambda *_: None)
+    log = literal_log(console)
     if point.folder is None:  # before on_run_start, so what plugins write there stays
         kept = archive_attempt(out_dir)
         if kept is not None:

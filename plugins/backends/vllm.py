@@ -100,6 +100,34 @@ class VLLMBackend(Backend):
         self.saved_cache_root: str | None = None
         self.set_cache_root = False
 
+    def check_model(self, config: dict[str, Any]) -> str:
+        """What the installed vLLM cannot run of a policy with this Hugging Face ``config``
+        (``alignzoo validate`` asks, before any model loads): '' when nothing. On CPU, vLLM's
+        attention supports a fixed list of head sizes (the embedded world's default, 64 wide
+        with 4 heads, has 16); on GPUs its attention backends cover the usual sizes."""
+        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        head = config.get("head_dim") or (hidden // heads if hidden and heads else None)
+        if not head or _cuda_available():
+            return ""
+        try:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        except ImportError:  # no vLLM here: the run itself says so
+            return ""
+        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+        if head in sizes:
+            return ""
+        fits = [n for n in range(1, (hidden or 0) + 1) if hidden % n == 0 and hidden // n in sizes]
+        hint = (
+            f"; with hidden_size {hidden}, num_heads {max(fits)} gives head size "
+            f"{hidden // max(fits)} (model.embedded.num_heads for the embedded policy)"
+            if fits
+            else ""
+        )
+        return (
+            f"the policy's attention head size is {head}, which vLLM's CPU attention cannot run "
+            f"(it supports {', '.join(map(str, sizes))}){hint}"
+        )
+
     # ------------------------------------------------------------------ lifecycle
     @hookimpl
     def on_run_start(self, run: Any) -> None:
@@ -306,6 +334,12 @@ class VLLMBackend(Backend):
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return int(pad) if pad is not None else self.eos[0]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _sampled(completion: Any) -> tuple[list[int], list[float]]:

@@ -106,3 +106,19 @@ def test_an_error_in_square_brackets_reaches_the_console_and_status_as_written(
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert expected in status["error"]
     assert expected in console.export_text()
+
+
+def test_the_runs_log_lines_print_outside_text_as_written() -> None:
+    """Log lines carry outside text (a checkpoint's reason, a labeler's spec, a file name):
+    brackets in it are text, not rich markup (a closing tag raised MarkupError)."""
+    from rich.console import Console
+
+    from alignzoo.engine.loop import literal_log
+
+    console = Console(record=True, width=400)
+    log = literal_log(console)
+    log("checkpoint /runs/[x]/step-2 is unusable ([/tmp/x] [bold] not closed)")
+    assert "checkpoint /runs/[x]/step-2 is unusable ([/tmp/x] [bold] not closed)" in (
+        console.export_text()
+    )
+    literal_log(None)("nowhere to go")  # without a console: nothing, no error

@@ -208,3 +208,44 @@ def test_a_bpe_chat_models_episodes_do_not_drift_with_vllm(tmp_path):
         assert drifted >= 1, "premise broken: every sampled episode re-tokenises to its own ids"
     finally:
         engine.on_run_end(run, "finished")
+
+
+def test_the_quickstarts_grpo_arm_trains_with_vllm_once_its_heads_fit(tmp_path, monkeypatch):
+    """The embedded world's default shape (64 wide, 4 heads: head size 16) is refused by
+    validate with the reason and the fix, before any model loads; with 2 heads (head size 32)
+    the quickstart's GRPO arm trains with the vllm backend."""
+    from pathlib import Path
+
+    import yaml
+
+    from alignzoo.config.loader import load_experiment
+    from alignzoo.engine.datacheck import check_data
+    from alignzoo.engine.loop import run_one
+    from alignzoo.errors import ConfigError
+    from tests.core.engine.conftest import read_jsonl
+
+    quickstart = Path(__file__).resolve().parents[3] / "experiments" / "quickstart.yaml"
+    spec = yaml.safe_load(quickstart.read_text(encoding="utf-8"))
+    spec["arms"] = {
+        "grpo": {
+            **spec["arms"]["grpo"],
+            "backend": {"name": "vllm", "params": {"max_model_len": 64}},
+        }
+    }
+    spec["seeds"], spec["budget"] = [0], {"steps": 2}
+    spec["model"]["embedded"]["sft_steps"] = 40
+    spec["evaluation"] = {**spec.get("evaluation", {}), "every": 2, "num_prompts": 4}
+    monkeypatch.setenv("ALIGNZOO_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "quickstart_vllm.yaml"
+    path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"head size is 16.*num_heads 2 gives head size 32"):
+        check_data(load_experiment(path))
+
+    spec["model"]["embedded"]["num_heads"] = 2
+    path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    loaded = load_experiment(path)
+    check_data(loaded)
+    summary = run_one(loaded, "grpo", 0, tmp_path / "run")
+    assert summary.status == "finished", summary.error
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 2 and all(row["rollout/logprob_diff"] < 1e-3 for row in rows)
