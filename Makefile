@@ -18,13 +18,14 @@ VERIFIERS_VENV ?= .venv-verifiers
 .PHONY: setup vllm-env verifiers-env browser demo rlhf test test-fast test-vllm test-verifiers lint bench clean
 
 # alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor tests;
-# reasoning-gym: its data source and labeler; textarena, openenv: their environments): the tests install their plugin package (tests/plugin_pkg)
+# reasoning-gym: its data source and labeler; textarena, openenv: their environments; s3, s3-server:
+# the checkpoint mirror and the S3 server its tests run against): the tests install their plugin package (tests/plugin_pkg)
 # into .test-plugins/ themselves, so `alignzoo plugins` never lists test doubles.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev,tensorboard,bench,ray,reasoning-gym,textarena,openenv]'
+	$(PY) -m pip install -q -e '.[dev,tensorboard,bench,ray,reasoning-gym,textarena,openenv,s3,s3-server]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -353,6 +353,12 @@ class TrainingConfig(_Strict):
     checkpoint_every: PositiveInt = Field(
         10, description="Steps between checkpoints (and the last step always)."
     )
+    checkpoint_mirror: str | None = Field(
+        None,
+        description="An fsspec URL (s3://bucket/prefix, ...) each complete checkpoint is copied "
+        "to (its manifest last), and restored from on --resume when the run folder has none; "
+        "credentials from the environment only.",
+    )
     sampling: SamplingParams = Field(
         default_factory=SamplingParams, description="How responses are sampled during training."
     )

@@ -279,16 +279,21 @@ def find_resume_point(ckpt_dir: Path, critic: bool) -> ResumePoint:
 def checkpoint_manifest(folder: Path) -> dict[str, Any]:
     """What a checkpoint folder holds, to tell two views of it apart: its name and, per file
     (relative path), its size and SHA-256."""
-    import hashlib
-
     files: dict[str, list[Any]] = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        files[str(path.relative_to(folder))] = [path.stat().st_size, digest.hexdigest()]
+        files[str(path.relative_to(folder))] = [path.stat().st_size, file_sha256(path)]
     return {"checkpoint": folder.name, "files": files}
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:

@@ -97,6 +97,15 @@ def check_data(loaded: LoadedExperiment) -> None:
                     )
                 )  # fmt: skip
         issues += _model_issues(loaded, arm)
+        mirror = spec.arms[arm].training.checkpoint_mirror
+        if mirror:
+            from alignzoo.engine.mirror import open_mirror
+
+            field = f"arms.{arm}.training.checkpoint_mirror"
+            try:
+                open_mirror(mirror, field)
+            except UserError as exc:
+                issues.append(ConfigIssue(loaded.source, None, field, str(exc)))
     unique = list({str(i): i for i in issues}.values())
     if unique:
         raise ConfigError(unique)

@@ -40,6 +40,8 @@ from alignzoo.engine.checkpoint import (
     truncate_jsonl,
 )
 from alignzoo.engine.evaluate import evaluate
+from alignzoo.engine.mirror import mirror_for, restore_from_mirror
+from alignzoo.engine.mirror import upload as mirror_upload
 from alignzoo.engine.sinks import EVAL_FILE, Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
 from alignzoo.errors import UserError
@@ -321,6 +323,14 @@ class _Loop:
         )
         self.evaluated = _evaluated(run.context.out_dir / EVAL_FILE, self.metric)
         self.stopped_early: str | None = None
+        context = run.context
+        self.mirror = (  # rank 0 writes checkpoints, so it mirrors them
+            mirror_for(run.arm.training.checkpoint_mirror, context.experiment, context.arm,
+                       context.seed)
+            if distributed.is_main()
+            else None
+        )  # fmt: skip
+        self.mirror_failures = 0
         self.rounds = None  # iterated RLHF (labeling.iterate)
         if run.arm.labeling.iterate is not None:
             from alignzoo.human.iterate import Rounds
@@ -388,7 +398,7 @@ class _Loop:
             return
         self.state.sampler = run.sampler.state_dict()
         self.state.run_state = dict(run.context.state)
-        save_checkpoint(
+        saved = save_checkpoint(
             run.context.out_dir / CHECKPOINTS,
             self.state,
             run.models.actor,
@@ -399,8 +409,21 @@ class _Loop:
             gathered,
             keep_step=self.best_checkpoint_step(),
         )
+        if self.mirror is not None:
+            self.copy_to_mirror(saved)
         self.last_ckpt = self.state.step
         write_status(run.context.out_dir, "running", self.state, None, run.models.device("actor"))
+
+    def copy_to_mirror(self, saved: Path) -> None:
+        """The checkpoint just saved, copied to the mirror (its manifest last); a failure is
+        logged and counted (``checkpoint/mirror_failures``), training goes on."""
+        assert self.mirror is not None
+        kept = {p.name for p in complete_checkpoints(saved.parent).values()}
+        try:
+            mirror_upload(self.mirror, saved, kept)
+        except Exception as exc:  # the store unreachable, a quota: the local copy stands
+            self.mirror_failures += 1
+            self.log(f"checkpoint {saved.name} was not mirrored to {self.mirror.url}: {exc}")
 
     def spent(self) -> bool:
         """Whether the budget is used up; for a wall-clock budget rank 0's clock decides for
@@ -427,6 +450,8 @@ class _Loop:
             self.tick()
             row = {"step": step, "time_s": self.state.time_s, "samples": self.state.samples}
             row.update(result.metrics)
+            if self.mirror is not None:  # copies that failed so far (the local ones stand)
+                row["checkpoint/mirror_failures"] = float(self.mirror_failures)
             run.hooks.on_step_end(run.context, step, row)
             self.sinks.step(row, step)
             self.sinks.samples(result.sample_rows)
@@ -464,9 +489,11 @@ def run_one(
     out_dir = Path(out_dir)
     # Checked before anything is written, and reused by start_or_resume.
     source = Path(resume_from) if resume_from is not None else out_dir
+    log = literal_log(console)
+    if resume:  # a run folder without a checkpoint gets the mirror's newest, if it has one
+        restore_from_mirror(loaded, arm, seed, source / CHECKPOINTS, log)
     point = resume_point(source, needs_critic(loaded, arm)) if resume else ResumePoint(None)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = literal_log(console)
     if point.folder is None:  # before on_run_start, so what plugins write there stays
         kept = archive_attempt(out_dir)
         if kept is not None:

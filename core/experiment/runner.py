@@ -369,7 +369,7 @@ def _run_data_parallel(
         run_dir = shared_dir if main else scratch / arm / f"seed-{seed}"
         call = fn
         if again and fn is run_engine:  # rank 0's checkpoints, read by every rank
-            agree_on_resume(loaded, arm, shared_dir)
+            agree_on_resume(loaded, arm, seed, shared_dir)
             if not main:
                 call = functools.partial(run_engine, resume_from=shared_dir)
         result = execute_run(call, loaded, arm, seed, run_dir, again, console if main else None)
@@ -392,7 +392,7 @@ def _run_data_parallel(
     return _report(out, results, say, console)
 
 
-def agree_on_resume(loaded: LoadedExperiment, arm: str, run_dir: Path) -> None:
+def agree_on_resume(loaded: LoadedExperiment, arm: str, seed: int, run_dir: Path) -> None:
     """Every rank proves it would resume from the checkpoint rank 0 resumes from (the same
     name, the same files, sizes and hashes) before any rank loads it; otherwise every rank
     raises the same :class:`UserError` (exit 2), naming the folder, the ranks and their hosts
@@ -401,9 +401,11 @@ def agree_on_resume(loaded: LoadedExperiment, arm: str, run_dir: Path) -> None:
     import socket
 
     from alignzoo.engine.checkpoint import checkpoint_manifest
-    from alignzoo.engine.loop import needs_critic, resume_point
+    from alignzoo.engine.loop import CHECKPOINTS, needs_critic, resume_point
+    from alignzoo.engine.mirror import restore_from_mirror
 
-    try:
+    try:  # a folder without a checkpoint gets the mirror's newest first, on every rank
+        restore_from_mirror(loaded, arm, seed, run_dir / CHECKPOINTS, lambda *_: None)
         point = resume_point(run_dir, needs_critic(loaded, arm))
         seen: Any = checkpoint_manifest(point.folder) if point.folder is not None else None
     except UserError as exc:
@@ -427,7 +429,8 @@ def agree_on_resume(loaded: LoadedExperiment, arm: str, run_dir: Path) -> None:
     raise UserError(
         f"cannot resume {run_dir}: rank 0 on {host0} sees {said(first)}, but {ranks} "
         "(or the same name with other files): every rank must read the same checkpoint. Put "
-        "the output folder (--out) on a filesystem every node shares, then run --resume again "
+        "the output folder (--out) on a filesystem every node shares, or mirror checkpoints "
+        "to object storage (training.checkpoint_mirror), then run --resume again "
         "on every node (nothing of this run was loaded or changed)"
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,39 @@ def mark_running(out: Path) -> None:
     """status.json says running (as after a SIGKILL), the rest as it was."""
     status = json.loads((out / "status.json").read_text())
     (out / "status.json").write_text(json.dumps({**status, "status": "running"}))
+
+
+S3_BUCKET = "alignzoo-test"
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 with one bucket; the environment points s3fs at it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    pytest.importorskip("s3fs", reason="s3fs (the s3 extra) is not installed")
+    from alignzoo.engine.mirror import open_mirror
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    fs, _ = open_mirror(f"s3://{S3_BUCKET}")
+    fs.mkdir(S3_BUCKET)
+    try:
+        yield f"s3://{S3_BUCKET}"
+    finally:
+        server.stop()
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

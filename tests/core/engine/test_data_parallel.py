@@ -280,3 +280,53 @@ def test_nodes_that_see_different_checkpoints_stop_before_resuming(
         for key in COMPARED:
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), key
+
+
+def test_nodes_without_a_shared_folder_resume_exactly_through_the_mirror(
+    tmp_path: Path, engine_cache: Path, s3: str
+) -> None:
+    """The same two nodes, each with a folder of its own, with checkpoints mirrored to S3 (a
+    real S3-compatible server on 127.0.0.1): on --resume the node without the checkpoint
+    restores it from the mirror, both prove they see the same files, and the run ends as the
+    uninterrupted one."""
+    from alignzoo.engine.mirror import mirror_for
+
+    from .conftest import back_to_checkpoint
+
+    spec = tiny_experiment(
+        name="nodes_mirror",
+        budget={"steps": 3},
+        training={
+            "prompts_per_step": 4,
+            "samples_per_prompt": 2,
+            "checkpoint_every": 2,
+            "checkpoint_mirror": f"{s3}/nodes",
+        },
+        evaluation={"every": 3, "num_prompts": 4},
+        arms={"grpo": {"algorithm": "grpo", "labeler": ODD}},
+    )
+    nodes = (tmp_path / "node0", tmp_path / "node1")
+    for node in nodes:
+        node.mkdir()
+        (node / "exp.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    env = _env(engine_cache)
+    args = ["-m", "alignzoo", "run", "exp.yaml", "--out", "runs"]
+    first = _two_nodes(nodes, args, env)
+    assert [r.returncode for r in first] == [0, 0], first[0].stderr[-3000:] + first[1].stderr
+    run_dir = nodes[0] / "runs" / "grpo" / "seed-0"
+    straight = read_jsonl(run_dir / "metrics.jsonl")
+    mirror = mirror_for(f"{s3}/nodes", "nodes_mirror", "grpo", 0)
+    assert mirror is not None and 2 in mirror.complete()
+    back_to_checkpoint(run_dir, 2)  # killed after step 2; step 3's copy never made it
+    mirror.fs.rm(f"{mirror.root}/step-000003", recursive=True)
+
+    resumed = _two_nodes(nodes, [*args, "--resume"], env)
+    assert [r.returncode for r in resumed] == [0, 0], resumed[0].stderr[-3000:]
+    restored = nodes[1] / "runs" / "grpo" / "seed-0" / "checkpoints" / "step-000002"
+    assert (restored / "actor.safetensors").is_file(), "premise: node 1 restored from the mirror"
+    again = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in again] == [1, 2, 3]
+    for a, b in zip(straight, again, strict=True):
+        for key in COMPARED:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), key
