@@ -70,6 +70,30 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+COLLECTIVE_TIMEOUT_ENV = "ALIGNZOO_COLLECTIVE_TIMEOUT_S"
+"""How long a rank waits in a collective (a step's reductions, rank 0's evaluation and
+checkpoint, the resume check) for the others before the run fails; default 1800 s, torch's."""
+
+
+def collective_timeout() -> Any:
+    """The process group's timeout: ``ALIGNZOO_COLLECTIVE_TIMEOUT_S`` seconds (default 1800).
+    A rank that stops answering (hung in user code, a lost node torchrun did not notice) then
+    fails every rank after that long instead of holding the group forever; keep it above the
+    longest evaluation, during which the other ranks wait."""
+    from datetime import timedelta
+
+    from alignzoo.errors import UserError
+
+    raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "1800")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UserError(f"{COLLECTIVE_TIMEOUT_ENV}={raw!r}: expected a number of seconds above 0")
+    return timedelta(seconds=seconds)
+
+
 def init_from_env() -> bool:
     """Join the process group torchrun describes (gloo on CPU, NCCL when this rank has a GPU);
     returns True when this is one of several processes."""
@@ -83,7 +107,7 @@ def init_from_env() -> bool:
         gpu = torch.cuda.is_available() and torch.cuda.device_count() > local
         if gpu:
             torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl" if gpu else "gloo")
+        dist.init_process_group(backend="nccl" if gpu else "gloo", timeout=collective_timeout())
     return active()
 
 

@@ -330,3 +330,46 @@ def test_nodes_without_a_shared_folder_resume_exactly_through_the_mirror(
         for key in COMPARED:
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), key
+
+
+HANG_FN = """
+import os, re, time
+
+CALLS = [0]
+
+def reward(prompts, completions, **columns):
+    if os.environ.get("RANK") == "1":
+        CALLS[0] += 1
+        if CALLS[0] == 2:
+            time.sleep(600)  # rank 1 hangs in user code; rank 0 waits in the next collective
+    return [1.0 if re.search("[13579]", c) else 0.0 for c in completions]
+"""
+
+
+def test_a_rank_that_hangs_fails_the_group_after_the_collective_timeout(
+    tmp_path: Path, engine_cache: Path
+) -> None:
+    """With ALIGNZOO_COLLECTIVE_TIMEOUT_S, a rank stuck in user code (a reward function that
+    never returns) does not hold the group forever: rank 0's next collective times out and
+    torchrun stops both, long before the hung call would end."""
+    import time
+
+    spec = tiny_experiment(
+        budget={"steps": 3},
+        training={"prompts_per_step": 4, "samples_per_prompt": 2},
+        evaluation={"every": 3, "num_prompts": 4},
+        arms={"grpo": {"algorithm": "grpo", "labeler": {"name": "python",
+                                                       "params": {"function": "hang.py:reward"}}}},
+    )  # fmt: skip
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    (tmp_path / "hang.py").write_text(HANG_FN, encoding="utf-8")
+    env = {**_env(engine_cache), "ALIGNZOO_COLLECTIVE_TIMEOUT_S": "15"}
+    began = time.monotonic()
+    done = subprocess.run(
+        [*LAUNCH, "-m", "alignzoo", "run", "exp.yaml", "--out", "hang"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert time.monotonic() - began < 240, "the group waited for the hung call"
+    said = done.stdout + done.stderr
+    assert "failed on rank 0 of 2" in said and "imed out" in said, said[-3000:]

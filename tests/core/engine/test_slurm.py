@@ -107,12 +107,25 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
             pytest.skip(f"the one-node Slurm did not start here ({said}; {logs})")
         yield env
     finally:
+        subprocess.run(["scancel", "--full", "--user", user], env=env, capture_output=True)
         subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True)
-        for name in ("slurmctld.pid", "slurmd.pid"):
-            pid_file = root / name
-            if pid_file.exists():
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int(pid_file.read_text().strip()), 9)
+        time.sleep(1)
+        for pid in _started_with(conf):  # what did not shut down: by its config file
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+
+
+def _started_with(conf: Path) -> list[int]:
+    """The processes whose command line or environment names ``conf``: this test's daemons
+    and the step daemons (slurmstepd) of its jobs."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                seen = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
+                if str(conf).encode() in seen:
+                    found.append(int(entry.name))
+    return found
 
 
 def _submit(script: str, env: dict[str, str], folder: Path, **exports: str) -> str:

@@ -10,7 +10,10 @@ failure rather than skipping it:
   step into micro-batches changes the quantiles matched (``micro_batch_invariance``); after the
   sort a loss term belongs to no one pair, so they do not declare ``weights`` (the contract's
   ``weights_honoured`` then passes as "not declared", and ``alignzoo validate`` refuses a
-  weight-setting modifier around them).
+  weight-setting modifier around them). Their loss does not depend on the order of the groups,
+  but where two log-ratios tie the sort may hand the tied quantiles' gradients to either pair,
+  so ``group_permutation`` (which compares gradients) is not asked of them: it fails only on
+  ties, which a thorough hypothesis run draws.
 - ``discopop`` at TRL's τ = 0.05 rises from h = 0 (slope (1 - log 2)/(4τ) - 3/4 > 0 for
   τ < 0.102), so from the contract's on-policy batch a gradient step lowers the margin:
   ``direction`` fails, and a flipped copy passes it. With τ = 0.2 both behave as expected.
@@ -61,12 +64,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sft_reference_free": {"loss_type": "sft", "reference_free": True},
 }
 KNOWN_FAILURES: dict[str, set[str]] = {
-    "aot": {"micro_batch_invariance"},
-    "aot_smoothed": {"micro_batch_invariance"},
-    "aot_unpaired": {"micro_batch_invariance"},
+    "aot": {"micro_batch_invariance", "group_permutation"},
+    "aot_smoothed": {"micro_batch_invariance", "group_permutation"},
+    "aot_unpaired": {"micro_batch_invariance", "group_permutation"},
     "discopop": {"direction"},
 }
-"""The checks each variant fails by construction (see the module docstring)."""
+"""The checks each variant fails by construction, or on ties (see the module docstring)."""
 
 
 def result_of(algorithm: Any, check: str, **kwargs: Any) -> Any:
