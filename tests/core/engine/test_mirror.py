@@ -7,6 +7,7 @@ while a copy cut short (no manifest) is passed over; a damaged copy is refused."
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -114,3 +115,49 @@ def test_a_run_that_lost_its_checkpoints_resumes_exactly_from_the_mirror(
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), (a["step"], key)
     assert mirror.complete() == {2: "step-000002", 4: "step-000004"}  # step 4 copied again
+
+
+UPLOAD = """
+import sys
+from pathlib import Path
+from alignzoo.engine.mirror import mirror_for, upload
+
+mirror = mirror_for(sys.argv[1], "exp", "arm", 0)
+upload(mirror, Path(sys.argv[2]), keep={"step-000002", "step-000004"})
+"""
+
+
+def test_a_copy_killed_mid_upload_leaves_the_previous_checkpoint_the_resume_point(
+    s3: str, tmp_path: Path
+) -> None:
+    """A process SIGKILLed while it copies a checkpoint (some files up, the manifest not):
+    the mirror's complete checkpoints are still the earlier ones, and a restore takes those."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    url = f"{s3}/killed"
+    mirror = mirror_for(url, "exp", "arm", 0)
+    assert mirror is not None
+    local = tmp_path / "checkpoints"
+    upload(mirror, fake_checkpoint(local, 2), keep={"step-000002"})
+    big = fake_checkpoint(local, 4)
+    for i in range(40):  # many files, so the kill lands between two of them
+        (big / "sub" / f"shard-{i:02d}.bin").write_bytes(os.urandom(1 << 20))
+    child = subprocess.Popen([sys.executable, "-c", UPLOAD, url, str(big)])
+    target = f"{mirror.root}/step-000004"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        mirror.fs.invalidate_cache()
+        if mirror.fs.exists(target) and len(mirror.fs.find(target)) >= 3:
+            break
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    mirror.fs.invalidate_cache()
+    copied = len(mirror.fs.find(target))
+    assert 3 <= copied < 42, f"premise: the kill came mid-upload ({copied} files up)"
+    assert mirror.complete() == {2: "step-000002"}
+    restored = restore(mirror, tmp_path / "fresh" / "checkpoints", lambda *_: None)
+    assert restored is not None and restored.name == "step-000002"
