@@ -2,8 +2,8 @@
 
 Both frameworks train the same model folder on the same data files with the same settings
 (fp32, no reference for GRPO/RLOO (beta 0), one update per generation, AdamW, lr 1e-5, grad-norm
-clip 1.0, 8 prompts x 8 samples of at most 6 new tokens at temperature 1; DPO and KTO offline,
-32 pairs / 32 rows a step, beta 0.1, a reference forward every step). Every run is a fresh
+clip 1.0, 8 prompts x 8 samples of at most 6 new tokens (``--max-new-tokens``) at temperature 1;
+DPO and KTO offline, 32 pairs / 32 rows a step, beta 0.1, a reference forward every step). Every run is a fresh
 process, and the frameworks alternate (alignzoo, TRL, alignzoo, TRL, ...) so that drift of the
 machine hits both. Reported per work item: median seconds per step (intervals between step ends
 from step 3 on), samples per second, peak RSS, and TRL / alignzoo; on the ~25M model also the
@@ -13,6 +13,7 @@ same run) that the step's useful arithmetic reaches.
     .venv/bin/python benchmarks/vs_trl.py [--steps 25] [--repeats 2]
         [--models embedded,25m] [--algorithms grpo,rloo,dpo,kto] [--json results.json]
         [--dtype float32|bfloat16] [--gradient-checkpointing] [--frameworks alignzoo,trl]
+        [--max-new-tokens 6]
 
 ``--dtype bfloat16`` runs both under bf16 autocast (alignzoo's ``model.dtype``, TRL's ``bf16``):
 fast only on a CPU with AVX512-BF16 or AMX. Gradient checkpointing is set equal in both: off
@@ -40,7 +41,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 ONLINE = ("grpo", "rloo")
-PROMPTS, SAMPLES, NEW_TOKENS, PAIRS = 8, 8, 6, 32
+NEW_TOKENS_ENV = "VS_TRL_MAX_NEW_TOKENS"  # --max-new-tokens, passed on to the worker processes
+PROMPTS, SAMPLES, PAIRS = 8, 8, 32
+NEW_TOKENS = int(os.environ.get(NEW_TOKENS_ENV, "6"))
 LR = 1e-5
 MODEL_25M = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "intermediate_size": 1408}
 
@@ -341,7 +344,15 @@ def main() -> None:
         help="recompute activations in the backward pass, in both frameworks (default: off in both)",
     )
     parser.add_argument("--frameworks", default="alignzoo,trl")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=6,
+        help="new tokens per sample in GRPO and RLOO (default 6: update-bound; 128 or 512: "
+        "decode-bound, where generation dominates); the 25m model is random, so none stops early",
+    )
     args = parser.parse_args()
+    os.environ[NEW_TOKENS_ENV] = str(args.max_new_tokens)  # the workers read it
     models, algorithms = args.models.split(","), args.algorithms.split(",")
     import torch
 
@@ -403,6 +414,7 @@ def main() -> None:
                             "gradient_checkpointing": args.gradient_checkpointing,
                             "steps": args.steps,
                             "repeats": args.repeats,
+                            "max_new_tokens": args.max_new_tokens,
                         },
                         "limit_gflops": [limit, limit_after],
                         "rows": results,
