@@ -341,6 +341,7 @@ def _init_ray(ray: Any, address: str | None) -> None:
         paths = [p for p in sys.path if p]  # this checkout, plugin folders added at run time
         env = {"PYTHONPATH": os.pathsep.join(paths)}
         ray.init(
+            address="local",  # a new instance, even where another Ray runs on this machine
             include_dashboard=False,
             log_to_driver=False,
             runtime_env={"env_vars": env},

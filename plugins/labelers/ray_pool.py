@@ -93,8 +93,8 @@ class RayPoolLabeler(Labeler):
         ray = _ray()
         if not ray.is_initialized():
             paths = os.pathsep.join(p for p in sys.path if p)
-            ray.init(
-                address=self.params.address,
+            ray.init(  # without an address a new local instance, not whichever Ray runs here
+                address=self.params.address or "local",
                 include_dashboard=False,
                 log_to_driver=False,
                 runtime_env=None if self.params.address else {"env_vars": {"PYTHONPATH": paths}},

@@ -127,7 +127,7 @@ def test_the_ray_pool_scores_like_the_labeler_it_replicates() -> None:
     ]
     expected = ArithmeticLabeler().score_batch(requests)
     assert {s.value for s in expected} == {0.0, 1.0}, "premise: right and wrong answers"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in __import__("sys").path if p)}})  # fmt: skip
     try:
         pool = RayPoolLabeler({"labeler": {"name": "arithmetic"}, "replicas": 2, "num_cpus": 0.5})
