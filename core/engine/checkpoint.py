@@ -281,12 +281,14 @@ def checkpoint_manifest(folder: Path) -> dict[str, Any]:
     (relative path), its size and SHA-256."""
     files: dict[str, list[Any]] = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        files[str(path.relative_to(folder))] = [path.stat().st_size, file_sha256(path)]
+        files[str(path.relative_to(folder))] = [path.stat().st_size, full_sha256(path)]
     return {"checkpoint": folder.name, "files": files}
 
 
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+def full_sha256(path: Path) -> str:
+    """The SHA-256 of every byte of a file (read in 1 MiB blocks). Not
+    :func:`alignzoo.provenance.file_sha256`, which hashes only the edges of a big file: two
+    checkpoints' weights may differ anywhere."""
     import hashlib
 
     digest = hashlib.sha256()

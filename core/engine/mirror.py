@@ -29,7 +29,7 @@ from alignzoo.engine.checkpoint import (
     LATEST,
     checkpoint_manifest,
     complete_checkpoints,
-    file_sha256,
+    full_sha256,
 )
 from alignzoo.errors import UserError
 
@@ -123,7 +123,7 @@ def restore(mirror: Mirror, ckpt_dir: Path, log: Callable[..., None]) -> Path | 
             local = partial / relative
             local.parent.mkdir(parents=True, exist_ok=True)
             mirror.fs.get_file(f"{source}/{relative}", str(local))
-            if local.stat().st_size != size or file_sha256(local) != sha256:
+            if local.stat().st_size != size or full_sha256(local) != sha256:
                 raise UserError(
                     f"checkpoint mirror: {source}/{relative} does not match its manifest (size "
                     f"or SHA-256); the mirrored checkpoint is damaged, nothing was restored"

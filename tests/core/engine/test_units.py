@@ -281,19 +281,24 @@ def test_evaluation_is_greedy_and_pass_at_k_samples(monkeypatch) -> None:
     assert out["eval/pass@2"] == 0.5  # without a verdict a prompt passes on a score above 0
 
 
+def one_token_answers(prompts: list[str]) -> RolloutBatch:
+    """A batch answering each of ``prompts`` with the one-token response "a", a group each."""
+    b = len(prompts)
+    return RolloutBatch(
+        prompt_ids=torch.ones(b, 1, dtype=torch.long),
+        prompt_mask=torch.ones(b, 1, dtype=torch.long),
+        response_ids=torch.ones(b, 1, dtype=torch.long),
+        response_mask=torch.ones(b, 1),
+        group_ids=torch.arange(b),
+        prompts=prompts,
+        responses=["a"] * b,
+        extras=[{} for _ in range(b)],
+    )
+
+
 def test_evaluation_reports_raw_scores_of_a_normalising_labeler() -> None:
     def generate(prompts, extras, n, sampling, seeds=None):
-        b = len(prompts) * n
-        return RolloutBatch(
-            prompt_ids=torch.ones(b, 1, dtype=torch.long),
-            prompt_mask=torch.ones(b, 1, dtype=torch.long),
-            response_ids=torch.ones(b, 1, dtype=torch.long),
-            response_mask=torch.ones(b, 1),
-            group_ids=torch.arange(b),
-            prompts=list(prompts),
-            responses=["a"] * b,
-            extras=[{} for _ in range(b)],
-        )
+        return one_token_answers(list(prompts) * n)
 
     def score_batch(requests):  # standardised per call: mean 0 whatever the raw values
         raw = [1.0 + i for i in range(len(requests))]
@@ -321,18 +326,7 @@ def test_episode_metrics_of_an_evaluation_are_means_over_the_chunks_that_report_
     )
 
     def rollout(prompts, extras, n, sampling):
-        b = len(prompts)
-        batch = RolloutBatch(
-            prompt_ids=torch.ones(b, 1, dtype=torch.long),
-            prompt_mask=torch.ones(b, 1, dtype=torch.long),
-            response_ids=torch.ones(b, 1, dtype=torch.long),
-            response_mask=torch.ones(b, 1),
-            group_ids=torch.arange(b),
-            prompts=list(prompts),
-            responses=["a"] * b,
-            extras=[{} for _ in range(b)],
-        )
-        return batch, next(reported)
+        return one_token_answers(list(prompts)), next(reported)
 
     pm = SimpleNamespace(
         hook=SimpleNamespace(score_batch=lambda requests: [Score(1.0)] * len(requests))
