@@ -13,7 +13,7 @@ same run) that the step's useful arithmetic reaches.
     .venv/bin/python benchmarks/vs_trl.py [--steps 25] [--repeats 2]
         [--models embedded,25m] [--algorithms grpo,rloo,dpo,kto] [--json results.json]
         [--dtype float32|bfloat16] [--gradient-checkpointing] [--frameworks alignzoo,trl]
-        [--max-new-tokens 6]
+        [--max-new-tokens 6] [--phases]
 
 ``--dtype bfloat16`` runs both under bf16 autocast (alignzoo's ``model.dtype``, TRL's ``bf16``):
 fast only on a CPU with AVX512-BF16 or AMX. Gradient checkpointing is set equal in both: off
@@ -27,6 +27,8 @@ Needs the bench extra (TRL 1.16.0). Takes about 20 minutes on 2 CPU cores with t
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import itertools
 import json
 import os
@@ -35,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +68,8 @@ def prepare_models(root: Path, names: list[str]) -> dict[str, Path]:
     if "25m" in names:
         tokenizer = build_tokenizer()
         model = build_model(EmbeddedModelConfig(**MODEL_25M, seed=0), tokenizer)
+        # Room for 512 new tokens after a prompt (RoPE's default frequencies do not depend on it).
+        model.config.max_position_embeddings = 1024
         folders["25m"] = save_policy(model, tokenizer, root / "model-25m")
     return folders
 
@@ -116,6 +121,117 @@ def parameter_count(folder: Path) -> int:
     from transformers import AutoModelForCausalLM
 
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+
+
+# --------------------------------------------------------------------------- phases (child)
+
+PHASES_ENV = "VS_TRL_PHASES"  # --phases, passed on to the worker processes
+
+
+def current_rss_mb() -> float:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PhaseMeter:
+    """Where a step's time and memory go: each call of a wrapped function (a phase) recorded
+    with its start, its duration and the highest resident memory seen while it ran (a thread
+    reads /proc/self/statm every 5 ms). A call inside another call of the same phase counts
+    once (the outer one)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self._open: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            rss = current_rss_mb()
+            with self._lock:
+                for call in self._open.values():
+                    call["peak_rss_mb"] = max(call["peak_rss_mb"], rss)
+            time.sleep(0.005)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Any:
+        with self._lock:
+            outer = name in self._open
+            if not outer:
+                rss = current_rss_mb()
+                self._open[name] = {
+                    "phase": name,
+                    "start": time.perf_counter(),
+                    "start_rss_mb": rss,
+                    "peak_rss_mb": rss,
+                }
+        try:
+            yield
+        finally:
+            if not outer:
+                with self._lock:
+                    call = self._open.pop(name)
+                    call["seconds"] = time.perf_counter() - call["start"]
+                    call["peak_rss_mb"] = max(call["peak_rss_mb"], current_rss_mb())
+                    self.calls.append(call)
+
+    def wrap(self, owner: Any, attribute: str, name: str) -> None:
+        """Record every call of ``owner.attribute`` as phase ``name``."""
+        original = getattr(owner, attribute)
+
+        @functools.wraps(original)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            with self.phase(name):
+                return original(*args, **kwargs)
+
+        setattr(owner, attribute, recorded)
+
+    def install(self, framework: str) -> None:
+        """The phases of an online step: generation, the log-prob forward with gradients, the
+        backward pass and the optimizer step, at the same points of both frameworks."""
+        import torch
+        import torch.optim.optimizer as optimizer
+
+        self.wrap(torch.Tensor, "backward", "backward")
+        opened: list[Any] = []
+
+        def before(*_: Any) -> None:
+            opened.append(self.phase("optimizer step"))
+            opened[-1].__enter__()
+
+        optimizer.register_optimizer_step_pre_hook(before)
+        optimizer.register_optimizer_step_post_hook(
+            lambda *_: opened.pop().__exit__(None, None, None)
+        )
+        if framework == "alignzoo":
+            from alignzoo.engine import loop, update
+            from alignzoo.plugins.backends.hf import HFBackend
+
+            self.wrap(loop, "train_step", "step")  # the step's window (not evaluation's)
+            self.wrap(HFBackend, "generate", "generation")
+            self.wrap(update, "policy_forward", "log-prob forward")
+        else:
+            import trl
+
+            self.wrap(trl.GRPOTrainer, "_generate", "generation")
+            self.wrap(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", "log-prob forward")
+
+    def summary(self, windows: list[tuple[float, float]]) -> dict[str, dict[str, float]]:
+        """Per phase: the median seconds it took per step, and the highest memory seen in it,
+        over the timed steps (``windows``: each step's start and end, from step 3 on as the
+        step times; alignzoo's are its ``train_step`` calls, TRL's between its step ends)."""
+        steps = windows[2:]
+        out: dict[str, dict[str, float]] = {}
+        for name in dict.fromkeys(c["phase"] for c in self.calls if c["phase"] != "step"):
+            per_step, peaks = [], []
+            for begin, end in steps:
+                inside = [c for c in self.calls if c["phase"] == name and begin <= c["start"] < end]
+                per_step.append(sum(c["seconds"] for c in inside))
+                peaks += [c["peak_rss_mb"] for c in inside]
+            if peaks:
+                out[name] = {"seconds": statistics.median(per_step), "peak_rss_mb": max(peaks)}
+        return out
 
 
 # --------------------------------------------------------------------------- workers (child)
@@ -183,6 +299,9 @@ def run_alignzoo(
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").open()]
     lengths = [r.get("response_length/mean", 0.0) for r in rows]
     return [r["time_s"] for r in rows], statistics.mean(lengths)
+
+
+TRL_TRAIN_START = [0.0]  # perf_counter() when trainer.train() began (its step ends count from it)
 
 
 def run_trl(
@@ -262,7 +381,7 @@ def run_trl(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer
         )
     trainer.add_callback(StepEnds())
-    start = time.perf_counter()
+    start = TRL_TRAIN_START[0] = time.perf_counter()
     trainer.train()
     return [t - start for t in ends], float("nan")
 
@@ -282,13 +401,25 @@ def worker(argv: list[str]) -> None:
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = run_alignzoo if framework == "alignzoo" else run_trl
+    meter = None
+    if os.environ.get(PHASES_ENV) == "1" and algorithm in ONLINE:
+        meter = PhaseMeter()
+        meter.install(framework)
     ends, response_length = runner(
         algorithm, Path(model), data, int(steps), out_dir, dtype, checkpointing == "on"
     )
     peak = peak_rss_mb()
-    (out_dir / "result.json").write_text(
-        json.dumps({"ends": ends, "peak_rss_mb": peak, "response_length": response_length})
-    )
+    result: dict[str, Any] = {"ends": ends, "peak_rss_mb": peak, "response_length": response_length}
+    if meter is not None:
+        if framework == "alignzoo":
+            windows = [
+                (c["start"], c["start"] + c["seconds"]) for c in meter.calls if c["phase"] == "step"
+            ]
+        else:  # between TRL's step ends (measured from the start of train())
+            begin = TRL_TRAIN_START[0]
+            windows = list(itertools.pairwise([begin, *(begin + t for t in ends)]))
+        result["phases"] = meter.summary(windows)
+    (out_dir / "result.json").write_text(json.dumps(result))
 
 
 # --------------------------------------------------------------------------- driver
@@ -351,8 +482,16 @@ def main() -> None:
         help="new tokens per sample in GRPO and RLOO (default 6: update-bound; 128 or 512: "
         "decode-bound, where generation dominates); the 25m model is random, so none stops early",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also measure where a GRPO/RLOO step's time and memory go in both frameworks "
+        "(generation, the log-prob forward, backward, optimizer step: median seconds per step "
+        "and the highest memory seen in each)",
+    )
     args = parser.parse_args()
     os.environ[NEW_TOKENS_ENV] = str(args.max_new_tokens)  # the workers read it
+    os.environ[PHASES_ENV] = "1" if args.phases else "0"
     models, algorithms = args.models.split(","), args.algorithms.split(",")
     import torch
 
@@ -415,6 +554,7 @@ def main() -> None:
                             "steps": args.steps,
                             "repeats": args.repeats,
                             "max_new_tokens": args.max_new_tokens,
+                            "phases": args.phases,
                         },
                         "limit_gflops": [limit, limit_after],
                         "rows": results,
@@ -458,6 +598,19 @@ def summarise(name, params, algorithm, runs, limit, folder, data) -> dict[str, A
             "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
             "each_run_s": [r["seconds"] for r in results],
         }
+        if all("phases" in r for r in results):  # per phase: the medians over the runs
+            names = dict.fromkeys(n for r in results for n in r["phases"])
+            row[framework]["phases"] = {
+                n: {
+                    "seconds": statistics.median(
+                        r["phases"][n]["seconds"] for r in results if n in r["phases"]
+                    ),
+                    "peak_rss_mb": max(
+                        r["phases"][n]["peak_rss_mb"] for r in results if n in r["phases"]
+                    ),
+                }
+                for n in names
+            }
     if "trl" in runs and "alignzoo" in runs:
         row["trl_over_alignzoo"] = row["trl"]["s_per_step"] / row["alignzoo"]["s_per_step"]
     if name != "embedded" and "alignzoo" in runs:
@@ -484,6 +637,13 @@ def print_row(row: dict[str, Any]) -> None:
     if "limit_gflops" in row and "useful_gflop" in row:
         cells.append(f"limit {row['limit_gflops']:.0f} GFLOP/s")
     print("  ".join(cells), flush=True)
+    for framework in ("alignzoo", "trl"):
+        for name, phase in row.get(framework, {}).get("phases", {}).items():
+            print(
+                f"    {framework:8s} {name:17s} {phase['seconds']:7.2f} s/step, "
+                f"peak {phase['peak_rss_mb']:5.0f} MB",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

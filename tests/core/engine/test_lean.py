@@ -88,6 +88,61 @@ def test_logits_and_gradients_equal_transformers(arch, kv_heads):
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def _saved_for_backward(forward) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """The activations autograd keeps for the backward pass of ``forward()``: storage ->
+    (bytes, shape), parameters left out."""
+    saved: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if not isinstance(t, torch.nn.Parameter):
+            saved.setdefault(storage.data_ptr(), (storage.nbytes(), tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return saved
+
+
+def test_the_mlp_keeps_two_intermediate_activations_per_layer_not_four():
+    """silu(gate) and the product are recomputed in the backward pass (_SwiGLUDown): half of
+    the MLP's saved activations, fewer bytes kept than transformers' forward keeps."""
+    model = _model("qwen2").train()
+    ids, mask, positions = _inputs()
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def intermediate(saved) -> int:
+        return sum(
+            1 for ptr, (_, shape) in saved.items() if ptr not in parameters and shape[-1] == 48
+        )
+
+    def total(saved) -> int:
+        return sum(size for ptr, (size, _) in saved.items() if ptr not in parameters)
+
+    ours = _saved_for_backward(lambda: lean_logits(model, ids, mask, positions))
+    theirs = _saved_for_backward(
+        lambda: model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    )
+    layers = model.config.num_hidden_layers
+    assert intermediate(theirs) == 4 * layers  # gate, silu(gate), up, the product
+    assert intermediate(ours) == 2 * layers  # gate and up
+    assert total(ours) < total(theirs)
+
+
+def test_an_mlp_with_a_bias_or_an_adapter_runs_its_own_forward():
+    """The recomputing MLP takes a bare bias-free down_proj only: Llama's mlp_bias (and a LoRA
+    layer, another module type) go through the module, still with transformers' gradients
+    (test_logits_and_gradients_equal_transformers, llama)."""
+    from alignzoo.engine import lean
+
+    biased = _model("llama").train()
+    assert not lean._plain_linear(biased.model.layers[0].mlp.down_proj)
+    plain = _model("qwen2").train()
+    assert lean._plain_linear(plain.model.layers[0].mlp.down_proj)
+    plain.model.layers[0].mlp.down_proj.register_forward_hook(lambda *_: None)
+    assert not lean._plain_linear(plain.model.layers[0].mlp.down_proj)
+
+
 def test_logits_to_keep_runs_the_head_over_the_last_positions_only():
     model = _model("qwen2").eval()
     ids, mask, positions = _inputs()
