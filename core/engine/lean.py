@@ -100,10 +100,48 @@ def _shape(base: Any) -> _Shape:
     return _Shape(heads, kv_heads, head_dim, float(config.rms_norm_eps))
 
 
+class _RMSNorm(torch.autograd.Function):
+    """``w * x * r`` with ``r = 1 / sqrt(mean(x^2) + eps)``, keeping only ``x`` and ``r`` for
+    the backward pass.
+
+    On the CPU ``F.rms_norm`` is composed of elementwise ops whose autograd keeps the
+    normalised ``x * r`` beside ``x`` (a second ``[tokens, hidden]`` tensor for each of a
+    layer's two norms); here it is recomputed in the backward pass:
+
+        dL/dw = sum_tokens g * x r
+        dL/dx = r (g w - x r * mean(g w * x r))          (mean over the hidden dimension)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, rstd, weight = ctx.saved_tensors
+        normed = x * rstd
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
+        if ctx.needs_input_grad[0]:
+            grad_normed = grad * weight
+            mean = (grad_normed * normed).mean(-1, keepdim=True)
+            grad_x = (grad_normed - normed * mean) * rstd
+        return grad_x, grad_weight, None
+
+
 def _rms_norm(x: torch.Tensor, norm: Any, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: in float32, ``weight * (x / sqrt(mean(x^2) + eps))``."""
     weight = norm.weight
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if (
+            x.device.type == "cpu"
+            and torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad)
+        ):
+            return _RMSNorm.apply(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel, the same numbers
     dtype = x.dtype
     x32 = x.to(torch.float32)

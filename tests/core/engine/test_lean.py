@@ -129,6 +129,44 @@ def test_the_mlp_keeps_two_intermediate_activations_per_layer_not_four():
     assert total(ours) < total(theirs)
 
 
+def test_each_norm_keeps_its_input_only_for_the_backward_pass():
+    """_RMSNorm recomputes x / rms(x) in the backward pass: per layer the two norms' inputs and
+    the two normalised outputs the projections read are the hidden-sized tensors kept; the
+    composite RMSNorm (transformers', and F.rms_norm on the CPU) keeps more."""
+    model = _model("qwen2").train()
+    ids, mask, positions = _inputs()
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    hidden = model.config.hidden_size
+
+    def hidden_sized(saved) -> int:
+        return sum(
+            1
+            for ptr, (size, shape) in saved.items()
+            if ptr not in parameters and shape[-1] == hidden and size == ids.numel() * hidden * 4
+        )
+
+    ours = _saved_for_backward(lambda: lean_logits(model, ids, mask, positions))
+    theirs = _saved_for_backward(
+        lambda: model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    )
+    layers = model.config.num_hidden_layers
+    # Each layer: its input, the attention norm's output, the residual after attention and
+    # the MLP norm's output; then the final norm's input and output.
+    assert hidden_sized(ours) == 4 * layers + 2
+    assert hidden_sized(theirs) > hidden_sized(ours)
+
+
+def test_the_rms_norm_function_has_the_analytic_gradient():
+    from alignzoo.engine.lean import _RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 4, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(16, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w: _RMSNorm.apply(a, w, 1e-6), (x, weight))
+    expected = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(_RMSNorm.apply(x, weight, 1e-6), expected)
+
+
 def test_an_mlp_with_a_bias_or_an_adapter_runs_its_own_forward():
     """The recomputing MLP takes a bare bias-free down_proj only: Llama's mlp_bias (and a LoRA
     layer, another module type) go through the module, still with transformers' gradients
