@@ -327,6 +327,13 @@ class TrainingConfig(_Strict):
         "from the update's own forward pass instead of a separate no-grad pass: the same "
         "numbers, one forward pass fewer. false always runs the separate pass.",
     )
+    reuse_cpu_memory: bool = Field(
+        True,
+        description="On a CPU actor under Linux/glibc, keep the memory that tensors free for the "
+        "next step instead of handing it back to the kernel (alignzoo.engine.malloc): a step's "
+        "large activations are then not page-faulted in again every step. Process-wide; "
+        "false leaves malloc as it is.",
+    )
     rollout_correction: RolloutCorrection = Field(
         default_factory=RolloutCorrection,
         description="Truncated importance sampling between the rollout backend's sampling "

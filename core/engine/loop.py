@@ -40,6 +40,7 @@ from alignzoo.engine.checkpoint import (
     truncate_jsonl,
 )
 from alignzoo.engine.evaluate import evaluate
+from alignzoo.engine.malloc import keep_freed_memory
 from alignzoo.engine.mirror import mirror_for, restore_from_mirror
 from alignzoo.engine.mirror import upload as mirror_upload
 from alignzoo.engine.sinks import EVAL_FILE, Sinks
@@ -511,6 +512,8 @@ def run_one(
     try:
         run = assemble(loaded, arm, seed, out_dir, console=console, log=log)
         device = run.models.device("actor")
+        if device == "cpu" and run.arm.training.reuse_cpu_memory:
+            keep_freed_memory()  # before the first step: its activations are then reused
         session.update(provenance.policy_fields(run.models.policy_path))
         session.update(provenance.component_fields(run.components))
         provenance.record(out_dir, session, resume)
