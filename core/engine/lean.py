@@ -249,11 +249,61 @@ def _plain_linear(module: Any) -> bool:
     )
 
 
-def _mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+Linear = Any  # a callable ``(module, x) -> module(x)``: how lean_logits runs a projection
+
+
+def _call(module: Any, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+class PackedLinears:
+    """MKL-packed copies of a model's plain fp32 projection weights, for the decode loop.
+
+    A decode step multiplies a few dozen rows by every weight; MKL's packed GEMM
+    (``torch.ops.mkl._mkl_linear``, the one torch's inductor uses for CPU linears) skips
+    repacking each weight on every call, 15-25% faster at 64 rows on AVX512 (the same numbers
+    to the last bit or two of fp32). The copies are taken once per generation and are stale
+    after the weights change: a decoder packs the weights it samples with and drops them at
+    its end. Called as ``packed(module, x)``; a module not packed (a LoRA layer, one with
+    hooks, a non-fp32 or non-CPU weight, or torch built without MKL) runs its own forward.
+    """
+
+    def __init__(self, model: Any, rows: int) -> None:
+        self.rows = rows
+        self.packed: dict[int, torch.Tensor] = {}
+        if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+            return
+        with torch.no_grad():
+            for module in _unwrapped(model).model.layers.modules():
+                weight = getattr(module, "weight", None)
+                if (
+                    type(module) is torch.nn.Linear
+                    and not (module._forward_hooks or module._forward_pre_hooks)
+                    and weight is not None
+                    and weight.dtype == torch.float32
+                    and weight.device.type == "cpu"
+                ):
+                    self.packed[id(module)] = torch.ops.mkl._mkl_reorder_linear_weight(
+                        weight.detach(), rows
+                    )
+
+    def __call__(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed.get(id(module))
+        if packed is None or torch.is_grad_enabled() or x.dtype != torch.float32:
+            return module(x)
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkl._mkl_linear(flat, packed, module.weight, module.bias, self.rows)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _mlp(mlp: Any, x: torch.Tensor, linear: Linear = _call) -> torch.Tensor:
     """The SwiGLU MLP ``W_down (silu(W_gate x) * W_up x)``: through :class:`_SwiGLUDown` when
-    it trains a plain fp32 ``down_proj`` (fewer saved activations), the module's own forward
-    otherwise (no gradients, autocast, an adapter or hooks on the MLP)."""
+    it trains a plain fp32 ``down_proj`` (fewer saved activations), through ``linear``'s
+    projections when packed for decoding, the module's own forward otherwise (no gradients,
+    autocast, an adapter or hooks on the MLP)."""
     down = mlp.down_proj
+    if linear is not _call and not (mlp._forward_hooks or mlp._forward_pre_hooks):
+        return linear(down, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
     if (
         not torch.is_grad_enabled()
         or torch.is_autocast_enabled(x.device.type)
@@ -275,6 +325,7 @@ def lean_logits(
     position_ids: torch.Tensor,
     logits_to_keep: int = 0,
     cache: KVCache | None = None,
+    linear: Linear = _call,
 ) -> torch.Tensor:
     """Logits ``[B, T or logits_to_keep, V]`` of ``input_ids [B, T]`` (attention mask and
     position ids as transformers takes them), the same as ``model(...).logits``.
@@ -282,6 +333,8 @@ def lean_logits(
     With ``cache``, the ``T`` new tokens are written at its columns ``length .. length + T - 1``
     and attend to everything before them; ``attention_mask`` then covers only the new tokens.
     ``logits_to_keep`` > 0 runs the LM head over the last that many positions only.
+    ``linear(module, x)`` runs the layers' projections (default: the module itself; the
+    decode loop passes :class:`PackedLinears`).
     """
     base = _unwrapped(model)
     shape = _shape(base)
@@ -318,9 +371,21 @@ def lean_logits(
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
         normed = _rms_norm(hidden, layer.input_layernorm, shape.eps)
-        q = attn.q_proj(normed).view(rows, width, shape.heads, shape.head_dim).transpose(1, 2)
-        k = attn.k_proj(normed).view(rows, width, shape.kv_heads, shape.head_dim).transpose(1, 2)
-        v = attn.v_proj(normed).view(rows, width, shape.kv_heads, shape.head_dim).transpose(1, 2)
+        q = (
+            linear(attn.q_proj, normed)
+            .view(rows, width, shape.heads, shape.head_dim)
+            .transpose(1, 2)
+        )
+        k = (
+            linear(attn.k_proj, normed)
+            .view(rows, width, shape.kv_heads, shape.head_dim)
+            .transpose(1, 2)
+        )
+        v = (
+            linear(attn.v_proj, normed)
+            .view(rows, width, shape.kv_heads, shape.head_dim)
+            .transpose(1, 2)
+        )
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.write(index, start, k, v)
@@ -337,9 +402,9 @@ def lean_logits(
             enable_gqa=gqa,
         )
         out = out.transpose(1, 2).reshape(rows, width, shape.heads * shape.head_dim)
-        hidden = hidden + attn.o_proj(out)
+        hidden = hidden + linear(attn.o_proj, out)
         hidden = hidden + _mlp(
-            layer.mlp, _rms_norm(hidden, layer.post_attention_layernorm, shape.eps)
+            layer.mlp, _rms_norm(hidden, layer.post_attention_layernorm, shape.eps), linear
         )
 
     if cache is not None:

@@ -74,6 +74,13 @@ class HFBackend(Backend):
             "prompt for its n samples); 'generate': transformers' model.generate (always used "
             "when use_cache is false).",
         )
+        pack_weights: bool = Field(
+            True,
+            description="'loop' decoder on a CPU with MKL: decode steps multiply by MKL-packed "
+            "copies of the fp32 projection weights (taken once per generate call, about "
+            "8 MB more than the weight per matrix while generating; 10-15% faster decoding "
+            "at 64 rows on AVX512). false multiplies by the weights themselves.",
+        )
 
     def __init__(self, params: BaseModel | dict[str, Any] | None = None) -> None:
         super().__init__(params)
@@ -240,6 +247,8 @@ class HFBackend(Backend):
         mask = prompt_mask.to(device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         decoder = _decoder(model, len(prompt_tokens), mask.shape[1] + sampling.max_new_tokens)
+        if isinstance(decoder, _LeanDecoder):
+            decoder.pack = getattr(self.params, "pack_weights", True)
         # One prefill per prompt: its n samples share the cache.
         logits = decoder.prefill(prompt_ids.to(device), mask, positions)
         if n > 1:
@@ -362,6 +371,8 @@ class _LeanDecoder:
 
         self.model = model
         self.cache = KVCache.empty(model, rows, capacity, _model_device(model))
+        self.pack = True  # decode steps through MKL-packed weights (HFBackend's pack_weights)
+        self.linear: Any = None  # the weights packed for the decode steps' row count
 
     def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
@@ -374,14 +385,21 @@ class _LeanDecoder:
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The next logits ``[rows, V]`` after one more token ``[rows, 1]`` at ``position``."""
-        return self._logits(token, torch.ones_like(token), position)
+        if self.pack and self.linear is None:  # the steps' rows never change: pack once
+            from alignzoo.engine.lean import PackedLinears
+
+            self.linear = PackedLinears(self.model, token.shape[0])
+        return self._logits(token, torch.ones_like(token), position, self.linear)
 
     def _logits(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, linear: Any = None
     ) -> torch.Tensor:
         from alignzoo.engine.lean import lean_logits
 
-        logits = lean_logits(self.model, ids, mask, positions, logits_to_keep=1, cache=self.cache)
+        extra = {} if linear is None else {"linear": linear}
+        logits = lean_logits(
+            self.model, ids, mask, positions, logits_to_keep=1, cache=self.cache, **extra
+        )
         return logits[:, -1].float()
 
 

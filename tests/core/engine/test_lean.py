@@ -15,7 +15,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from alignzoo.engine.lean import KVCache, lean_logits, lean_reason
+from alignzoo.engine.lean import KVCache, PackedLinears, lean_logits, lean_reason
 
 VOCAB = 97
 
@@ -196,13 +196,21 @@ def test_logits_to_keep_runs_the_head_over_the_last_positions_only():
     torch.testing.assert_close(last[real], theirs[real], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_cached_decoding_gives_the_logits_of_the_whole_sequence(arch):
+def test_cached_decoding_gives_the_logits_of_the_whole_sequence(arch, packed):
     """Prefill a left-padded prompt batch, repeat each row's cache for 3 samples, then feed one
-    token at a time: every step's logits equal a single forward over prompt + tokens so far."""
+    token at a time (through MKL-packed weights when ``packed``, as the decode loop does):
+    every step's logits equal a single forward over prompt + tokens so far."""
     model = _model(arch, kv_heads=2).eval()
     ids, mask, positions = _inputs(rows=4, width=7)
     n, steps = 3, 4
+    extra = {}
+    if packed:
+        packer = PackedLinears(model, 4 * n)
+        # Every projection of every layer, where torch has MKL (the llama's with biases).
+        assert len(packer.packed) == (7 * 2 if torch.backends.mkl.is_available() else 0)
+        extra["linear"] = packer
     new = torch.randint(2, VOCAB, (4 * n, steps), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         cache = KVCache.empty(model, 4, ids.shape[1] + steps, torch.device("cpu"))
@@ -217,7 +225,9 @@ def test_cached_decoding_gives_the_logits_of_the_whole_sequence(arch):
             position = position + 1
             token = new[:, t : t + 1]
             stepped.append(
-                lean_logits(model, token, torch.ones_like(token), position, cache=cache)[:, 0]
+                lean_logits(model, token, torch.ones_like(token), position, cache=cache, **extra)[
+                    :, 0
+                ]
             )
             all_ids = torch.cat([all_ids, token], dim=1)
             all_mask = torch.cat([all_mask, torch.ones_like(token)], dim=1)
@@ -244,6 +254,10 @@ def test_a_lora_model_runs_its_adapters_and_its_disable_switch():
     real = mask.bool()
     with torch.no_grad():
         adapted = lean_logits(model, ids, mask, positions)
+        # Packed weights are the base layers' only: the adapted projections run their own
+        # forward, so decoding with them still applies the adapters.
+        packed = lean_logits(model, ids, mask, positions, linear=PackedLinears(model, 5))
+        torch.testing.assert_close(packed, adapted, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(
             adapted[real],
             model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[real],

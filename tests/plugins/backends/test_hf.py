@@ -473,3 +473,32 @@ def test_the_lean_decoder_samples_what_the_models_own_forward_samples(
     assert ours.response_mask.equal(theirs.response_mask)
     assert ours.response_mask.sum() > len(PROMPTS) * 3  # more than one token each on average
     torch.testing.assert_close(ours.rollout_logprobs, theirs.rollout_logprobs, atol=1e-5, rtol=0)
+
+
+def test_decoding_through_packed_weights_samples_what_the_weights_themselves_sample(
+    policy_dirs, monkeypatch
+):
+    """pack_weights (the default) multiplies by MKL-packed copies of the weights: the same
+    seeded tokens as pack_weights false, log-probs within 1e-5; the copies are taken."""
+    from alignzoo.engine import lean
+
+    made: list[int] = []
+    real = lean.PackedLinears
+
+    def counted(model, rows):
+        packed = real(model, rows)
+        made.append(len(packed.packed))
+        return packed
+
+    monkeypatch.setattr(lean, "PackedLinears", counted)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=7)
+    seeds = [21, 22, 23, 24]
+    packed_backend, _, _ = make_backend(policy_dirs["plain"])
+    packed = packed_backend.generate(PROMPTS, [], 3, sampling, seeds=seeds)
+    assert made and (made[0] > 0 or not torch.backends.mkl.is_available())
+    plain_backend, _, _ = make_backend(policy_dirs["plain"], pack_weights=False)
+    plain = plain_backend.generate(PROMPTS, [], 3, sampling, seeds=seeds)
+    assert len(made) == 1  # pack_weights false packs nothing
+    assert packed.response_ids.equal(plain.response_ids)
+    assert packed.response_mask.sum() > len(PROMPTS) * 3
+    torch.testing.assert_close(packed.rollout_logprobs, plain.rollout_logprobs, atol=1e-5, rtol=0)
