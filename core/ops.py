@@ -7,7 +7,7 @@ aggregation mode means the same thing in PPO, GRPO, RLOO and the rest.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -203,6 +203,100 @@ def logprobs_and_entropy(
         return chosen, _entropy_of_logp(logp)
     with torch.no_grad():
         return chosen, _entropy_of_logp(logp.detach())
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """Log-probs (and entropy) of ``tokens`` under ``softmax(hidden W^T)``, ``rows`` rows at a
+    time, never holding the ``[N, V]`` logits of all rows at once; see :func:`head_logprobs`.
+
+    Forward, per chunk of rows (z = the chunk's logits):
+
+        z = h W^T                       log Z = logsumexp(z)
+        log p(y) = z_y - log Z          H = log Z - sum_v p_v z_v
+
+    Saved for the backward pass: h, W, the tokens, log Z (and H): no ``[N, V]`` tensor. The
+    backward pass recomputes each chunk's z (one more head matmul) and applies
+
+        d log p(y) / dz = onehot(y) - p          dH / dz = -p (log p + H)
+        dL/dh = (dL/dz) W                        dL/dW = sum_chunks (dL/dz)^T h
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        tokens: torch.Tensor,
+        rows: int,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        count = hidden.shape[0]
+        chosen = hidden.new_empty(count)
+        log_z = hidden.new_empty(count)
+        entropy = hidden.new_empty(count) if with_entropy else None
+        for start in range(0, count, rows):
+            end = min(count, start + rows)
+            logits = hidden[start:end] @ weight.t()
+            log_z[start:end] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, tokens[start:end, None]).squeeze(1)
+            chosen[start:end] = picked - log_z[start:end]
+            if entropy is not None:
+                mean_logit = (torch.softmax(logits, dim=-1) * logits).sum(-1)
+                entropy[start:end] = log_z[start:end] - mean_logit
+        ctx.rows = rows
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, tokens, log_z, entropy)
+        return chosen, entropy
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_chosen: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, tokens, log_z, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.rows):
+            end = min(hidden.shape[0], start + ctx.rows)
+            h = hidden[start:end]
+            logp = h @ weight.t() - log_z[start:end, None]
+            p = logp.exp()
+            grad_logits = torch.zeros_like(p)
+            if grad_chosen is not None:
+                g = grad_chosen[start:end, None]
+                grad_logits -= p * g
+                grad_logits.scatter_add_(1, tokens[start:end, None], g)
+            if grad_entropy is not None and entropy is not None:
+                g = grad_entropy[start:end, None]
+                grad_logits -= p * (logp + entropy[start:end, None]) * g
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), h)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    rows: int,
+    entropy: Literal["none", "grad", "detached"] = "none",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[...]`` of ``tokens [...]`` under the LM head ``softmax(hidden W^T)``
+    (``hidden [..., H]``, ``weight [V, H]``, fp32), and their entropy when asked (with or
+    without gradients): the numbers of :func:`logprobs_and_entropy` over
+    ``hidden @ weight.T``, computed ``rows`` positions at a time so that no more than
+    ``rows x V`` logits exist at once, in the forward pass or the backward pass (which
+    recomputes a chunk's logits instead of keeping them)."""
+    shape = tokens.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    chosen, ent = _HeadLogprobs.apply(
+        flat_hidden, weight, tokens.reshape(-1), max(1, rows), entropy != "none"
+    )
+    if ent is not None:
+        ent = (ent.detach() if entropy == "detached" else ent).view(shape)
+    return chosen.view(shape), ent
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

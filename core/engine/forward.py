@@ -15,10 +15,16 @@ from typing import Any
 import torch
 
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.lean import can_run_lean, lean_logits
-from alignzoo.ops import logprobs_and_entropy, logprobs_from_logits
+from alignzoo.engine.lean import can_run_lean, lean_hidden, lean_logits
+from alignzoo.ops import head_logprobs, logprobs_and_entropy, logprobs_from_logits
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+# The most logits (floats) the policy's log-prob pass holds at once: beyond it, a Qwen2 / Llama
+# head runs in chunks of positions (alignzoo.ops.head_logprobs). 2^25 floats = 128 MB in fp32,
+# where 64 x 512 positions of a 151,936-token vocabulary are 20 GB (and its log-softmax 20 GB
+# more, kept for the backward pass).
+LOGITS_AT_ONCE = 1 << 25
 
 
 def no_autocast() -> contextlib.AbstractContextManager[Any]:
@@ -110,11 +116,52 @@ def policy_forward(
     ``entropy`` returns the entropy with gradients; ``detached_entropy`` (when ``entropy`` is
     False) returns it without, from the same log-softmax, for metrics only.
     """
+    chunked = _chunked_head_logprobs(model, batch, autocast, entropy, detached_entropy)
+    if chunked is not None:
+        return chunked
     logits = response_logits(model, batch, autocast)
     tokens = batch.response_ids.to(logits.device)
     if entropy or detached_entropy:
         return logprobs_and_entropy(logits, tokens, entropy_grad=entropy)
     return logprobs_from_logits(logits, tokens), None
+
+
+def _chunked_head_logprobs(
+    model: Any,
+    batch: RolloutBatch,
+    autocast: AutocastFactory,
+    entropy: bool,
+    detached_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """:func:`policy_forward`'s numbers with the LM head in chunks of positions, for a model
+    of the lean path whose response logits would exceed :data:`LOGITS_AT_ONCE` floats and
+    whose head is a plain fp32 ``nn.Linear`` outside autocast; None otherwise (the caller
+    then computes the logits whole)."""
+    if not can_run_lean(model):
+        return None
+    head = _base_model(model).lm_head
+    vocab = head.weight.shape[0]
+    resp_len = batch.response_ids.shape[1]
+    if (
+        type(head) is not torch.nn.Linear
+        or head.bias is not None
+        or head._forward_hooks
+        or head._forward_pre_hooks
+        or head.weight.dtype != torch.float32
+        or batch.response_ids.shape[0] * resp_len * vocab <= LOGITS_AT_ONCE
+    ):
+        return None
+    device = _device_of(model)
+    with autocast():
+        if torch.is_autocast_enabled(device.type):
+            return None
+        hidden = lean_hidden(model, **model_inputs(batch, device), logits_to_keep=resp_len + 1)
+    mode = "grad" if entropy else "detached" if detached_entropy else "none"
+    tokens = batch.response_ids.to(device)
+    logprobs, ent = head_logprobs(
+        hidden[:, :resp_len], head.weight, tokens, LOGITS_AT_ONCE // vocab, mode
+    )
+    return logprobs, ent
 
 
 def critic_forward(

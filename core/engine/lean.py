@@ -336,6 +336,23 @@ def lean_logits(
     ``linear(module, x)`` runs the layers' projections (default: the module itself; the
     decode loop passes :class:`PackedLinears`).
     """
+    hidden = lean_hidden(
+        model, input_ids, attention_mask, position_ids, logits_to_keep, cache, linear
+    )
+    return _unwrapped(model).lm_head(hidden)
+
+
+def lean_hidden(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    logits_to_keep: int = 0,
+    cache: KVCache | None = None,
+    linear: Linear = _call,
+) -> torch.Tensor:
+    """What the LM head reads: the final norm's output ``[B, T or logits_to_keep, H]``;
+    arguments as :func:`lean_logits` (whose logits are ``lm_head`` of this)."""
     base = _unwrapped(model)
     shape = _shape(base)
     inner = base.model
@@ -411,4 +428,4 @@ def lean_logits(
         cache.length = keys_len
     if logits_to_keep:
         hidden = hidden[:, -logits_to_keep:]
-    return base.lm_head(_rms_norm(hidden, inner.norm, shape.eps))
+    return _rms_norm(hidden, inner.norm, shape.eps)

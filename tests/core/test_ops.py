@@ -307,3 +307,74 @@ def test_token_level_rewards_put_the_score_last_and_the_kl_everywhere():
     kl = torch.tensor([[0.5, -1.0, 9.0], [2.0, 9.0, 9.0]])
     rewards = ops.token_level_rewards(torch.tensor([1.0, 3.0]), mask, kl, kl_coef=0.1)
     assert rewards.flatten().tolist() == pytest.approx([-0.05, 1.1, 0.0, 2.8, 0.0, 0.0])
+
+
+# --------------------------------------------------------------------------- chunked LM head
+
+
+def _head_case(dtype: torch.dtype, seed: int = 0, rows: int = 3, width: int = 7, vocab: int = 11):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, width, 5, generator=g, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, 5, generator=g, dtype=dtype, requires_grad=True)
+    tokens = torch.randint(0, vocab, (rows, width), generator=g)
+    return hidden, weight, tokens
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 21, 100])
+def test_the_chunked_head_gives_the_log_probs_entropy_and_gradients_of_the_whole_logits(chunk):
+    hidden, weight, tokens = _head_case(torch.float64)
+    g = torch.Generator().manual_seed(1)
+    up_lp, up_ent = torch.randn(2, 3, 7, generator=g, dtype=torch.float64)
+
+    logp, ent = ops.logprobs_and_entropy(hidden @ weight.t(), tokens, entropy_grad=True)
+    ref = torch.autograd.grad(
+        (logp * up_lp).sum() + (ent * up_ent).sum(), [hidden, weight], retain_graph=True
+    )
+    c_logp, c_ent = ops.head_logprobs(hidden, weight, tokens, chunk, entropy="grad")
+    got = torch.autograd.grad((c_logp * up_lp).sum() + (c_ent * up_ent).sum(), [hidden, weight])
+    torch.testing.assert_close(c_logp, logp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(c_ent, ent, rtol=1e-12, atol=1e-12)
+    for mine, theirs in zip(got, ref, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-10)
+    # Log-probs alone, and with the entropy for metrics only (no gradient through it).
+    only, none = ops.head_logprobs(hidden, weight, tokens, chunk)
+    assert none is None
+    (grad_h,) = torch.autograd.grad((only * up_lp).sum(), [hidden])
+    (ref_h,) = torch.autograd.grad((logp * up_lp).sum(), [hidden])
+    torch.testing.assert_close(grad_h, ref_h, rtol=1e-10, atol=1e-10)
+    _, detached = ops.head_logprobs(hidden, weight, tokens, chunk, entropy="detached")
+    assert not detached.requires_grad
+    torch.testing.assert_close(detached, ent.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_the_chunked_head_passes_gradcheck():
+    hidden, weight, tokens = _head_case(torch.float64, seed=2, rows=2, width=3, vocab=6)
+
+    def both(h, w):
+        return ops.head_logprobs(h, w, tokens, 4, entropy="grad")
+
+    assert torch.autograd.gradcheck(both, (hidden, weight))
+
+
+def test_the_chunked_head_keeps_no_logits_for_the_backward_pass():
+    """What the backward pass keeps is the inputs and one number per position: nothing of the
+    size of the logits (positions x vocabulary), which the unchunked path keeps twice."""
+    hidden, weight, tokens = _head_case(torch.float32, rows=4, width=8, vocab=50)
+    positions, vocab = tokens.numel(), weight.shape[0]
+
+    def saved_sizes(fn):
+        sizes: list[int] = []
+
+        def pack(t):
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sizes
+
+    chunked = saved_sizes(lambda: ops.head_logprobs(hidden, weight, tokens, 5, entropy="grad"))
+    whole = saved_sizes(lambda: ops.logprobs_and_entropy(hidden @ weight.t(), tokens))
+    assert max(whole) >= positions * vocab  # the premise: the plain path keeps logits
+    assert max(chunked) < positions * vocab
+    assert max(chunked) == max(hidden.numel(), weight.numel())

@@ -61,6 +61,39 @@ def test_training_logprobs_are_the_samplers_logprobs(world) -> None:
     )
 
 
+def test_a_large_vocabulary_runs_the_head_in_chunks_with_the_same_numbers(
+    world, monkeypatch
+) -> None:
+    """Where a batch's logits would exceed forward.LOGITS_AT_ONCE, policy_forward runs the LM
+    head a few positions at a time (ops.head_logprobs): the same log-probs, entropy and
+    gradients as the whole logits give."""
+    from alignzoo import ops
+    from alignzoo.engine import forward
+
+    model, tokenizer = world
+    batch = _sampled(model, tokenizer)
+    vocab = model.lm_head.weight.shape[0]
+
+    def run(chunked: bool) -> tuple[torch.Tensor, ...]:
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = policy_forward(model, batch, entropy=True)
+        mask = batch.response_mask
+        ((logprobs * mask).sum() + (entropy * mask).sum() * 0.3).backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        assert calls == ([1] if chunked else [])
+        return logprobs.detach(), entropy.detach(), *grads
+
+    calls: list[int] = []
+    whole = run(chunked=False)
+    real = ops.head_logprobs
+    monkeypatch.setattr(forward, "LOGITS_AT_ONCE", vocab * 3)  # 3 positions at a time
+    monkeypatch.setattr(forward, "head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    chunked = run(chunked=True)
+    assert len(chunked) == len(whole)
+    for mine, theirs in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
 class FnAlgorithm(Algorithm):
     """An algorithm whose loss is a given function of (batch, outputs)."""
 
