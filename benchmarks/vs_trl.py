@@ -13,7 +13,7 @@ same run) that the step's useful arithmetic reaches.
     .venv/bin/python benchmarks/vs_trl.py [--steps 25] [--repeats 2]
         [--models embedded,25m] [--algorithms grpo,rloo,dpo,kto] [--json results.json]
         [--dtype float32|bfloat16] [--gradient-checkpointing] [--frameworks alignzoo,trl]
-        [--max-new-tokens 6] [--phases]
+        [--max-new-tokens 6] [--phases] [--no-reuse-cpu-memory]
 
 ``--dtype bfloat16`` runs both under bf16 autocast (alignzoo's ``model.dtype``, TRL's ``bf16``):
 fast only on a CPU with AVX512-BF16 or AMX. Gradient checkpointing is set equal in both: off
@@ -45,6 +45,7 @@ from typing import Any
 HERE = Path(__file__).resolve()
 ONLINE = ("grpo", "rloo")
 NEW_TOKENS_ENV = "VS_TRL_MAX_NEW_TOKENS"  # --max-new-tokens, passed on to the worker processes
+REUSE_ENV = "VS_TRL_REUSE_CPU_MEMORY"  # --no-reuse-cpu-memory, passed on to the worker processes
 PROMPTS, SAMPLES, PAIRS = 8, 8, 32
 NEW_TOKENS = int(os.environ.get(NEW_TOKENS_ENV, "6"))
 LR = 1e-5
@@ -284,6 +285,7 @@ def run_alignzoo(
             "prompts_per_step": PROMPTS if online else PAIRS,
             "samples_per_prompt": SAMPLES if online else 1,
             "micro_batch_size": 128,
+            "reuse_cpu_memory": os.environ.get(REUSE_ENV, "1") == "1",
             "checkpoint_every": steps,
             "sampling": {"temperature": 1.0, "max_new_tokens": NEW_TOKENS},
         },
@@ -489,7 +491,14 @@ def main() -> None:
         "(generation, the log-prob forward, backward, optimizer step: median seconds per step "
         "and the highest memory seen in each)",
     )
+    parser.add_argument(
+        "--no-reuse-cpu-memory",
+        action="store_true",
+        help="alignzoo with training.reuse_cpu_memory false (malloc as it is, as TRL runs): "
+        "large activations page-faulted in again at every step, and freed memory handed back",
+    )
     args = parser.parse_args()
+    os.environ[REUSE_ENV] = "0" if args.no_reuse_cpu_memory else "1"
     os.environ[NEW_TOKENS_ENV] = str(args.max_new_tokens)  # the workers read it
     os.environ[PHASES_ENV] = "1" if args.phases else "0"
     models, algorithms = args.models.split(","), args.algorithms.split(",")
@@ -555,6 +564,7 @@ def main() -> None:
                             "repeats": args.repeats,
                             "max_new_tokens": args.max_new_tokens,
                             "phases": args.phases,
+                            "reuse_cpu_memory": not args.no_reuse_cpu_memory,
                         },
                         "limit_gflops": [limit, limit_after],
                         "rows": results,
