@@ -285,7 +285,6 @@ def run_alignzoo(
             "prompts_per_step": PROMPTS if online else PAIRS,
             "samples_per_prompt": SAMPLES if online else 1,
             "micro_batch_size": 128,
-            "reuse_cpu_memory": os.environ.get(REUSE_ENV, "1") == "1",
             "checkpoint_every": steps,
             "sampling": {"temperature": 1.0, "max_new_tokens": NEW_TOKENS},
         },
@@ -293,6 +292,8 @@ def run_alignzoo(
         "logging": {"sinks": ["jsonl"]},
         "arms": {"a": arm},
     }
+    if os.environ.get(REUSE_ENV, "1") == "0":  # only then: an older alignzoo has no such field
+        spec["training"]["reuse_cpu_memory"] = False
     path = out / "experiment.yaml"
     path.write_text(yaml.safe_dump(spec), encoding="utf-8")
     summary = run_one(load_experiment(path), "a", 0, out / "run")
