@@ -57,8 +57,15 @@ def _inputs(rows: int = 5, width: int = 9, seed: int = 1):
     return ids, mask, positions
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize(("arch", "kv_heads"), [("qwen2", 4), ("qwen2", 2), ("llama", 1)])
-def test_logits_and_gradients_equal_transformers(arch, kv_heads):
+def test_logits_and_gradients_equal_transformers(arch, kv_heads, recompute, monkeypatch):
+    """With the recomputing norm and MLP (_RMSNorm, _SwiGLUDown) and with the plain ops that
+    activations below RECOMPUTE_FROM elements take."""
+    from alignzoo.engine import lean
+
+    if recompute:
+        monkeypatch.setattr(lean, "RECOMPUTE_FROM", 0)
     model = _model(arch, kv_heads)
     assert lean_reason(model) is None
     ids, mask, positions = _inputs()
@@ -104,9 +111,12 @@ def _saved_for_backward(forward) -> dict[int, tuple[int, tuple[int, ...]]]:
     return saved
 
 
-def test_the_mlp_keeps_two_intermediate_activations_per_layer_not_four():
+def test_the_mlp_keeps_two_intermediate_activations_per_layer_not_four(monkeypatch):
     """silu(gate) and the product are recomputed in the backward pass (_SwiGLUDown): half of
-    the MLP's saved activations, fewer bytes kept than transformers' forward keeps."""
+    the MLP's saved activations, fewer bytes kept than transformers' forward keeps; below
+    RECOMPUTE_FROM elements the plain ops run (and keep four)."""
+    from alignzoo.engine import lean
+
     model = _model("qwen2").train()
     ids, mask, positions = _inputs()
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -119,20 +129,26 @@ def test_the_mlp_keeps_two_intermediate_activations_per_layer_not_four():
     def total(saved) -> int:
         return sum(size for ptr, (size, _) in saved.items() if ptr not in parameters)
 
+    small = _saved_for_backward(lambda: lean_logits(model, ids, mask, positions))
+    monkeypatch.setattr(lean, "RECOMPUTE_FROM", 0)
     ours = _saved_for_backward(lambda: lean_logits(model, ids, mask, positions))
     theirs = _saved_for_backward(
         lambda: model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     )
     layers = model.config.num_hidden_layers
+    assert intermediate(small) == intermediate(theirs)
     assert intermediate(theirs) == 4 * layers  # gate, silu(gate), up, the product
     assert intermediate(ours) == 2 * layers  # gate and up
     assert total(ours) < total(theirs)
 
 
-def test_each_norm_keeps_its_input_only_for_the_backward_pass():
+def test_each_norm_keeps_its_input_only_for_the_backward_pass(monkeypatch):
     """_RMSNorm recomputes x / rms(x) in the backward pass: per layer the two norms' inputs and
     the two normalised outputs the projections read are the hidden-sized tensors kept; the
     composite RMSNorm (transformers', and F.rms_norm on the CPU) keeps more."""
+    from alignzoo.engine import lean
+
+    monkeypatch.setattr(lean, "RECOMPUTE_FROM", 0)  # the test model's activations are small
     model = _model("qwen2").train()
     ids, mask, positions = _inputs()
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -478,8 +478,9 @@ def test_the_lean_decoder_samples_what_the_models_own_forward_samples(
 def test_decoding_through_packed_weights_samples_what_the_weights_themselves_sample(
     policy_dirs, monkeypatch
 ):
-    """pack_weights (the default) multiplies by MKL-packed copies of the weights: the same
-    seeded tokens as pack_weights false, log-probs within 1e-5; the copies are taken."""
+    """pack_weights (the default) multiplies by MKL-packed copies of the weights from
+    PACK_FROM_NEW_TOKENS new tokens on: the same seeded tokens as pack_weights false, log-probs
+    within 1e-5; the copies are taken for long generations only."""
     from alignzoo.engine import lean
 
     made: list[int] = []
@@ -491,9 +492,14 @@ def test_decoding_through_packed_weights_samples_what_the_weights_themselves_sam
         return packed
 
     monkeypatch.setattr(lean, "PackedLinears", counted)
+    from alignzoo.plugins.backends import hf
+
+    monkeypatch.setattr(hf, "PACK_FROM_NEW_TOKENS", 7)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=7)
     seeds = [21, 22, 23, 24]
     packed_backend, _, _ = make_backend(policy_dirs["plain"])
+    packed_backend.generate(PROMPTS, [], 3, SamplingParams(max_new_tokens=6), seeds=seeds)
+    assert made == []  # shorter than PACK_FROM_NEW_TOKENS: not packed
     packed = packed_backend.generate(PROMPTS, [], 3, sampling, seeds=seeds)
     assert made and (made[0] > 0 or not torch.backends.mkl.is_available())
     plain_backend, _, _ = make_backend(policy_dirs["plain"], pack_weights=False)
