@@ -137,18 +137,19 @@ def _chunked_head_logprobs(
     of the lean path whose response logits would exceed :data:`LOGITS_AT_ONCE` floats and
     whose head is a plain fp32 ``nn.Linear`` outside autocast; None otherwise (the caller
     then computes the logits whole)."""
-    if not can_run_lean(model):
-        return None
-    head = _base_model(model).lm_head
-    vocab = head.weight.shape[0]
+    head = getattr(_base_model(model), "lm_head", None)
+    weight = getattr(head, "weight", None)
     resp_len = batch.response_ids.shape[1]
+    if weight is None or batch.response_ids.shape[0] * resp_len * weight.shape[0] <= LOGITS_AT_ONCE:
+        return None  # the common case, decided before the costlier checks
+    vocab = weight.shape[0]
     if (
-        type(head) is not torch.nn.Linear
+        not can_run_lean(model)
+        or type(head) is not torch.nn.Linear
         or head.bias is not None
         or head._forward_hooks
         or head._forward_pre_hooks
-        or head.weight.dtype != torch.float32
-        or batch.response_ids.shape[0] * resp_len * vocab <= LOGITS_AT_ONCE
+        or weight.dtype != torch.float32
     ):
         return None
     device = _device_of(model)
