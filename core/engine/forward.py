@@ -139,10 +139,9 @@ def _chunked_head_logprobs(
     then computes the logits whole)."""
     head = getattr(_base_model(model), "lm_head", None)
     weight = getattr(head, "weight", None)
-    resp_len = batch.response_ids.shape[1]
-    if weight is None or batch.response_ids.shape[0] * resp_len * weight.shape[0] <= LOGITS_AT_ONCE:
+    rows, resp_len = batch.response_ids.shape
+    if weight is None or rows * resp_len * weight.shape[0] <= LOGITS_AT_ONCE:
         return None  # the common case, decided before the costlier checks
-    vocab = weight.shape[0]
     if (
         not can_run_lean(model)
         or type(head) is not torch.nn.Linear
@@ -159,10 +158,9 @@ def _chunked_head_logprobs(
         hidden = lean_hidden(model, **model_inputs(batch, device), logits_to_keep=resp_len + 1)
     mode = "grad" if entropy else "detached" if detached_entropy else "none"
     tokens = batch.response_ids.to(device)
-    logprobs, ent = head_logprobs(
-        hidden[:, :resp_len], head.weight, tokens, LOGITS_AT_ONCE // vocab, mode
+    return head_logprobs(
+        hidden[:, :resp_len], weight, tokens, LOGITS_AT_ONCE // weight.shape[0], mode
     )
-    return logprobs, ent
 
 
 def critic_forward(

@@ -336,7 +336,7 @@ def lean_logits(
     position_ids: torch.Tensor,
     logits_to_keep: int = 0,
     cache: KVCache | None = None,
-    linear: Linear = _call,
+    linear: Linear | None = None,
 ) -> torch.Tensor:
     """Logits ``[B, T or logits_to_keep, V]`` of ``input_ids [B, T]`` (attention mask and
     position ids as transformers takes them), the same as ``model(...).logits``.
@@ -344,8 +344,8 @@ def lean_logits(
     With ``cache``, the ``T`` new tokens are written at its columns ``length .. length + T - 1``
     and attend to everything before them; ``attention_mask`` then covers only the new tokens.
     ``logits_to_keep`` > 0 runs the LM head over the last that many positions only.
-    ``linear(module, x)`` runs the layers' projections (default: the module itself; the
-    decode loop passes :class:`PackedLinears`).
+    ``linear(module, x)`` runs the layers' projections (None: the module itself; the decode
+    loop passes :class:`PackedLinears`).
     """
     hidden = lean_hidden(
         model, input_ids, attention_mask, position_ids, logits_to_keep, cache, linear
@@ -360,10 +360,12 @@ def lean_hidden(
     position_ids: torch.Tensor,
     logits_to_keep: int = 0,
     cache: KVCache | None = None,
-    linear: Linear = _call,
+    linear: Linear | None = None,
 ) -> torch.Tensor:
     """What the LM head reads: the final norm's output ``[B, T or logits_to_keep, H]``;
     arguments as :func:`lean_logits` (whose logits are ``lm_head`` of this)."""
+    if linear is None:
+        linear = _call
     base = _unwrapped(model)
     shape = _shape(base)
     inner = base.model

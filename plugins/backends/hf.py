@@ -247,12 +247,12 @@ class HFBackend(Backend):
         prompt_ids, prompt_mask = self._left_padded(prompt_tokens)
         mask = prompt_mask.to(device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        decoder = _decoder(model, len(prompt_tokens), mask.shape[1] + sampling.max_new_tokens)
-        if isinstance(decoder, _LeanDecoder):  # packing pays over long generations only
-            decoder.pack = (
-                getattr(self.params, "pack_weights", True)
-                and sampling.max_new_tokens >= PACK_FROM_NEW_TOKENS
-            )
+        # Packing the weights pays over long generations only.
+        pack = (
+            getattr(self.params, "pack_weights", True)
+            and sampling.max_new_tokens >= PACK_FROM_NEW_TOKENS
+        )
+        decoder = _decoder(model, len(prompt_tokens), mask.shape[1] + sampling.max_new_tokens, pack)
         # One prefill per prompt: its n samples share the cache.
         logits = decoder.prefill(prompt_ids.to(device), mask, positions)
         if n > 1:
@@ -360,14 +360,14 @@ class HFBackend(Backend):
 PACK_FROM_NEW_TOKENS = 32
 
 
-def _decoder(model: Any, rows: int, capacity: int) -> _LeanDecoder | _CacheDecoder:
+def _decoder(model: Any, rows: int, capacity: int, pack: bool) -> _LeanDecoder | _CacheDecoder:
     """The decode loop's forward passes: alignzoo's lean forward for the models it runs exactly
     (:func:`alignzoo.engine.lean.lean_reason`), the model's own forward over a DynamicCache
     otherwise."""
     from alignzoo.engine.lean import can_run_lean
 
     if can_run_lean(model):
-        return _LeanDecoder(model, rows, capacity)
+        return _LeanDecoder(model, rows, capacity, pack)
     return _CacheDecoder(model)
 
 
@@ -375,12 +375,12 @@ class _LeanDecoder:
     """Prefill and decode steps through :func:`alignzoo.engine.lean.lean_logits` over one
     preallocated KV cache (no mask growing per token, no cache or output objects)."""
 
-    def __init__(self, model: Any, rows: int, capacity: int) -> None:
+    def __init__(self, model: Any, rows: int, capacity: int, pack: bool) -> None:
         from alignzoo.engine.lean import KVCache
 
         self.model = model
         self.cache = KVCache.empty(model, rows, capacity, _model_device(model))
-        self.pack = True  # decode steps through MKL-packed weights (HFBackend's pack_weights)
+        self.pack = pack  # decode steps through MKL-packed weights (HFBackend's pack_weights)
         self.linear: Any = None  # the weights packed for the decode steps' row count
 
     def prefill(
@@ -405,9 +405,8 @@ class _LeanDecoder:
     ) -> torch.Tensor:
         from alignzoo.engine.lean import lean_logits
 
-        extra = {} if linear is None else {"linear": linear}
         logits = lean_logits(
-            self.model, ids, mask, positions, logits_to_keep=1, cache=self.cache, **extra
+            self.model, ids, mask, positions, logits_to_keep=1, cache=self.cache, linear=linear
         )
         return logits[:, -1].float()
 

@@ -222,8 +222,16 @@ def test_cached_decoding_gives_the_logits_of_the_whole_sequence(arch, packed):
     ids, mask, positions = _inputs(rows=4, width=7)
     n, steps = 3, 4
     extra = {}
+    used: list[int] = []  # the packed weights each step really multiplied by
+
+    class Counted(PackedLinears):
+        def __call__(self, module, x):
+            if id(module) in self.packed:
+                used.append(id(module))
+            return super().__call__(module, x)
+
     if packed:
-        packer = PackedLinears(model, 4 * n)
+        packer = Counted(model, 4 * n)
         # Every projection of every layer, where torch has MKL (the llama's with biases).
         assert len(packer.packed) == (7 * 2 if torch.backends.mkl.is_available() else 0)
         extra["linear"] = packer
@@ -250,6 +258,7 @@ def test_cached_decoding_gives_the_logits_of_the_whole_sequence(arch, packed):
         full_positions = (all_mask.cumsum(dim=1) - 1).clamp(min=0)
         whole = model(input_ids=all_ids, attention_mask=all_mask, position_ids=full_positions)
     width = ids.shape[1]
+    assert len(used) == (steps * len(packer.packed) if packed else 0)
     for t, logits in enumerate(stepped):
         torch.testing.assert_close(logits, whole.logits[:, width - 1 + t], rtol=1e-5, atol=1e-5)
 
