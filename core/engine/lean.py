@@ -100,6 +100,22 @@ def _shape(base: Any) -> _Shape:
     return _Shape(heads, kv_heads, head_dim, float(config.rms_norm_eps))
 
 
+# The fused functions below work through their rows in chunks of at most this many elements
+# of the widest tensor involved (4 MB in fp32), so what they allocate for a moment
+# (silu(gate) * up, a chunk's normalised rows, the gradient of the product) is freed before
+# anything else is allocated: no hole is left between the activations kept for the backward
+# pass. A hole the next, larger activation does not fit is how the CPU heap fragments
+# (alignzoo.engine.malloc); at 64 x 518 tokens of the 25.8M model the forward's heap went
+# from 12.2 to 7.8 GB for the same 7.5 GB of kept activations. (Chunks of 2^19 to 2^22
+# elements ran a 64 x 134-token step equally fast.)
+CHUNK_ELEMENTS = 1 << 20
+
+
+def _row_chunks(rows: int, width: int) -> list[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    return [slice(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
 class _RMSNorm(torch.autograd.Function):
     """``w * x * r`` with ``r = 1 / sqrt(mean(x^2) + eps)``, keeping only ``x`` and ``r`` for
     the backward pass.
@@ -114,22 +130,34 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        width = x.shape[-1]
+        flat = x.reshape(-1, width)
+        out = torch.empty_like(flat)
+        rstd = torch.empty((flat.shape[0], 1), dtype=x.dtype, device=x.device)
+        for rows in _row_chunks(flat.shape[0], width):
+            # r = 1 / sqrt(|x|^2 / width + eps), with nothing of x's size but the output
+            r = torch.linalg.vector_norm(flat[rows], dim=-1, keepdim=True, out=rstd[rows])
+            r.square_().div_(width).add_(eps).rsqrt_()
+            torch.mul(flat[rows], r, out=out[rows]).mul_(weight)
         ctx.save_for_backward(x, rstd, weight)
-        return out
+        return out.view(x.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, rstd, weight = ctx.saved_tensors
-        normed = x * rstd
-        grad_x = grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
-        if ctx.needs_input_grad[0]:
-            grad_normed = grad * weight
-            mean = (grad_normed * normed).mean(-1, keepdim=True)
-            grad_x = (grad_normed - normed * mean) * rstd
-        return grad_x, grad_weight, None
+        width = x.shape[-1]
+        flat, g = x.reshape(-1, width), grad.reshape(-1, width)
+        grad_x = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for rows in _row_chunks(flat.shape[0], width):
+            normed = flat[rows] * rstd[rows]
+            if grad_weight is not None:
+                grad_weight += (g[rows] * normed).sum(0)
+            if grad_x is not None:
+                grad_normed = g[rows] * weight
+                mean = (grad_normed * normed).mean(-1, keepdim=True)
+                torch.sub(grad_normed, normed.mul_(mean), out=grad_x[rows]).mul_(rstd[rows])
+        return None if grad_x is None else grad_x.view(x.shape), grad_weight, None
 
 
 # Activations of fewer elements than this take the plain autograd ops instead of _RMSNorm and
@@ -216,35 +244,102 @@ class KVCache:
 
 
 class _SwiGLUDown(torch.autograd.Function):
-    """``W_down (silu(g) * u)`` that keeps only ``g`` and ``u`` for the backward pass.
+    """``residual + W_down (silu(g) * u)``, keeping only ``g`` and ``u`` for the backward pass.
 
-    Autograd through the three ops keeps four ``[tokens, intermediate]`` tensors per layer:
+    Autograd through the separate ops keeps four ``[tokens, intermediate]`` tensors per layer:
     ``g`` (for silu), ``silu(g)`` and ``u`` (for the product) and the product (for
     ``W_down``'s gradient). Here ``silu(g)`` and the product are recomputed in the backward
-    pass (two elementwise ops): the same numbers, half of the MLP's saved activations, which
-    are most of a layer's (about 29% less per layer at Qwen2's shapes)."""
+    pass, chunk by chunk of rows (:data:`CHUNK_ELEMENTS`): the same numbers, half of the MLP's
+    saved activations, which are most of a layer's (about 29% less per layer at Qwen2's
+    shapes). The residual is added by the down projection's GEMM (``addmm``), so the layer's
+    output is the one tensor it allocates; its gradient is the output's gradient as it is.
+
+        dL/dW_down = sum_tokens g_out^T (silu(g) * u)
+        dL/du      = (g_out W_down) * silu(g)
+        dL/dg      = (g_out W_down) * u * silu'(g)
+    """
 
     @staticmethod
     def forward(
-        ctx: Any, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor
+        ctx: Any,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
     ) -> torch.Tensor:
         ctx.save_for_backward(gate, up, weight)
-        return F.linear(F.silu(gate) * up, weight)
+        width = gate.shape[-1]
+        g, u = gate.reshape(-1, width), up.reshape(-1, width)
+        out = torch.empty_like(residual)
+        flat_out, flat_residual = out.view(-1, out.shape[-1]), residual.reshape(-1, out.shape[-1])
+        for rows in _row_chunks(g.shape[0], width):
+            product = F.silu(g[rows]).mul_(u[rows])
+            torch.addmm(flat_residual[rows], product, weight.t(), out=flat_out[rows])
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         gate, up, weight = ctx.saved_tensors
-        act = F.silu(gate)
-        grad_product = grad.matmul(weight)  # d/d(product) of product W_down^T
-        grad_gate = grad_up = grad_weight = None
-        if ctx.needs_input_grad[2]:
-            product = (act * up).reshape(-1, up.shape[-1])
-            grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(product)
-        if ctx.needs_input_grad[1]:
-            grad_up = grad_product * act
-        if ctx.needs_input_grad[0]:
-            grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
-        return grad_gate, grad_up, grad_weight
+        need_gate, need_up, need_weight, need_residual = ctx.needs_input_grad
+        width = gate.shape[-1]
+        g, u = gate.reshape(-1, width), up.reshape(-1, width)
+        grad_out = grad.reshape(-1, grad.shape[-1])
+        grad_gate = torch.empty_like(gate) if need_gate else None
+        grad_up = torch.empty_like(up) if need_up else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        for rows in _row_chunks(g.shape[0], width):
+            act = F.silu(g[rows])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_out[rows].t(), act * u[rows])
+            if grad_gate is None and grad_up is None:
+                continue
+            grad_product = grad_out[rows].mm(weight)
+            if grad_up is not None:
+                torch.mul(grad_product, act, out=grad_up.view(-1, width)[rows])
+            if grad_gate is not None:
+                torch.ops.aten.silu_backward.grad_input(
+                    grad_product.mul_(u[rows]), g[rows], grad_input=grad_gate.view(-1, width)[rows]
+                )
+        return grad_gate, grad_up, grad_weight, grad if need_residual else None
+
+
+class _RotateInPlace(torch.autograd.Function):
+    """RoPE applied in place to a projection's output ``x [B, T, heads * D]`` (which nothing
+    else keeps), as :func:`_rotate` computes it, allocating half of ``x`` for a moment instead
+    of four tensors of its size. The default RoPE's ``cos`` and ``sin`` ``[B, T, D]`` repeat
+    their first half (``cat(freqs, freqs)``), so with ``x = [x1, x2]`` per head:
+
+        y1 = x1 cos - x2 sin          dL/dx1 =  g1 cos + g2 sin
+        y2 = x2 cos + x1 sin          dL/dx2 = -g1 sin + g2 cos
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
+    ) -> torch.Tensor:
+        half = cos.shape[-1] // 2
+        c, s = cos[..., :half].unsqueeze(-2), sin[..., :half].unsqueeze(-2)  # [B, T, 1, D/2]
+        per_head = x.view(*x.shape[:-1], heads, 2 * half)
+        x1, x2 = per_head[..., :half], per_head[..., half:]
+        first = x1.clone()
+        x1.mul_(c).addcmul_(x2, s, value=-1.0)
+        x2.mul_(c).addcmul_(first, s)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(c, s)
+        ctx.heads = heads
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        c, s = ctx.saved_tensors
+        half = c.shape[-1]
+        g = grad.reshape(*grad.shape[:-1], ctx.heads, 2 * half)
+        g1, g2 = g[..., :half], g[..., half:]
+        out = torch.empty(g.shape, dtype=grad.dtype, device=grad.device)
+        d1, d2 = out[..., :half], out[..., half:]
+        torch.mul(g1, c, out=d1).addcmul_(g2, s)
+        torch.mul(g2, c, out=d2).addcmul_(g1, s, value=-1.0)
+        return out.view(grad.shape), None, None, None
 
 
 def _plain_linear(module: Any) -> bool:
@@ -303,30 +398,84 @@ class PackedLinears:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _mlp(mlp: Any, x: torch.Tensor, linear: Linear = _call) -> torch.Tensor:
-    """The SwiGLU MLP ``W_down (silu(W_gate x) * W_up x)``: through :class:`_SwiGLUDown` when
-    it trains a plain fp32 ``down_proj`` (fewer saved activations), through ``linear``'s
-    projections when packed for decoding, the module's own forward otherwise (no gradients,
-    autocast, an adapter or hooks on the MLP)."""
+def _fused_training(x: torch.Tensor) -> bool:
+    """Whether a layer reading ``x`` takes the fused autograd functions (_SwiGLUDown,
+    _RotateInPlace, the residual added by the GEMM): a CPU fp32 forward with gradients,
+    outside autocast, of activations of :data:`RECOMPUTE_FROM` or more elements."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.numel() >= RECOMPUTE_FROM
+        and torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def _mlp_residual(
+    mlp: Any, x: torch.Tensor, residual: torch.Tensor, linear: Linear = _call
+) -> torch.Tensor:
+    """``residual + W_down (silu(W_gate x) * W_up x)``, the SwiGLU MLP added to the residual
+    stream: through :class:`_SwiGLUDown` when it trains a plain fp32 ``down_proj`` (fewer
+    saved activations, one allocation), through ``linear``'s projections when packed for
+    decoding, the module's own forward otherwise (autocast, an adapter or hooks on the MLP)."""
     down = mlp.down_proj
-    if linear is not _call and not (mlp._forward_hooks or mlp._forward_pre_hooks):
-        return linear(down, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
-    if (
-        not torch.is_grad_enabled()
-        or torch.is_autocast_enabled(x.device.type)
-        or mlp._forward_hooks
-        or mlp._forward_pre_hooks
-        or not _plain_linear(down)
-    ):
-        return mlp(x)
+    hooked = bool(mlp._forward_hooks or mlp._forward_pre_hooks)
+    if linear is not _call and not hooked:
+        return residual + linear(
+            down, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x)
+        )
+    if hooked or not _fused_training(x) or not _plain_linear(down):
+        return residual + mlp(x)
     gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     if (
         gate.dtype != down.weight.dtype
         or up.dtype != down.weight.dtype
-        or gate.numel() < RECOMPUTE_FROM
+        or residual.dtype != gate.dtype
     ):
-        return down(mlp.act_fn(gate) * up)
-    return _SwiGLUDown.apply(gate, up, down.weight)
+        return residual + down(mlp.act_fn(gate) * up)
+    return _SwiGLUDown.apply(gate, up, down.weight, residual)
+
+
+def _linear_residual(
+    module: Any, x: torch.Tensor, residual: torch.Tensor, linear: Linear = _call
+) -> torch.Tensor:
+    """``residual + module(x)``: one ``addmm`` (no separate projection output) for a plain
+    linear layer in a fused training forward, the two ops otherwise."""
+    if linear is _call and _plain_linear(module) and _fused_training(x):
+        weight = module.weight
+        if weight.dtype == x.dtype == residual.dtype:
+            flat = torch.addmm(
+                residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t()
+            )
+            return flat.view(residual.shape)
+    return residual + linear(module, x)
+
+
+def _project_rotated(
+    module: Any,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    linear: Linear = _call,
+) -> torch.Tensor:
+    """The query or key projection of ``x [B, T, H]`` with RoPE applied, ``[B, heads, T, D]``
+    (a view of ``[B, T, heads, D]`` memory, which sdpa reads as it is): rotated in place by
+    :class:`_RotateInPlace` in a fused training forward, by :func:`_rotate` otherwise.
+    ``cos`` and ``sin`` are the rotary embedding's ``[B, T, D]``."""
+    rows, width = x.shape[:2]
+    projected = linear(module, x)
+    # In place only on what a bare nn.Linear returns (its backward keeps its input, not its
+    # output); another module's output may be kept by its own backward.
+    bare = type(module) is torch.nn.Linear and not (
+        module._forward_hooks or module._forward_pre_hooks
+    )
+    if bare and _fused_training(projected) and cos.dtype == projected.dtype:
+        rotated = _RotateInPlace.apply(projected, cos, sin, heads)
+        return rotated.view(rows, width, heads, head_dim).transpose(1, 2)
+    per_head = projected.view(rows, width, heads, head_dim).transpose(1, 2)
+    return _rotate(per_head, cos.unsqueeze(1), sin.unsqueeze(1))
 
 
 def lean_logits(
@@ -372,8 +521,7 @@ def lean_hidden(
     rows, width = input_ids.shape
     new_valid = attention_mask.to(torch.bool)
     hidden = inner.embed_tokens(input_ids)
-    cos, sin = inner.rotary_emb(hidden, position_ids)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]: broadcast over heads
+    cos, sin = inner.rotary_emb(hidden, position_ids)  # [B, T, D]
 
     if cache is None:
         start = 0
@@ -401,22 +549,13 @@ def lean_hidden(
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
         normed = _rms_norm(hidden, layer.input_layernorm, shape.eps)
-        q = (
-            linear(attn.q_proj, normed)
-            .view(rows, width, shape.heads, shape.head_dim)
-            .transpose(1, 2)
-        )
-        k = (
-            linear(attn.k_proj, normed)
-            .view(rows, width, shape.kv_heads, shape.head_dim)
-            .transpose(1, 2)
-        )
+        q = _project_rotated(attn.q_proj, normed, cos, sin, shape.heads, shape.head_dim, linear)
+        k = _project_rotated(attn.k_proj, normed, cos, sin, shape.kv_heads, shape.head_dim, linear)
         v = (
             linear(attn.v_proj, normed)
             .view(rows, width, shape.kv_heads, shape.head_dim)
             .transpose(1, 2)
         )
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.write(index, start, k, v)
         if bias is None or bias.dtype != q.dtype:
@@ -432,9 +571,9 @@ def lean_hidden(
             enable_gqa=gqa,
         )
         out = out.transpose(1, 2).reshape(rows, width, shape.heads * shape.head_dim)
-        hidden = hidden + linear(attn.o_proj, out)
-        hidden = hidden + _mlp(
-            layer.mlp, _rms_norm(hidden, layer.post_attention_layernorm, shape.eps), linear
+        hidden = _linear_residual(attn.o_proj, out, hidden, linear)
+        hidden = _mlp_residual(
+            layer.mlp, _rms_norm(hidden, layer.post_attention_layernorm, shape.eps), hidden, linear
         )
 
     if cache is not None:

@@ -60,12 +60,14 @@ def _inputs(rows: int = 5, width: int = 9, seed: int = 1):
 @pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize(("arch", "kv_heads"), [("qwen2", 4), ("qwen2", 2), ("llama", 1)])
 def test_logits_and_gradients_equal_transformers(arch, kv_heads, recompute, monkeypatch):
-    """With the recomputing norm and MLP (_RMSNorm, _SwiGLUDown) and with the plain ops that
+    """With the fused training functions (_RMSNorm, _SwiGLUDown, _RotateInPlace, the residual
+    added by the GEMM), working in chunks of a few rows, and with the plain ops that
     activations below RECOMPUTE_FROM elements take."""
     from alignzoo.engine import lean
 
     if recompute:
         monkeypatch.setattr(lean, "RECOMPUTE_FROM", 0)
+        monkeypatch.setattr(lean, "CHUNK_ELEMENTS", 100)  # 2-3 rows of 32-48 per chunk
     model = _model(arch, kv_heads)
     assert lean_reason(model) is None
     ids, mask, positions = _inputs()
@@ -172,15 +174,78 @@ def test_each_norm_keeps_its_input_only_for_the_backward_pass(monkeypatch):
     assert hidden_sized(theirs) > hidden_sized(ours)
 
 
-def test_the_rms_norm_function_has_the_analytic_gradient():
+@pytest.mark.parametrize("chunk", [1 << 22, 40])
+def test_the_rms_norm_function_has_the_analytic_gradient(chunk, monkeypatch):
+    """Whole, and in chunks of rows (40 elements: 2 rows of 16 per chunk, 6 chunks)."""
+    from alignzoo.engine import lean
     from alignzoo.engine.lean import _RMSNorm
 
+    monkeypatch.setattr(lean, "CHUNK_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 4, 16, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(16, dtype=torch.float64, generator=g, requires_grad=True)
+    assert len(lean._row_chunks(12, 16)) == (1 if chunk > 12 * 16 else 6)
     assert torch.autograd.gradcheck(lambda a, w: _RMSNorm.apply(a, w, 1e-6), (x, weight))
     expected = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(_RMSNorm.apply(x, weight, 1e-6), expected)
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 40])
+def test_the_swiglu_function_adds_the_residual_with_the_analytic_gradient(chunk, monkeypatch):
+    """``residual + W_down (silu(g) * u)``, whole and in chunks of rows (40 elements of a
+    12-wide intermediate: 3 rows per chunk, the last of 14 rows short), for every subset of
+    inputs that needs a gradient."""
+    from alignzoo.engine import lean
+
+    monkeypatch.setattr(lean, "CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(4)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+
+    gate, up, weight, residual = leaf(2, 7, 12), leaf(2, 7, 12), leaf(6, 12), leaf(2, 7, 6)
+    assert len(lean._row_chunks(14, 12)) == (1 if chunk > 14 * 12 else 5)
+    fused = lean._SwiGLUDown.apply
+    expected = residual + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, weight)
+    torch.testing.assert_close(fused(gate, up, weight, residual), expected)
+    assert torch.autograd.gradcheck(fused, (gate, up, weight, residual))
+    frozen = weight.detach()  # as when only some inputs need gradients (a frozen projection)
+    assert torch.autograd.gradcheck(lambda a, b, r: fused(a, b, frozen, r), (gate, up, residual))
+    assert torch.autograd.gradcheck(
+        lambda w: fused(gate.detach(), up.detach(), w, residual.detach()), (weight,)
+    )
+
+
+def test_rope_in_place_equals_rotate_half_and_has_the_analytic_gradient():
+    """_RotateInPlace rotates a projection's output in its own memory, with the numbers of
+    transformers' ``x cos + rotate_half(x) sin`` (cos and sin repeat their first half, as the
+    default RoPE's do)."""
+    from alignzoo.engine.lean import _rotate, _RotateInPlace
+
+    g = torch.Generator().manual_seed(6)
+    rows, width, heads, dim = 2, 5, 3, 8
+    angles = torch.randn(rows, width, dim // 2, dtype=torch.float64, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x = torch.randn(rows, width, heads * dim, dtype=torch.float64, generator=g)
+
+    def reference(t: torch.Tensor) -> torch.Tensor:
+        per_head = t.view(rows, width, heads, dim).transpose(1, 2)
+        rotated = _rotate(per_head, cos.unsqueeze(1), sin.unsqueeze(1))
+        return rotated.transpose(1, 2).reshape(rows, width, heads * dim)
+
+    expected = reference(x)
+    target = x.clone()
+    out = _RotateInPlace.apply(target, cos, sin, heads)
+    assert out.data_ptr() == target.data_ptr()  # no new tensor of x's size
+    torch.testing.assert_close(out, expected)
+    leaf = x.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda t: _RotateInPlace.apply(t.clone(), cos, sin, heads), (leaf,)
+    )
+    grad = torch.randn(expected.shape, dtype=torch.float64, generator=g)
+    ours = torch.autograd.grad(_RotateInPlace.apply(leaf.clone(), cos, sin, heads), leaf, grad)
+    theirs = torch.autograd.grad(reference(leaf), leaf, grad)
+    torch.testing.assert_close(ours[0], theirs[0])
 
 
 def test_an_mlp_with_a_bias_or_an_adapter_runs_its_own_forward():
@@ -322,3 +387,68 @@ def test_what_the_lean_path_cannot_run_exactly_is_refused_with_a_reason():
     dropout = _model("qwen2", attention_dropout=0.1)
     assert lean_reason(dropout.eval()) is None  # no dropout in eval mode
     assert "dropout" in lean_reason(dropout.train())
+
+
+# A forward with gradients at the 25.8M benchmark model's layer shapes (4 of its 8 layers,
+# 64 x 134 tokens), in a process whose malloc keeps freed memory (alignzoo.engine.malloc):
+# how much the heap grew beyond what the forward keeps for the backward pass.
+HEAP_HOLES = """
+import ctypes, json, sys, torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from alignzoo.engine import lean
+from alignzoo.engine.malloc import keep_freed_memory
+
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+assert keep_freed_memory()
+if sys.argv[1] == "plain":
+    lean.RECOMPUTE_FROM = 1 << 62  # the plain autograd ops
+torch.manual_seed(0)
+model = Qwen2ForCausalLM(Qwen2Config(
+    vocab_size=97, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256))
+ids = torch.randint(0, 97, (64, 134))
+mask = torch.ones_like(ids)
+before = libc.mallinfo2()
+logits = lean.lean_logits(model, ids, mask, mask.cumsum(1) - 1)
+after = libc.mallinfo2()
+print(json.dumps({
+    "kept": after.uordblks - before.uordblks,
+    "holes": (after.arena - after.uordblks) - (before.arena - before.uordblks),
+}))
+"""
+
+
+def _heap_after_forward(mode: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", HEAP_HOLES, mode], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(
+    __import__("platform").libc_ver()[0] != "glibc", reason="reads glibc's mallinfo2"
+)
+def test_the_fused_training_forward_leaves_no_holes_in_the_heap():
+    """Every large temporary of the fused forward (a chunk of silu(gate) * up, RoPE's half
+    copy, a norm's chunk) is freed before the next kept activation is allocated, so the heap
+    grows by what the forward keeps and little more. The plain ops free projection outputs,
+    RoPE's four temporaries and the MLP's product after later activations were placed above
+    them: holes that the next, larger activation does not fit."""
+    fused = _heap_after_forward("fused")
+    assert fused["holes"] < 0.1 * fused["kept"], fused
+    plain = _heap_after_forward("plain")
+    assert plain["holes"] > 3 * fused["holes"], (
+        f"premise broken: the plain ops should leave more holes in the heap, got {plain} "
+        f"against the fused forward's {fused}"
+    )
+    assert fused["kept"] < plain["kept"]  # the recomputing functions keep less, too
