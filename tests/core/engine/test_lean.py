@@ -4,6 +4,11 @@ cannot run exactly is refused with a reason, and callers fall back to the model'
 
 from __future__ import annotations
 
+import json
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import (
@@ -425,19 +430,13 @@ print(json.dumps({
 
 
 def _heap_after_forward(mode: str) -> dict:
-    import json
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-c", HEAP_HOLES, mode], capture_output=True, text=True, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(
-    __import__("platform").libc_ver()[0] != "glibc", reason="reads glibc's mallinfo2"
-)
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="reads glibc's mallinfo2")
 def test_the_fused_training_forward_leaves_no_holes_in_the_heap():
     """Every large temporary of the fused forward (a chunk of silu(gate) * up, RoPE's half
     copy, a norm's chunk) is freed before the next kept activation is allocated, so the heap
