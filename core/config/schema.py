@@ -332,8 +332,8 @@ class TrainingConfig(_Strict):
         description="On a CPU actor under Linux/glibc, keep the memory that tensors free for the "
         "next step instead of handing it back to the kernel (alignzoo.engine.malloc): a step's "
         "large activations are then not page-faulted in again every step. Process-wide; the "
-        "kept heap can fragment and raise peak memory at long sequences: false leaves malloc "
-        "as it is.",
+        "kept heap can fragment and raise peak memory (the lean forward of Qwen2/Llama avoids "
+        "most of it, other models' own forwards may not): false leaves malloc as it is.",
     )
     rollout_correction: RolloutCorrection = Field(
         default_factory=RolloutCorrection,

@@ -12,10 +12,13 @@ machine that was 290,000-420,000 page faults and about 14% of a decode-bound GRP
 :func:`keep_freed_memory` makes glibc serve such blocks from its heap and keep what is freed
 there for the next allocation, the way a GPU's caching allocator keeps freed blocks: after the
 first step a run allocates without page faults. The process keeps its resident memory at
-its high-water mark, and the heap's fragmentation can raise that mark above the live peak:
-at 64 x 134 tokens of the 25.8M model the peak stayed below TRL's, at 64 x 518 it was 14,965
-against 9,836 MB without the setting. It is process-wide and stays in force for the rest of
-the process.
+its high-water mark, and the heap's fragmentation can raise that mark above the live peak: a
+temporary freed after a later, longer-lived tensor was placed above it leaves a hole that the
+next, larger activation does not fit. The lean forward's fused training functions
+(alignzoo.engine.lean) free every large temporary before the next kept activation is
+allocated; with them a 64 x 518-token step of the 25.8M model peaked at 9.4 GB (14.97 GB with
+the plain ops, 9.8 GB without this setting; benchmarks/README.md). It is process-wide and
+stays in force for the rest of the process.
 """
 
 from __future__ import annotations
