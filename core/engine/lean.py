@@ -474,15 +474,26 @@ def _project_rotated(
     :class:`_RotateInPlace` in a fused training forward, by :func:`_rotate` otherwise.
     ``cos`` and ``sin`` are the rotary embedding's ``[B, T, D]``."""
     rows, width = x.shape[:2]
-    projected = linear(module, x)
-    # In place only on what a bare nn.Linear returns (its backward keeps its input, not its
-    # output); another module's output may be kept by its own backward.
-    bare = type(module) is torch.nn.Linear and not (
-        module._forward_hooks or module._forward_pre_hooks
-    )
-    if bare and _fused_training(projected) and cos.dtype == projected.dtype:
-        rotated = _RotateInPlace.apply(projected, cos, sin, heads)
+    # In place only on a bare nn.Linear's output (its backward keeps its input, not its
+    # output; another module's output may be kept by its own backward), computed here as one
+    # 2-D GEMM: rotating a view of it in place would make autograd rebuild the whole base
+    # tensor in the backward pass (as_strided), a copy of its size per projection.
+    weight = getattr(module, "weight", None)
+    if (
+        linear is _call
+        and type(module) is torch.nn.Linear
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and _fused_training(x)
+        and weight.dtype == x.dtype == cos.dtype
+    ):
+        flat, dim = x.reshape(-1, x.shape[-1]), cos.shape[-1]
+        if module.bias is None:
+            projected = flat.mm(weight.t())
+        else:
+            projected = torch.addmm(module.bias, flat, weight.t())
+        rotated = _RotateInPlace.apply(projected, cos.reshape(-1, dim), sin.reshape(-1, dim), heads)
         return rotated.view(rows, width, heads, head_dim).transpose(1, 2)
+    projected = linear(module, x)
     per_head = projected.view(rows, width, heads, head_dim).transpose(1, 2)
     return _rotate(per_head, cos.unsqueeze(1), sin.unsqueeze(1))
 
