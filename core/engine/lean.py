@@ -478,14 +478,14 @@ def _project_rotated(
     # output; another module's output may be kept by its own backward), computed here as one
     # 2-D GEMM: rotating a view of it in place would make autograd rebuild the whole base
     # tensor in the backward pass (as_strided), a copy of its size per projection.
-    weight = getattr(module, "weight", None)
     if (
         linear is _call
         and type(module) is torch.nn.Linear
         and not (module._forward_hooks or module._forward_pre_hooks)
         and _fused_training(x)
-        and weight.dtype == x.dtype == cos.dtype
+        and module.weight.dtype == x.dtype == cos.dtype
     ):
+        weight: torch.Tensor = module.weight
         flat, dim = x.reshape(-1, x.shape[-1]), cos.shape[-1]
         if module.bias is None:
             projected = flat.mm(weight.t())
