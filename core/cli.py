@@ -709,8 +709,12 @@ def export(
     """Write a run's policy as a folder from_pretrained loads, with a model card."""
     from alignzoo.experiment.export import export as write
 
-    folder = write(run_dir, out, step=step, merge=merge)
-    console.print(f"wrote {folder} (AutoModelForCausalLM.from_pretrained loads it)", markup=False)
+    chosen = write(run_dir, out, step=step, merge=merge)
+    console.print(
+        f"exported step {chosen.step} ({chosen.why}) from {chosen.folder}\n"
+        f"wrote {out} (AutoModelForCausalLM.from_pretrained loads it)",
+        markup=False,
+    )
 
 
 @new_app.command("plugin")

@@ -9,7 +9,10 @@ Layout of ``checkpoints/step-000010/``:
                                             python and numpy RNG states
 ``checkpoints/latest`` names the newest complete folder. A folder is written under a temporary
 name and renamed into place; ``latest`` is written to a temporary file and renamed too, so a
-kill at any moment leaves the previous checkpoint readable.
+kill at any moment leaves the previous checkpoint readable. A kill between the two renames
+leaves ``latest`` one checkpoint behind: the next resume rewrites it to name the checkpoint it
+resumes from (:func:`point_latest_at`) before anything else, and a run always checkpoints its
+final step, so a finished run's ``latest`` names the step its status.json reports.
 
 FSDP2-sharded models (``training.parallel: fsdp2``) are gathered into the same files through
 torch.distributed.checkpoint's state-dict API (:func:`gather_sharded`, every rank takes part,
@@ -298,20 +301,39 @@ def full_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def pointed_name(ckpt_dir: Path) -> str | None:
+    """The folder name ``checkpoints/latest`` holds (None when it is missing or unreadable)."""
+    try:
+        name = (ckpt_dir / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name or None
+
+
+def point_latest_at(folder: Path) -> str | None:
+    """Make ``latest`` (in ``folder``'s parent) name the checkpoint ``folder``, atomically.
+
+    Returns what it named before when it had to be rewritten (``"nothing"`` when it was
+    missing), None when it named ``folder`` already. The one rule every writer keeps: the
+    resume point and a finished run's final step are what ``latest`` names, so that a kill
+    between renaming a checkpoint into place and writing the pointer is repaired by the next
+    resume before anything else happens.
+    """
+    before = pointed_name(folder.parent)
+    if before == folder.name:
+        return None
+    _write_text_atomic(folder.parent / LATEST, folder.name + "\n")
+    return before or "nothing"
+
+
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     """The folder ``latest`` names (else the newest complete one), or None when there is none.
 
     Only complete checkpoints ever carry a ``step-*`` name (they are renamed into place).
     """
-    pointer = ckpt_dir / LATEST
-    if pointer.is_file():
-        try:
-            name = pointer.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            name = ""
-        folder = ckpt_dir / name
-        if name.startswith("step-") and (folder / "state.json").is_file():
-            return folder
+    name = pointed_name(ckpt_dir)
+    if name is not None and name.startswith("step-") and (ckpt_dir / name / "state.json").is_file():
+        return ckpt_dir / name
     complete = list(complete_checkpoints(ckpt_dir).values())
     return complete[-1] if complete else None
 

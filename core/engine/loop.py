@@ -32,10 +32,12 @@ from alignzoo.engine.assemble import Run, assemble
 from alignzoo.engine.checkpoint import (
     ResumePoint,
     TrainingState,
+    checkpoint_name,
     complete_checkpoints,
     find_resume_point,
     gather_sharded,
     load_checkpoint,
+    point_latest_at,
     save_checkpoint,
     truncate_jsonl,
 )
@@ -434,8 +436,24 @@ class _Loop:
             spent = distributed.broadcast_object(spent)
         return spent
 
+    def mirror_resume_point(self) -> None:
+        """A resumed run's checkpoint copied to the mirror when the mirror lacks it (a kill
+        between the local checkpoint and its upload; at the final step nothing else would)."""
+        folder = self.run.context.out_dir / CHECKPOINTS / checkpoint_name(self.state.step)
+        if self.mirror is None or self.state.step == 0 or not folder.is_dir():
+            return
+        try:
+            mirrored = self.state.step in self.mirror.complete()
+        except Exception as exc:  # the store unreachable: the next checkpoint tries again
+            self.log(f"checkpoint mirror {self.mirror.url} could not be listed: {exc}")
+            return
+        if not mirrored:
+            self.log(f"checkpoint {folder.name} is not in the mirror yet; copying it")
+            self.copy_to_mirror(folder)
+
     def loop(self) -> None:
         run, spec = self.run, self.run.spec
+        self.mirror_resume_point()
         if self.state.step == 0 and self.last_eval is None:
             self.evaluate()
         while not self.spent():
@@ -494,6 +512,11 @@ def run_one(
     if resume:  # a run folder without a checkpoint gets the mirror's newest, if it has one
         restore_from_mirror(loaded, arm, seed, source / CHECKPOINTS, log)
     point = resume_point(source, needs_critic(loaded, arm)) if resume else ResumePoint(None)
+    if point.folder is not None and resume_from is None:  # the pointer first (a kill between
+        before = point_latest_at(point.folder)  # a checkpoint's rename and its pointer)
+        if before is not None:
+            log(f"{CHECKPOINTS}/latest named {before}; it now names {point.folder.name}, the "
+                "checkpoint this run resumes from")  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     if point.folder is None:  # before on_run_start, so what plugins write there stays
         kept = archive_attempt(out_dir)

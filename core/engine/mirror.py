@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from alignzoo.engine.checkpoint import (
-    LATEST,
     checkpoint_manifest,
     complete_checkpoints,
     full_sha256,
+    point_latest_at,
 )
 from alignzoo.errors import UserError
 
@@ -134,7 +134,7 @@ def restore(mirror: Mirror, ckpt_dir: Path, log: Callable[..., None]) -> Path | 
         os.replace(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    (ckpt_dir / LATEST).write_text(name + "\n", encoding="utf-8")
+    point_latest_at(final)
     log(f"restored checkpoint {name} from the mirror {mirror.url}")
     return final
 

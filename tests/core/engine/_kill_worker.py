@@ -16,7 +16,8 @@ parent runs no torch op, so no thread pool exists when it forks. ``kill_at`` is
 - ``metrics``: right after step <step>'s metrics line is written;
 - ``ckpt-actor``: while writing the checkpoint of step <step>, after actor.safetensors;
 - ``ckpt-trainer``: the same, after trainer.pt;
-- ``ckpt-latest``: after the checkpoint folder is renamed into place, before ``latest``.
+- ``ckpt-latest``: after the checkpoint folder is renamed into place, before ``latest``;
+- ``ckpt-saved``: after ``latest`` names it, before it is mirrored and status.json rewritten.
 """
 
 from __future__ import annotations
@@ -77,7 +78,12 @@ def _install() -> None:
     def saving(ckpt_dir: Any, state: Any, *args: Any, **kwargs: Any) -> None:
         _where["saving"] = state.step
 
-    _wrap(checkpoint, "save_checkpoint", before=saving)
+    _wrap(
+        checkpoint,
+        "save_checkpoint",
+        before=saving,
+        after=lambda *a, **k: _maybe_die("ckpt-saved", _where["saving"]),
+    )
     loop.save_checkpoint = checkpoint.save_checkpoint
 
     def after_save_model(model: Any, path: str, *args: Any, **kwargs: Any) -> None:

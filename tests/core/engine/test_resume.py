@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,51 +94,6 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(write_experiment, tmp_
 
 
 PHASES = ("label", "eval", "metrics", "ckpt-actor", "ckpt-trainer", "ckpt-latest")
-
-
-class KillWorkers:
-    """Runs of one arm in children of one forked-from process (tests.core.engine._kill_worker):
-    each run is a process of its own, killed by SIGKILL at its point, without paying for
-    Python's and torch's imports every time."""
-
-    def __init__(self, logs: Path) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        self.logs, self.count = logs, 0
-        logs.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.core.engine._kill_worker"],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    def run(self, exp: Path, out: Path, resume: bool, kill_at: str | None) -> tuple[int, str]:
-        """One run (killed at ``kill_at``, or to the end): its exit code and its output."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.count += 1
-        log = self.logs / f"run-{self.count}.log"
-        job = {"experiment": str(exp), "arm": "grpo", "seed": 0, "out": str(out)}
-        job.update(resume=resume, kill_at=kill_at, log=str(log))
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        status = self.proc.stdout.readline()
-        output = log.read_text() if log.exists() else ""
-        assert status, f"the kill worker itself died\n{output}"
-        return int(status), output
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
-
-@pytest.fixture
-def kill_workers(tmp_path: Path) -> Iterator[KillWorkers]:
-    workers = KillWorkers(tmp_path / "worker-logs")
-    yield workers
-    workers.close()
 
 
 @pytest.mark.slow

@@ -106,7 +106,7 @@ def test_the_report_compares_at_the_best_kept_checkpoint_when_asked(tmp_path: Pa
 def test_pruning_keeps_the_best_evaluated_checkpoint_for_export_step_best(
     tmp_path: Path, engine_cache: Path
 ) -> None:
-    from alignzoo.experiment.export import _checkpoint
+    from alignzoo.experiment.export import choose_checkpoint
 
     summary = _falling_run(tmp_path, "keep", budget={"steps": 5}, training={"checkpoint_every": 1})
     assert summary.status == "finished", summary.error
@@ -115,5 +115,5 @@ def test_pruning_keeps_the_best_evaluated_checkpoint_for_export_step_best(
     kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
     # the last two, and step 1: the best evaluation that has a checkpoint (step 0 has none)
     assert kept == ["step-000001", "step-000004", "step-000005"]
-    best = _checkpoint(tmp_path / "run", "best", "eval/score", True)
+    best = choose_checkpoint(tmp_path / "run", "best", "eval/score", True).folder
     assert best.name == "step-000001"
