@@ -284,24 +284,36 @@ def labeler_swap(
         bool,
         typer.Option(help="Score alongside the current labeler, not trained on, until promoted."),
     ] = False,
+    at_step: Annotated[
+        Optional[int],  # noqa: UP045 - typer reads the annotation at run time
+        typer.Option(min=1, help="Apply before this training step (default: the next one)."),
+    ] = None,
 ) -> None:
     """Validate a new labeler and ask every unfinished run under RUN_DIR to use it."""
     from alignzoo.labeling.swap import request
 
-    runs = request(run_dir, "shadow" if shadow else "swap", labeler)
+    runs = request(run_dir, "shadow" if shadow else "swap", labeler, at_step=at_step)
     what = "shadow labeler" if shadow else "labeler swap"
-    console.print(f"{what} requested for {len(runs)} run(s); applied before their next step")
+    console.print(f"{what} requested for {len(runs)} run(s); applied before {_when(at_step)}")
+
+
+def _when(at_step: int | None) -> str:
+    return "their next step" if at_step is None else f"step {at_step}"
 
 
 @labeler_app.command("promote")
 def labeler_promote(
     run_dir: Annotated[Path, typer.Argument(help="A run folder or an experiment folder.")],
+    at_step: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(min=1, help="Apply before this training step (default: the next one)."),
+    ] = None,
 ) -> None:
     """Make the shadow labeler the labeler of every unfinished run under RUN_DIR."""
     from alignzoo.labeling.swap import request
 
-    runs = request(run_dir, "promote")
-    console.print(f"promotion requested for {len(runs)} run(s); applied before their next step")
+    runs = request(run_dir, "promote", at_step=at_step)
+    console.print(f"promotion requested for {len(runs)} run(s); applied before {_when(at_step)}")
 
 
 @app.command()

@@ -158,10 +158,35 @@ ATTEMPTS = "attempts"
 ERROR_LOG = "error.log"
 
 
+BESIDE_CHECKPOINTS: dict[str, str] = {
+    "*.jsonl": "the engine's and plugins' streams (metrics, eval, samples, swaps, rlhf_rounds, "
+    "...): cut back to the checkpoint's step, the lines cut copied whole into attempts/<n>/",
+    "control/": "labeler swap requests and applied.jsonl, the ledger of those the run took "
+    "and before which step: kept; a resume takes each again before that same step",
+    "rlhf/": "iterated-RLHF rounds (their pairs, judgements and reward models): kept; a round "
+    "replayed after a resume reads its files back instead of asking or training again",
+    "labels.sqlite": "the label store: kept, across restarts too (a label is a function of "
+    "the labeler's identity and the sample, whichever attempt asked for it)",
+    "checkpoint run.state": "in each checkpoint: the labeler and shadow in use, reward "
+    "normalisation and drift baselines, the components' own state",
+    "status.json, provenance.json, config.yaml": "rewritten by every attempt (provenance keeps "
+    "one session per attempt)",
+}
+"""What a run keeps beside its checkpoints and how each is brought back to a checkpoint's step
+on resume. A run that starts over from step 0 moves everything :func:`history_files` lists
+into ``attempts/<n>/`` (the label store stays)."""
+
+
 def history_files(out: Path) -> list[Path]:
-    """What a run has written that an earlier attempt may have left: every jsonl stream
-    (the engine's and plugins'), error.log and the checkpoints folder."""
+    """What a run has written that an earlier attempt may have left and a run starting over
+    must not reuse: every jsonl stream (the engine's and plugins'), error.log, the
+    checkpoints, the labeler requests and their ledger (``control/``) and the iterated-RLHF
+    rounds (``rlhf/``)."""
+    from alignzoo.human.iterate import FOLDER as RLHF
+    from alignzoo.labeling.swap import CONTROL
+
     files = [*sorted(out.glob("*.jsonl")), out / ERROR_LOG, out / CHECKPOINTS]
+    files += [out / CONTROL.parent, out / RLHF]
     return [p for p in files if p.exists()]
 
 

@@ -23,8 +23,11 @@ Every part of a round leaves a file and is skipped when its file exists, so a ru
 the middle of a round and resumed does it again without asking anyone twice: the round's pairs
 are recorded in ``rlhf/round-<k>.json`` once queued (a resumed round judges those, never new
 ones; the queue keeps every judgement given), the reward model is written to a temporary
-folder and renamed into place when complete, and the swap request has the round's id, which the
-run applies once. The round runs outside the run's random streams (its draws have seeds of their
+folder and renamed into place when complete, and the swap request has the round's id and is
+due before the round's step, which the run applies once, at that step (a resume from an earlier
+checkpoint applies it again at that step, from the ledger: :mod:`alignzoo.labeling.swap`). The
+round's reward model is named relative to the run folder, so the run resumes wherever its folder
+lies. The round runs outside the run's random streams (its draws have seeds of their
 own and torch's generator is restored after it), so a run with rounds resumes exactly as it
 would have gone on.
 """
@@ -101,9 +104,10 @@ class Rounds:
         items = self._queued(k, step)
         row["pairs_queued"] = len(items)
         if self.simulation is not None:
-            row["judgements_stored"] = self._simulate(items)
+            self._simulate(items)  # those judged before a kill are not asked again
+            row["judgements_stored"] = self._judgements(items)
         current = self.current_reward_model()
-        row["warm_start"] = current
+        row["warm_start"] = self._shown(current)
         out = self.folder / f"rm-{k}"
         if not out.is_dir():
             pairs = self._training_data(k)
@@ -126,20 +130,28 @@ class Rounds:
             )
             return self._record(row)
         ref = self.run.context.arm_spec.labeler
-        params = {**ref.params, "path": str(out)}
+        relative = out.relative_to(self.run.context.out_dir).as_posix()
         request = {
             "id": f"rlhf-round-{k}",
             "action": "swap",
-            "labeler": {"name": ref.name, "params": params},
+            "not_before": step + 1,  # this step, also when a resume replays the round
+            "labeler": {
+                "name": ref.name,
+                "params": {**ref.params, "path": relative},
+                swap.RUN_RELATIVE: ["path"],  # the run folder may move
+            },
         }
-        control = Path(self.run.context.out_dir) / swap.CONTROL
-        control.parent.mkdir(parents=True, exist_ok=True)
-        tmp = control.with_suffix(".tmp")
-        tmp.write_text(json.dumps(request), encoding="utf-8")  # JSON is YAML
-        tmp.replace(control)
+        swap.write_request(Path(self.run.context.out_dir), request)
         row["swapped"] = True
-        row["reward_model"] = str(out)
+        row["reward_model"] = relative
         return self._record(row)
+
+    def _shown(self, path: str) -> str:
+        """A reward model's folder as the round's record names it: relative to the run folder
+        when it lies inside it, so the record stays true when the folder moves."""
+        root = Path(self.run.context.out_dir).resolve()
+        found = Path(path).resolve()
+        return found.relative_to(root).as_posix() if found.is_relative_to(root) else path
 
     def _record(self, row: dict[str, Any]) -> dict[str, Any]:
         self.run.context.record(STREAM, row)
@@ -191,6 +203,18 @@ class Rounds:
                 plain = {c: v for c, v in extra.items() if isinstance(v, (str, int, float, bool))}
                 kept.append({**plain, "rlhf_round": k})
         return pairs, kept
+
+    def _judgements(self, items: list[int]) -> int:
+        """How many judgements the queue holds for ``items`` (given in this attempt or an
+        earlier one: the round's count is the same whatever was killed)."""
+        from alignzoo.human.queue import HumanQueue
+
+        wanted = set(items)
+        queue = HumanQueue(self.queue_dir)
+        try:
+            return sum(len(given) for item, given in queue.items() if item.id in wanted)
+        finally:
+            queue.close()
 
     def _simulate(self, items: list[int]) -> int:
         from alignzoo.human.queue import HumanQueue
@@ -250,6 +274,9 @@ class Rounds:
         """The folder of the reward model labeling now: the last swap's, else the arm's."""
         from alignzoo.labeling import swap
 
-        head = (self.run.context.state.get(swap.STATE_KEY) or {}).get("head") or {}
-        path = (head.get("params") or {}).get("path")
-        return str(path or self.run.context.arm_spec.labeler.params["path"])
+        head = (self.run.context.state.get(swap.STATE_KEY) or {}).get("head")
+        if head:
+            path = swap.resolve_ref(head, Path(self.run.context.out_dir)).params.get("path")
+            if path:
+                return str(path)
+        return str(self.run.context.arm_spec.labeler.params["path"])

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -104,6 +105,21 @@ class Pair:
     prompt: str
     chosen: str
     rejected: str
+
+
+def recorded_path(path: str | Path, out: str | Path) -> str:
+    """``path`` as ``train_rm.json`` records it: relative to the output folder ``out`` when it
+    lies in the folder that holds ``out`` (a pipeline's or a run's own files: the warm start
+    and preferences beside it), so the record stays true when that folder is moved or read
+    from another working directory; anything else (a hub id, a model elsewhere) as given."""
+    given = Path(path).expanduser()
+    if not given.exists():
+        return str(path)
+    home = Path(out).absolute()
+    found = given.absolute()
+    if not found.is_relative_to(home.parent):
+        return str(found)
+    return os.path.relpath(found, home)
 
 
 @dataclass
@@ -449,8 +465,8 @@ def train_reward_model(
     warning = heldout_warning(final["accuracy"], len(held))
     probes = probe(model, tokenizer, held, perturbations or negatives, max_length)
     report = RewardModelReport(
-        base=str(base),
-        data=str(data),
+        base=recorded_path(base, out),
+        data=recorded_path(data, out),
         train_pairs=len(train),
         heldout_pairs=len(held),
         synthetic_negatives=added,

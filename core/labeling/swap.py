@@ -12,7 +12,16 @@ The run reads the request before each step (:func:`poll`). A labeler that fails 
 start there is rejected and the old one keeps running. Every request is recorded in the run's
 ``swaps.jsonl`` (applied or rejected, at which step; the report lists them and says when the
 arms were labeled differently), and the labeler in use is kept in ``run.state``, so a resumed
-run labels with the labeler it had at its checkpoint and then applies any newer request.
+run labels with the labeler it had at its checkpoint.
+
+Resume: a request is taken no earlier than its ``not_before`` step (``--at-step``, else the step
+after the last one the run had finished when it was made), and when the run takes it, it
+appends the request and the step to ``control/applied.jsonl`` first: a ledger that is never
+cut back. A run resumed from an earlier checkpoint applies each ledger entry again before the
+step it was applied at (not at once, and never twice), so it changes labelers exactly where the
+uninterrupted run did; a run that starts over from step 0 has ``control/`` moved aside with the
+killed attempt. Paths a request names inside the run folder are kept relative to it
+(``run_relative``), so a run folder resumes from any working directory, moved or restored.
 """
 
 from __future__ import annotations
@@ -30,7 +39,13 @@ from alignzoo.config.schema import ComponentRef
 from alignzoo.errors import UserError
 
 CONTROL = Path("control") / "labeler.yaml"
+"""The pending request: the last one written (atomically) by the command or by a round."""
+LEDGER = Path("control") / "applied.jsonl"
+"""Every request the run took, in order, with the step it was taken before (append-only)."""
 STATE_KEY = "labeling"
+RUN_RELATIVE = "run_relative"
+"""A request's labeler may list params (``run_relative: [path]``) that are paths relative to
+the run folder: resolved against the folder the run is in whenever the labeler is built."""
 
 
 def build_labeler(ref: ComponentRef) -> Any:
@@ -66,8 +81,14 @@ def run_folders(folder: Path) -> list[Path]:
     return [p for p in candidates if read_status(p).get("status") != "finished"]
 
 
-def request(folder: Path, action: str, labeler_file: Path | None = None) -> list[Path]:
-    """Validate and write a swap / shadow / promote request into every unfinished run folder."""
+def request(
+    folder: Path, action: str, labeler_file: Path | None = None, at_step: int | None = None
+) -> list[Path]:
+    """Validate and write a swap / shadow / promote request into every unfinished run folder.
+
+    ``at_step``: take it before that training step (a step not trained yet), which makes the
+    step a swap happens at reproducible; else before the first step after the last one each
+    run has finished (or the next one, if that one has begun)."""
     if not folder.is_dir():
         raise UserError(f"run folder not found: {folder}")
     payload: dict[str, Any] = {"action": action, "id": f"{time.time():.6f}-{uuid.uuid4().hex[:8]}"}
@@ -84,12 +105,100 @@ def request(folder: Path, action: str, labeler_file: Path | None = None) -> list
     if action == "promote":
         runs = _with_a_shadow(folder, runs)
     for run in runs:
-        path = run / CONTROL
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(yaml.safe_dump(payload), encoding="utf-8")
-        tmp.replace(path)
+        done = finished_step(run)
+        if at_step is not None and at_step <= done:
+            raise UserError(
+                f"--at-step {at_step}: {run} has trained step {done} already; give a later step"
+            )
+        row = {**payload, "not_before": at_step if at_step is not None else done + 1}
+        if "labeler" in payload:
+            row["labeler"] = portable_ref(payload["labeler"], run)
+        write_request(run, row)
     return runs
+
+
+def write_request(run: Path, payload: dict[str, Any]) -> None:
+    """``payload`` as the pending request of the run folder ``run`` (atomically)."""
+    path = run / CONTROL
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(payload), encoding="utf-8")
+    tmp.replace(path)
+
+
+def finished_step(run: Path) -> int:
+    """The last step the run in ``run`` has finished (its last metrics line; 0 before any)."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    last = 0
+    for raw in path.read_bytes().splitlines():
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue  # a line cut by a kill
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            last = max(last, row["step"])
+    return last
+
+
+def portable_ref(labeler: dict[str, Any], run: Path) -> dict[str, Any]:
+    """A labeler spec as a run folder keeps it: each string param that names an existing path
+    (relative to the working directory) made absolute, or relative to ``run`` and listed in
+    ``run_relative`` when it lies inside the run folder, so the request means the same file
+    from any working directory and after the folder is moved."""
+    params = dict(labeler.get("params") or {})
+    relative = list(labeler.get(RUN_RELATIVE) or [])
+    root = run.resolve()
+    for key, value in params.items():
+        if key in relative or not isinstance(value, str) or not value or "\n" in value:
+            continue
+        try:
+            found = Path(value).expanduser()
+            if not found.exists():
+                continue
+            found = found.resolve()
+        except (OSError, ValueError):
+            continue
+        if found.is_relative_to(root):
+            params[key] = found.relative_to(root).as_posix()
+            relative.append(key)
+        else:
+            params[key] = str(found)
+    out = {**labeler, "params": params}
+    if relative:
+        out[RUN_RELATIVE] = relative
+    return out
+
+
+def resolve_ref(labeler: dict[str, Any], run: Path) -> ComponentRef:
+    """The labeler a request or ``run.state`` names, its ``run_relative`` params resolved
+    against the run folder ``run`` (where the run is now)."""
+    spec = dict(labeler)
+    relative = spec.pop(RUN_RELATIVE, None) or []
+    params = dict(spec.get("params") or {})
+    for key in relative:
+        if isinstance(params.get(key), str):
+            params[key] = str(Path(run) / params[key])
+    return ComponentRef.model_validate({**spec, "params": params})
+
+
+def read_ledger(run: Path) -> list[dict[str, Any]]:
+    """The requests the run took, in order: ``{"step": n, "request": {...}}`` rows (a line cut
+    by a kill is left out)."""
+    path = run / LEDGER
+    if not path.is_file():
+        return []
+    rows = []
+    for raw in path.read_bytes().splitlines():
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        ok = isinstance(row, dict) and isinstance(row.get("step"), int)
+        if ok and isinstance(row.get("request"), dict):
+            rows.append(row)
+    return rows
 
 
 def shadow_of(run: Path) -> str | None:
@@ -156,24 +265,47 @@ def _slot(ref: ComponentRef, stage: Any, context: Any) -> Any:
 def restore(stage: Any, context: Any) -> None:
     """After a resume: label with the labeler (and shadow) recorded in ``run.state``."""
     state = context.state.get(STATE_KEY) or {}
+    run = Path(context.out_dir)
     if state.get("head"):
-        stage.replace_head(_slot(ComponentRef.model_validate(state["head"]), stage, context))
+        stage.replace_head(_slot(resolve_ref(state["head"], run), stage, context))
     if state.get("shadow"):
-        stage.set_shadow(_slot(ComponentRef.model_validate(state["shadow"]), stage, context))
+        stage.set_shadow(_slot(resolve_ref(state["shadow"], run), stage, context))
 
 
 def poll(stage: Any, context: Any, log: Any = print) -> None:
-    """Apply a new request in the run folder, if there is one (called before each step)."""
-    path = Path(context.out_dir) / CONTROL
+    """Before each step: take again what the ledger says was taken before this step (a resumed
+    run), then the pending request if it is new and due (see the module docstring)."""
+    run, step = Path(context.out_dir), context.step
+    state = context.state.setdefault(STATE_KEY, {})
+    ledger = read_ledger(run)
+    for entry in ledger:
+        if entry["step"] == step:
+            _apply(entry["request"], stage, context, state, log)
+    path = run / CONTROL
     if not path.is_file():
         return
-    state = context.state.setdefault(STATE_KEY, {})
     try:
         payload = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return  # being written: the next step reads it
-    if not isinstance(payload, dict) or payload.get("id") == state.get("applied"):
+    if not isinstance(payload, dict):
         return
+    taken = {entry["request"].get("id") for entry in ledger}
+    if payload.get("id") in taken or payload.get("id") == state.get("applied"):
+        return
+    not_before = payload.get("not_before")
+    if isinstance(not_before, int) and step < not_before:
+        return
+    from alignzoo.engine.sinks import append_jsonl
+
+    append_jsonl(run / LEDGER, {"step": step, "request": payload})  # before it takes effect
+    _apply(payload, stage, context, state, log)
+
+
+def _apply(
+    payload: dict[str, Any], stage: Any, context: Any, state: dict[str, Any], log: Any
+) -> None:
+    """Take one request (swap, shadow or promote) and record it in ``swaps.jsonl``."""
     state["applied"] = payload.get("id")
     action = str(payload.get("action"))
     row: dict[str, Any] = {"action": action, "request": payload.get("id")}
@@ -187,8 +319,11 @@ def poll(stage: Any, context: Any, log: Any = print) -> None:
             state["head"], state["shadow"] = state.get("shadow"), None
             row["labeler"] = state["head"]
         else:
-            ref = ComponentRef.model_validate(payload.get("labeler"))
-            row["labeler"] = ref.model_dump(mode="json")
+            labeler = payload.get("labeler")
+            if not isinstance(labeler, dict):
+                raise UserError("the request names no labeler ({name: ..., params: {...}})")
+            ref = resolve_ref(labeler, Path(context.out_dir))  # validated before it is kept
+            row["labeler"] = dict(labeler)
             slot = _slot(ref, stage, context)
             if action == "shadow":
                 stage.set_shadow(slot)

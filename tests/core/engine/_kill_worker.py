@@ -17,7 +17,10 @@ parent runs no torch op, so no thread pool exists when it forks. ``kill_at`` is
 - ``ckpt-actor``: while writing the checkpoint of step <step>, after actor.safetensors;
 - ``ckpt-trainer``: the same, after trainer.pt;
 - ``ckpt-latest``: after the checkpoint folder is renamed into place, before ``latest``;
-- ``ckpt-saved``: after ``latest`` names it, before it is mirrored and status.json rewritten.
+- ``ckpt-saved``: after ``latest`` names it, before it is mirrored and status.json rewritten;
+- ``rlhf-retrain``: in the iterated-RLHF round before step <step>, once its reward model is
+  trained (before its swap is requested);
+- ``rlhf-request``: the same, once the swap is requested (before the run takes it).
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from typing import Any
 
 from alignzoo.config.loader import load_experiment
 from alignzoo.engine import checkpoint, loop, sinks
+from alignzoo.human import iterate
 from alignzoo.labeling import callers as labeling
+from alignzoo.labeling import swap
 
-_where: dict[str, Any] = {"step": 0, "saving": None, "calls": 0}
+_where: dict[str, Any] = {"step": 0, "saving": None, "calls": 0, "round": None}
 _kill: dict[str, Any] = {"step": -1, "phase": ""}  # set in each forked child
 
 
@@ -102,6 +107,17 @@ def _install() -> None:
             _maybe_die("ckpt-latest", _where["saving"])
 
     _wrap(checkpoint, "_write_text_atomic", before=before_latest)
+
+    def before_round(self: Any, k: int, step: int) -> None:
+        _where["round"] = step + 1  # the round runs before this step
+
+    _wrap(iterate.Rounds, "round", before=before_round)
+    _wrap(
+        iterate.Rounds,
+        "_retrain",
+        after=lambda *a, **k: _maybe_die("rlhf-retrain", _where["round"]),
+    )
+    _wrap(swap, "write_request", after=lambda *a, **k: _maybe_die("rlhf-request", _where["round"]))
 
 
 def _run(job: dict[str, Any]) -> int:

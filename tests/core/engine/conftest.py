@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -208,3 +209,83 @@ def kill_workers(tmp_path: Path) -> Iterator[KillWorkers]:
     workers = KillWorkers(tmp_path / "worker-logs")
     yield workers
     workers.close()
+
+
+# Keys whose values are clocks or depend on the machine's load, not on what was trained.
+TIMED = ("time_s", "wall_clock_s", "tokens_per_s", "peak_memory_mb", "timing/", "throughput/",
+         "memory/", "labeler/", "created", "seconds", "elapsed", "_at")  # fmt: skip
+# Files whose bytes hold clocks or per-attempt records (compared elsewhere, or not at all):
+# labels_slowest.jsonl names the labeler calls that took longest, a matter of timing.
+UNCOMPARED = ("provenance.json", "error.log", "labels_slowest.jsonl", ".sqlite", ".sqlite-wal",
+              ".sqlite-shm", ".lock")  # fmt: skip
+
+
+# A labeler request's id: the clock when it was made and a random tail (two runs that make the
+# same request at the same step give it two ids).
+REQUEST_ID = re.compile(r"\b\d{9,}\.\d{6}-[0-9a-f]{8}\b")
+
+
+def _timed(key: str) -> bool:
+    return key.startswith(TIMED) or key.endswith(TIMED)
+
+
+def _normalised(value: Any, roots: tuple[str, ...]) -> Any:
+    """``value`` without timed keys, with each run folder's own path written as ``RUN``."""
+    if isinstance(value, dict):
+        return {k: _normalised(v, roots) for k, v in value.items() if not _timed(str(k))}
+    if isinstance(value, list):
+        return [_normalised(v, roots) for v in value]
+    if isinstance(value, str):
+        for root in roots:
+            value = value.replace(root, "RUN")
+        return REQUEST_ID.sub("REQUEST", value)
+    return value
+
+
+def run_files(root: Path) -> dict[str, Path]:
+    """Every file a run wrote into ``root`` (relative name -> path), without the earlier
+    attempts' copies and the files :data:`UNCOMPARED` names."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        name = path.relative_to(root).as_posix()
+        if path.is_file() and not name.startswith("attempts/") and not name.endswith(UNCOMPARED):
+            found[name] = path
+    return found
+
+
+def assert_same_run_files(expected: Path, got: Path, why: str = "") -> None:
+    """Every file of the run folder ``got`` equals ``expected``'s: the same names, JSON lines
+    and JSON equal but for clocks and the folders' own paths, safetensors tensor for tensor,
+    anything else byte for byte."""
+    import torch
+    from safetensors.torch import load_file
+
+    want, have = run_files(expected), run_files(got)
+    assert sorted(have) == sorted(want), f"{why}: files differ: {sorted(set(have) ^ set(want))}"
+    roots_want = (str(expected.resolve()), str(expected))
+    roots_have = (str(got.resolve()), str(got))
+    for name, path in want.items():
+        other = have[name]
+        if name.endswith(".jsonl"):
+            a = _normalised(read_jsonl(path), roots_want)
+            b = _normalised(read_jsonl(other), roots_have)
+        elif name.endswith(".json"):
+            a = _normalised(json.loads(path.read_text()), roots_want)
+            b = _normalised(json.loads(other.read_text()), roots_have)
+        elif name.endswith(".yaml"):
+            a = _normalised(yaml.safe_load(path.read_text()), roots_want)
+            b = _normalised(yaml.safe_load(other.read_text()), roots_have)
+        elif name.endswith(".safetensors"):
+            a, b = load_file(str(path)), load_file(str(other))
+            assert sorted(a) == sorted(b), f"{why}: {name}: other tensors"
+            same = [k for k in a if torch.equal(a[k], b[k])]
+            assert len(same) == len(a), f"{why}: {name}: {len(a) - len(same)} tensors differ"
+            continue
+        elif name.endswith(".pt"):
+            a = torch.load(path, weights_only=True)
+            b = torch.load(other, weights_only=True)
+            assert repr(a) == repr(b), f"{why}: {name} differs"
+            continue
+        else:
+            a, b = path.read_bytes(), other.read_bytes()
+        assert a == b, f"{why}: {name} differs"

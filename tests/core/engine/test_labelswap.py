@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from importlib import metadata
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import pytest
 import yaml
 
 from alignzoo import cli
@@ -18,7 +19,7 @@ from alignzoo.labeling.swap import CONTROL, request
 from alignzoo.plugin import Modifier, hookimpl
 from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 
-from .conftest import back_to_checkpoint, read_jsonl, tiny_experiment
+from .conftest import assert_same_run_files, back_to_checkpoint, read_jsonl, tiny_experiment
 
 REGEX = {
     "name": "regex",
@@ -29,13 +30,15 @@ REGEX = {
 class Operator(Modifier):
     """Plays the researcher at the console: requests changes while the run goes on."""
 
-    plan: ClassVar[dict[int, tuple[str, Path | None]]] = {}
+    plan: ClassVar[dict[int, tuple[Any, ...]]] = {}  # step -> (action, labeler file[, at])
 
     @hookimpl
     def on_step_end(self, run, step, metrics):
         if step in self.plan:
-            action, path = self.plan[step]
-            if action == "broken":  # a request the command could not have refused
+            action, path, *at = self.plan[step]
+            if at:
+                request(Path(run.out_dir), action, path, at_step=at[0])
+            elif action == "broken":  # a request the command could not have refused
                 (Path(run.out_dir) / CONTROL).write_text(yaml.safe_dump(
                     {"action": "swap", "id": f"bad-{step}",
                      "labeler": {"name": "reward_model", "params": {"path": "/no/such/rm"}}}))  # fmt: skip
@@ -138,3 +141,67 @@ def test_promote_needs_a_running_shadow(tmp_path, capsys):
     with (run / "swaps.jsonl").open("a") as fh:
         fh.write(json.dumps(promoted) + "\n")
     assert cli.main(["labeler", "promote", str(run)]) == 2  # already promoted
+
+
+PLANS = {  # each request made after step 3's checkpoint and taken before the kill
+    "swap": ({4: ("swap", "regex")}, [("swap", "applied", 5)]),
+    "shadow then promote": (
+        {3: ("shadow", "regex"), 4: ("promote", None)},
+        [("shadow", "applied", 4), ("promote", "applied", 5)],
+    ),
+    "swap at a chosen step": ({1: ("swap", "regex", 5)}, [("swap", "applied", 5)]),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_a_request_taken_after_the_checkpoint_is_taken_again_at_its_step_on_resume(
+    write_experiment, tmp_path, plan
+):
+    """Killed after the request was taken and before the next checkpoint (every 3 steps): the
+    resume from step 3 takes it again before the step it was taken at, not before step 4, and
+    every file ends as the uninterrupted run's (a shadow is there to be promoted)."""
+    spec_file = tmp_path / "regex.yaml"
+    spec_file.write_text(yaml.safe_dump(REGEX))
+    registry = Registry(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    registry.register(Operator, "operator")
+    steps, expected = PLANS[plan]
+    spec = tiny_experiment(
+        budget={"steps": 5},  # checkpoints after steps 3 and 5, both kept
+        training={"checkpoint_every": 3},
+        evaluation={"every": 4, "num_prompts": 8},
+        arms={"grpo": {"algorithm": "grpo", "labeler": "arithmetic", "modifiers": ["operator"]}},
+    )
+    loaded = load_experiment(write_experiment(spec), registry=registry)
+    runs = {}
+    for name in ("full", "killed"):
+        Operator.plan = {
+            step: (action, spec_file if path else None, *at)
+            for step, (action, path, *at) in steps.items()
+        }
+        runs[name] = tmp_path / name
+        assert run_one(loaded, "grpo", 0, runs[name]).status == "finished"
+    swaps = [
+        (r["action"], r["status"], r["step"]) for r in read_jsonl(runs["full"] / "swaps.jsonl")
+    ]
+    assert swaps == expected
+
+    back_to_checkpoint(runs["killed"], 3)  # as after a kill before the step-5 checkpoint
+    Operator.plan = {}  # the requests were made before the kill
+    assert run_one(loaded, "grpo", 0, runs["killed"], resume=True).status == "finished"
+    assert_same_run_files(runs["full"], runs["killed"], plan)
+
+
+def test_at_step_must_name_a_step_not_trained_yet(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("{}")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    spec_file = tmp_path / "regex.yaml"
+    spec_file.write_text(yaml.safe_dump(REGEX))
+    assert cli.main(["labeler", "swap", str(run), str(spec_file), "--at-step", "2"]) == 2
+    assert "has trained step 2 already" in capsys.readouterr().err
+    assert not (run / CONTROL).exists()
+    assert cli.main(["labeler", "swap", str(run), str(spec_file)]) == 0
+    assert yaml.safe_load((run / CONTROL).read_text())["not_before"] == 3
+    assert cli.main(["labeler", "swap", str(run), str(spec_file), "--at-step", "5"]) == 0
+    assert yaml.safe_load((run / CONTROL).read_text())["not_before"] == 5

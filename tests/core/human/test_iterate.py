@@ -50,14 +50,19 @@ def test_a_round_is_due_after_every_n_steps_but_not_after_the_last() -> None:
     assert due(cfg, 7) == 3  # no step budget: every multiple
 
 
-def _experiment(tmp_path: Path, base_model: str) -> Path:
-    _pairs(tmp_path / "prefs.jsonl")
-    train_reward_model(tmp_path / "prefs.jsonl", base_model, tmp_path / "rm0", epochs=1, lr=3e-3)
-    (tmp_path / "annotators.yaml").write_text(yaml.safe_dump(ANNOTATORS), encoding="utf-8")
+def _experiment(tmp_path: Path, base_model: str, steps: int = 5, checkpoint_every: int = 2) -> Path:
+    """An iterated-RLHF experiment (a round every 2 steps) in ``tmp_path``; its first reward
+    model is trained there once."""
+    if not (tmp_path / "rm0").is_dir():
+        _pairs(tmp_path / "prefs.jsonl")
+        train_reward_model(
+            tmp_path / "prefs.jsonl", base_model, tmp_path / "rm0", epochs=1, lr=3e-3
+        )
+        (tmp_path / "annotators.yaml").write_text(yaml.safe_dump(ANNOTATORS), encoding="utf-8")
     spec = tiny_experiment(
         name="iterated",
-        budget={"steps": 5},
-        training={"checkpoint_every": 2},
+        budget={"steps": steps},
+        training={"checkpoint_every": checkpoint_every},
         evaluation={"every": 5, "num_prompts": 4},
         arms={
             "grpo": {
@@ -77,7 +82,7 @@ def _experiment(tmp_path: Path, base_model: str) -> Path:
             }
         },
     )
-    path = tmp_path / "exp.yaml"
+    path = tmp_path / f"exp-{steps}-{checkpoint_every}.yaml"
     path.write_text(yaml.safe_dump(spec), encoding="utf-8")
     return path
 
@@ -158,12 +163,13 @@ def test_rounds_retrain_and_swap_and_a_kill_between_retrain_and_swap_resumes(
     rounds = read_jsonl(out / "rlhf_rounds.jsonl")
     assert [r["round"] for r in rounds] == [1, 2]  # each once, after steps 2 and 4
     assert [r["after_step"] for r in rounds] == [2, 4]
-    assert rounds[0]["judgements_stored"] == 0  # all given before the kill
-    assert rounds[1]["judgements_stored"] == 3 * rounds[1]["pairs_queued"] > 0
+    # every pair's three judgements, those given before the kill included
+    assert [r["judgements_stored"] for r in rounds] == [3 * r["pairs_queued"] for r in rounds]
+    assert rounds[1]["judgements_stored"] > 0
     assert all(r["swapped"] for r in rounds)
     # round 2 warm-starts from round 1's reward model and trains on more pairs
     assert rounds[0]["warm_start"] == str(tmp_path / "rm0")
-    assert rounds[1]["warm_start"] == str(rlhf / "rm-1")
+    assert rounds[1]["warm_start"] == "rlhf/rm-1"  # inside the run folder: relative to it
     assert rounds[1]["training_pairs"] > rounds[0]["training_pairs"]
     # the swaps went through the hot-swap machinery, once each
     swaps = read_jsonl(out / "swaps.jsonl")
@@ -171,5 +177,6 @@ def test_rounds_retrain_and_swap_and_a_kill_between_retrain_and_swap_resumes(
         ("rlhf-round-1", "applied"),
         ("rlhf-round-2", "applied"),
     ]
-    assert swaps[1]["labeler"]["params"]["path"] == str(rlhf / "rm-2")
+    assert swaps[1]["labeler"]["params"]["path"] == "rlhf/rm-2"
+    assert swaps[1]["labeler"]["run_relative"] == ["path"]
     assert json.loads((out / "status.json").read_text())["status"] == "finished"
