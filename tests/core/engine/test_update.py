@@ -91,7 +91,11 @@ def test_a_large_vocabulary_runs_the_head_in_chunks_with_the_same_numbers(
     chunked = run(chunked=True)
     assert len(chunked) == len(whole)
     for mine, theirs in zip(chunked, whole, strict=True):
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        # The gradients sum the positions' terms in another order (chunk by chunk): float32
+        # rounding of that order, scaled by the tensor's size, is all that may differ (seen:
+        # 1.1e-6 on one element of 8,256 on an AVX2 EPYC); a wrong chunk would be off by O(1).
+        scale = float(theirs.abs().max().clamp(min=1.0))
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5 * scale)
 
 
 class FnAlgorithm(Algorithm):
