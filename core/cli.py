@@ -1200,8 +1200,14 @@ def train_rm(
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
     try:
-        # Standalone mode: typer/click report usage errors themselves (exit 2) and raise SystemExit.
-        app(args=argv, standalone_mode=True)
+        try:
+            # Standalone mode: typer/click report usage errors themselves (exit 2) and raise
+            # SystemExit.
+            app(args=argv, standalone_mode=True)
+        finally:
+            from alignzoo import distributed
+
+            distributed.shutdown()  # under torchrun: every rank leaves the group, on any path
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except AlignzooError as exc:

@@ -111,6 +111,19 @@ def init_from_env() -> bool:
     return active()
 
 
+def shutdown() -> None:
+    """Leave the process group, if this process joined one: called on every exit path of the
+    command line (finished, refused, failed), so that no rank's gloo or NCCL threads outlive
+    the interpreter (which would abort the process: SIGABRT, "terminate called without an
+    active exception", in place of its own exit code)."""
+    dist = _dist()
+    if dist.is_available() and dist.is_initialized():
+        import contextlib
+
+        with contextlib.suppress(Exception):  # a peer already gone: leaving is all that is left
+            dist.destroy_process_group()
+
+
 def barrier() -> None:
     """Wait for every rank (no-op in one process)."""
     if active():

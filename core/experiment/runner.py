@@ -423,16 +423,38 @@ def agree_on_resume(loaded: LoadedExperiment, arm: str, seed: int, run_dir: Path
             return view
         return f"checkpoint {view['checkpoint']}"
 
-    ranks = ", ".join(
-        f"rank {rank} on {host} sees {said(views[rank][1])}" for rank, host in differing
+    ranks = "; ".join(
+        f"rank {rank} on {host} sees {said(views[rank][1])}"
+        + _files_apart(first, views[rank][1], rank)
+        for rank, host in differing
     )
     raise UserError(
-        f"cannot resume {run_dir}: rank 0 on {host0} sees {said(first)}, but {ranks} "
-        "(or the same name with other files): every rank must read the same checkpoint. Put "
+        f"cannot resume {run_dir}: rank 0 on {host0} sees {said(first)}, but {ranks}: "
+        "every rank must read the same checkpoint. Put "
         "the output folder (--out) on a filesystem every node shares, or mirror checkpoints "
         "to object storage (training.checkpoint_mirror), then run --resume again "
         "on every node (nothing of this run was loaded or changed)"
     )
+
+
+def _files_apart(first: Any, other: Any, rank: int) -> str:
+    """Where two views of one checkpoint name differ: each file missing on one side or with
+    another size or SHA-256, as rank 0 and ``rank`` see it ("" when the names differ)."""
+    if not isinstance(first, dict) or not isinstance(other, dict):
+        return ""
+    if first["checkpoint"] != other["checkpoint"]:
+        return ""
+    mine, theirs = first["files"], other["files"]
+
+    def seen(view: Any) -> str:
+        return "missing" if view is None else f"{view[0]} bytes, sha256 {view[1][:12]}"
+
+    apart = [
+        f"{name} (rank 0: {seen(mine.get(name))}; rank {rank}: {seen(theirs.get(name))})"
+        for name in sorted(set(mine) | set(theirs))
+        if mine.get(name) != theirs.get(name)
+    ]
+    return ", with other files: " + ", ".join(apart) if apart else ""
 
 
 def _plan(

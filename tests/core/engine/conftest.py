@@ -211,9 +211,12 @@ def kill_workers(tmp_path: Path) -> Iterator[KillWorkers]:
     workers.close()
 
 
-# Keys whose values are clocks or depend on the machine's load, not on what was trained.
+# Keys whose values are clocks or depend on the machine's load, not on what was trained; and
+# the labelers' call counts, which depend on what the label store held (a resumed run finds its
+# labels stored). Their values and drift (labeler/<name>/value_*, /drift) are compared.
 TIMED = ("time_s", "wall_clock_s", "tokens_per_s", "peak_memory_mb", "timing/", "throughput/",
-         "memory/", "labeler/", "created", "seconds", "elapsed", "_at")  # fmt: skip
+         "memory/", "created", "seconds", "elapsed", "_at")  # fmt: skip
+LABELER_KEPT = ("/drift", "/value_mean", "/value_p10", "/value_p50", "/value_p90")
 # Files whose bytes hold clocks or per-attempt records (compared elsewhere, or not at all):
 # labels_slowest.jsonl names the labeler calls that took longest, a matter of timing.
 UNCOMPARED = ("provenance.json", "error.log", "labels_slowest.jsonl", ".sqlite", ".sqlite-wal",
@@ -226,6 +229,8 @@ REQUEST_ID = re.compile(r"\b\d{9,}\.\d{6}-[0-9a-f]{8}\b")
 
 
 def _timed(key: str) -> bool:
+    if key.startswith("labeler/"):
+        return not key.endswith(LABELER_KEPT)
     return key.startswith(TIMED) or key.endswith(TIMED)
 
 

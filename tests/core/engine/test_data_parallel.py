@@ -292,6 +292,24 @@ def test_nodes_that_see_different_checkpoints_stop_before_resuming(
     assert all(r.stderr.count("error: cannot resume") <= 1 for r in stopped), said
     assert json.loads((run_dir / "status.json").read_text())["status"] == "running"
 
+    # The same checkpoint name with one byte of the weights flipped on node 1: refused three
+    # times in a row, naming the file and both ranks' sizes and hashes; each rank exits 2 (torchrun
+    # returns 1 for any failed rank and prints the rank's exitcode), and no rank is aborted.
+    shutil.copytree(nodes[0] / "runs", nodes[1] / "runs", dirs_exist_ok=True)
+    weights = nodes[1] / "runs" / "grpo" / "seed-0" / "checkpoints" / "step-000002"
+    data = bytearray((weights / "actor.safetensors").read_bytes())
+    data[-1] ^= 0x01
+    (weights / "actor.safetensors").write_bytes(bytes(data))
+    for _ in range(3):
+        stopped = _two_nodes(nodes, [*NODE_ARGS, "--resume"], env)
+        said = stopped[0].stderr + stopped[1].stderr
+        assert [r.returncode for r in stopped] == [1, 1], said[-3000:]
+        assert "with other files: actor.safetensors (rank 0: " in said, said[-3000:]
+        assert re.search(r"rank 1: \d+ bytes, sha256 [0-9a-f]{12}\)", said), said[-3000:]
+        assert any(re.search(r"exitcode\s*:\s*2\b", r.stderr) for r in stopped), said[-3000:]
+        aborted = ("terminate called", "SIGABRT", "Signal 6", "exitcode  : -6")
+        assert not any(a in said for a in aborted), said[-3000:]
+
     shutil.copytree(nodes[0] / "runs", nodes[1] / "runs", dirs_exist_ok=True)  # shared, now
     resumed = _two_nodes(nodes, [*NODE_ARGS, "--resume"], env)
     assert [r.returncode for r in resumed] == [0, 0], resumed[0].stderr[-3000:]
