@@ -46,6 +46,11 @@ class RolloutBatch:
             they are more than the trained ones: a multi-turn episode's environment and
             template tokens are context (attended, 1) but not trained (response_mask 0).
             None means the same as ``response_mask > 0``.
+        sampling ``[B, 3]`` float: the distribution each sample was drawn from, as
+            (temperature, top_k, top_p) of the arm's ``SamplingParams`` (set by the engine for
+            every sampled batch; None for dataset rows). The trainer's log-probs of a sampled
+            token are taken under that distribution (:func:`alignzoo.ops.warp_logits`), the
+            reference's under its tempered one.
         columns: named per-sample tensors ``[B, ...]`` that a data mode or an algorithm adds
             (for example the unpaired mode's mismatched-pair log-probs, KTO's reference point);
             sliced, moved and concatenated with the batch like every other tensor.
@@ -74,6 +79,7 @@ class RolloutBatch:
     weights: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     response_attention: torch.Tensor | None = None
+    sampling: torch.Tensor | None = None
     columns: dict[str, torch.Tensor] = field(default_factory=dict)
     label_info: list[dict[str, Any]] = field(default_factory=list)
 

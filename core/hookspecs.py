@@ -173,11 +173,15 @@ def generate(
     Returns a :class:`RolloutBatch` of ``B = len(prompts) * n`` samples, grouped by prompt
     (``group_ids[i] == i // n``), with ``prompt_ids``, ``response_ids``, ``response_mask``,
     the texts and ``extras`` repeated per sample. ``rollout_logprobs`` ``[B, R]`` may be set:
-    the log-probs the backend's own engine gave the sampled tokens (raw logits, before
-    temperature and filtering). The engine then computes the behaviour log-probs with the
-    trainer's forward pass, logs ``rollout/logprob_diff`` between the two, and applies the arm's
-    ``training.rollout_correction`` (``old_logprobs``, the former name of this field, is
-    read as ``rollout_logprobs``). ``sampling.temperature == 0`` decodes greedily (evaluation).
+    the log-probs the backend's own engine gave the sampled tokens under the distribution it
+    drew them from: the logits divided by ``sampling.temperature``, then cut to ``top_k`` and
+    the ``top_p`` nucleus and renormalised (vLLM's ``processed_logprobs``; the raw logits'
+    only when decoding greedily). The engine then computes the behaviour log-probs with the
+    trainer's forward pass under the same distribution, logs ``rollout/logprob_diff`` between
+    the two, and applies the arm's ``training.rollout_correction`` (``old_logprobs``, the
+    former name of this field, is read as ``rollout_logprobs``); ``alignzoo check backend``
+    fails a backend that returns the raw logits' log-probs at temperature 0.7 with top-k and
+    top-p. ``sampling.temperature == 0`` decodes greedily (evaluation).
     Called by the engine at each training step of an online arm and at each evaluation.
     """
 
@@ -196,8 +200,8 @@ def generate_ids(
     ``contexts``: the full token ids so far of each episode (prompt, earlier turns and the
     environment's answers), used exactly as given. Returns, per context, the sampled ids (at
     most ``sampling.max_new_tokens``, ending at the first EOS or ``stop_token_ids`` token,
-    which is kept) and the log-prob the backend's engine gave each (raw logits, as
-    ``rollout_logprobs`` in ``generate``). ``seeds``: one per context, as in ``generate``.
+    which is kept) and the log-prob the backend's engine gave each (under the distribution it
+    drew from, as ``rollout_logprobs`` in ``generate``). ``seeds``: one per context, as in ``generate``.
     A backend without it cannot run an arm with an environment (``alignzoo validate`` says so).
     """
 

@@ -68,6 +68,12 @@ train/inference mismatch). Reported by arms whose backend returns sampling log-p
 ROLLOUT_LOGPROB_DIFF_MAX = "rollout/logprob_diff_max"
 """The largest |log π_old − log π_rollout| over the step's response tokens."""
 
+ROLLOUT_OUTSIDE_SUPPORT = "rollout/outside_support"
+"""Sampled response tokens the trainer's own top-k / top-p cut from the distribution it
+recomputes (the sampler kept them: a near tie at the boundary, computed another way): masked
+out of the loss instead of trained through a log-prob of -inf. Reported by arms that sample
+with top-k or top-p; counted over the step's batch, on every rank."""
+
 CANONICAL: dict[str, str] = {
     KL_REF: "KL to the reference (k3, behaviour snapshot)",
     ENTROPY: "policy entropy per token (behaviour snapshot)",
@@ -85,6 +91,7 @@ CANONICAL: dict[str, str] = {
     EVAL_RESPONSE_LENGTH: "held-out response length",
     ROLLOUT_LOGPROB_DIFF: "train/inference log-prob difference (mean)",
     ROLLOUT_LOGPROB_DIFF_MAX: "train/inference log-prob difference (max)",
+    ROLLOUT_OUTSIDE_SUPPORT: "sampled tokens outside the trainer's top-k / top-p",
 }
 """Every canonical name with the label the report gives it."""
 

@@ -186,6 +186,82 @@ def masked_kl_penalty(
     )
 
 
+def sampling_rows(temperature: float, top_k: int, top_p: float, rows: int) -> torch.Tensor:
+    """:attr:`RolloutBatch.sampling <alignzoo.batch.RolloutBatch>` of ``rows`` samples drawn
+    with one setting: ``[rows, 3]`` of (temperature, top_k, top_p)."""
+    return torch.tensor([[float(temperature), float(top_k), float(top_p)]]).repeat(rows, 1)
+
+
+def tempers(sampling: torch.Tensor | None) -> bool:
+    """Whether some row was sampled at a temperature other than 1 (and above 0)."""
+    if sampling is None or sampling.numel() == 0:
+        return False
+    temperature = sampling[:, 0]
+    return bool(((temperature > 0) & (temperature != 1)).any())
+
+
+def truncates(sampling: torch.Tensor | None) -> bool:
+    """Whether some row was sampled (temperature above 0) with a top-k or top-p that cuts."""
+    if sampling is None or sampling.numel() == 0:
+        return False
+    temperature, top_k, top_p = sampling.unbind(-1)
+    return bool(((temperature > 0) & ((top_k > 0) | (top_p < 1))).any())
+
+
+def warps(sampling: torch.Tensor | None, truncate: bool = True) -> bool:
+    """Whether :func:`warp_logits` changes anything for these rows."""
+    return tempers(sampling) or (truncate and truncates(sampling))
+
+
+def warp_logits(
+    logits: torch.Tensor, sampling: torch.Tensor | None, truncate: bool = True
+) -> torch.Tensor:
+    """The logits ``[B, R, V]`` of the distribution each row was sampled from, per row's
+    ``sampling`` (temperature, top_k, top_p) ``[B, 3]``: a log-softmax of the result gives the
+    sampled tokens' log-probs under that distribution.
+
+    In the order the samplers apply them (transformers' warpers, vLLM):
+
+        z' = z / T                                          (temperature T > 0)
+        z'_v = -inf  where z'_v < the k-th largest of z'    (top_k k > 0; ties kept)
+        z'_v = -inf  outside the nucleus: the fewest largest tokens whose probability under
+                     softmax(z') sums to at least p, the most probable always kept (top_p < 1)
+
+    so log softmax(z') renormalises over the tokens kept. ``truncate=False`` applies the
+    temperature only (the reference's distribution: KL between the tempered policies). A row
+    with temperature 0 (greedy) or 1, top_k 0 and top_p 1 is left as it is, and the logits
+    are returned unchanged (the same tensor) when no row warps.
+    """
+    if not warps(sampling, truncate):
+        return logits
+    assert sampling is not None
+    sampling = sampling.to(device=logits.device, dtype=torch.float32)
+    temperature, top_k, top_p = sampling.unbind(-1)
+    sampled = temperature > 0  # greedy rows keep the raw logits
+    scale = torch.where(sampled, temperature, torch.ones_like(temperature))
+    out = upcast(logits) / scale.view(-1, *([1] * (logits.dim() - 1)))
+    if not truncate:
+        return out
+    vocab = out.shape[-1]
+    shape = (-1, *([1] * (logits.dim() - 1)))
+    k = torch.where(sampled & (top_k > 0), top_k.long().clamp(max=vocab), vocab).view(shape)
+    p = torch.where(sampled & (top_p < 1), top_p, torch.ones_like(top_p)).view(shape)
+    with torch.no_grad():  # which tokens are cut (the kept ones keep their gradients)
+        ordered, order = out.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(out, dtype=torch.bool)
+        if bool((k < vocab).any()):
+            kth = ordered.gather(-1, (k - 1).expand(*out.shape[:-1], 1))
+            drop |= out < kth
+            ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+        if bool((p < 1).any()):
+            # Probability of everything more probable than each token: a token is kept while
+            # that mass is still short of p (so the most probable one always is).
+            probs = ordered.softmax(dim=-1)
+            outside = (probs.cumsum(dim=-1) - probs >= p) & (p < 1)
+            drop |= torch.zeros_like(drop).scatter_(-1, order, outside)
+    return out.masked_fill(drop, float("-inf"))
+
+
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[tokens]: ``[B, R, V]`` and ``[B, R]`` -> ``[B, R]`` (computed in fp32)."""
     logp = torch.log_softmax(upcast(logits), dim=-1)

@@ -618,8 +618,9 @@ def _load(
     issues: list[ConfigIssue] = []
     for arm_name, arm in spec.arms.items():
         components[arm_name], arm_issues = _build_components(
-            arm_name, arm, registry, file, index, fallbacks, spec.evaluation.labeler
-        )
+            arm_name, arm, registry, file, index, fallbacks, spec.evaluation.labeler,
+            spec.data.online,
+        )  # fmt: skip
         # The evaluation labeler's problems are the same for every arm: said once.
         issues += [i for i in arm_issues if i not in issues]
     if spec.evaluation.metric is None:
@@ -770,6 +771,7 @@ def _build_components(
     index: _LineIndex,
     fallbacks: dict[Path_, Path_],
     evaluation_labeler: ComponentRef | None = None,
+    spec_online: bool = True,
 ) -> tuple[dict[str, Component], list[ConfigIssue]]:
     built: dict[str, Component] = {}
     issues: list[ConfigIssue] = []
@@ -842,6 +844,25 @@ def _build_components(
                 )
             )
     issues += _environment_issues(file, index, fallbacks, arm_name, arm, built)
+    if arm.training.sampling.temperature == 0 and algorithm is not None:
+        from alignzoo.engine.hooks import Hooks
+
+        requirements = Hooks(build_plugin_manager([algorithm])).algorithm_requirements()
+        online = arm.online if arm.online is not None else spec_online
+        if requirements.data == "online" or online:
+            greedy_path: Path_ = ("arms", arm_name, "training", "sampling", "temperature")
+            issues.append(
+                issue_at(
+                    file,
+                    index,
+                    fallbacks,
+                    greedy_path,
+                    f"0 samples greedily, and {arm.algorithm.name} trains on the log-probs of "
+                    "what it sampled: a greedy policy gives every sample of a prompt the same "
+                    "response and no distribution to learn from; give a temperature above 0 "
+                    "(evaluation decodes greedily on its own)",
+                )
+            )
     correction = arm.training.rollout_correction.level
     if correction != "off" and algorithm is not None:
         from alignzoo.engine.hooks import Hooks

@@ -16,7 +16,14 @@ import torch
 
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.lean import can_run_lean, lean_hidden, lean_logits
-from alignzoo.ops import head_logprobs, logprobs_and_entropy, logprobs_from_logits
+from alignzoo.ops import (
+    head_logprobs,
+    logprobs_and_entropy,
+    logprobs_from_logits,
+    tempers,
+    truncates,
+    warp_logits,
+)
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
@@ -110,16 +117,22 @@ def policy_forward(
     entropy: bool = False,
     autocast: AutocastFactory = no_autocast,
     detached_entropy: bool = False,
+    truncate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs ``[B, R]`` of ``batch.response_ids`` (and entropy ``[B, R]``).
+    """Per-token log-probs ``[B, R]`` of ``batch.response_ids`` (and entropy ``[B, R]``) under
+    the distribution each sample was drawn from (``batch.sampling``: temperature, then top-k and
+    top-p renormalised, :func:`~alignzoo.ops.warp_logits`); dataset rows under the model's own.
 
-    ``entropy`` returns the entropy with gradients; ``detached_entropy`` (when ``entropy`` is
-    False) returns it without, from the same log-softmax, for metrics only.
+    ``truncate=False`` takes the temperature only (the reference's log-probs). A sampled token
+    outside the truncated support (a sampler that kept a token this forward pass does not) has
+    log-prob ``-inf``: :func:`outside_support` masks it. ``entropy`` returns the entropy of
+    that distribution with gradients; ``detached_entropy`` (when ``entropy`` is False) returns
+    it without, from the same log-softmax, for metrics only.
     """
-    chunked = _chunked_head_logprobs(model, batch, autocast, entropy, detached_entropy)
+    chunked = _chunked_head_logprobs(model, batch, autocast, entropy, detached_entropy, truncate)
     if chunked is not None:
         return chunked
-    logits = response_logits(model, batch, autocast)
+    logits = warp_logits(response_logits(model, batch, autocast), batch.sampling, truncate)
     tokens = batch.response_ids.to(logits.device)
     if entropy or detached_entropy:
         return logprobs_and_entropy(logits, tokens, entropy_grad=entropy)
@@ -132,18 +145,21 @@ def _chunked_head_logprobs(
     autocast: AutocastFactory,
     entropy: bool,
     detached_entropy: bool,
+    truncate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`policy_forward`'s numbers with the LM head in chunks of positions, for a model
     of the lean path whose response logits would exceed :data:`LOGITS_AT_ONCE` floats and
-    whose head is a plain fp32 ``nn.Linear`` outside autocast; None otherwise (the caller
-    then computes the logits whole)."""
+    whose head is a plain fp32 ``nn.Linear`` outside autocast, sampled without top-k / top-p
+    (a temperature divides the hidden states: ``(h / T) W^T = z / T``); None otherwise (the
+    caller then computes the logits whole)."""
     head = getattr(_base_model(model), "lm_head", None)
     weight = getattr(head, "weight", None)
     rows, resp_len = batch.response_ids.shape
     if weight is None or rows * resp_len * weight.shape[0] <= LOGITS_AT_ONCE:
         return None  # the common case, decided before the costlier checks
     if (
-        not can_run_lean(model)
+        (truncate and truncates(batch.sampling))  # the whole logits: top-k / top-p sort them
+        or not can_run_lean(model)
         or type(head) is not torch.nn.Linear
         or head.bias is not None
         or head._forward_hooks
@@ -158,9 +174,12 @@ def _chunked_head_logprobs(
         hidden = lean_hidden(model, **model_inputs(batch, device), logits_to_keep=resp_len + 1)
     mode = "grad" if entropy else "detached" if detached_entropy else "none"
     tokens = batch.response_ids.to(device)
-    return head_logprobs(
-        hidden[:, :resp_len], weight, tokens, LOGITS_AT_ONCE // weight.shape[0], mode
-    )
+    hidden = hidden[:, :resp_len]
+    if tempers(batch.sampling):  # (h / T) W^T = z / T, row by row
+        assert batch.sampling is not None
+        temperature = batch.sampling[:, 0].to(device=device, dtype=hidden.dtype)
+        hidden = hidden / torch.where(temperature > 0, temperature, 1.0).view(-1, 1, 1)
+    return head_logprobs(hidden, weight, tokens, LOGITS_AT_ONCE // weight.shape[0], mode)
 
 
 def critic_forward(
@@ -186,11 +205,32 @@ def evaluating(model: Any) -> Iterator[None]:
         model.train(was_training)
 
 
-def sequence_logprob(model: Any, batch: RolloutBatch, autocast: AutocastFactory) -> torch.Tensor:
-    """Sum of response log-probs per sample ``[B]``."""
-    logprobs, _ = policy_forward(model, batch, autocast=autocast)
+def sequence_logprob(
+    model: Any, batch: RolloutBatch, autocast: AutocastFactory, truncate: bool = True
+) -> torch.Tensor:
+    """Sum of response log-probs per sample ``[B]`` (those of tokens outside the sampled
+    support, :func:`outside_support`, left out)."""
+    logprobs, _ = policy_forward(model, batch, autocast=autocast, truncate=truncate)
     mask = batch.response_mask.to(logprobs.device)
-    return (logprobs * mask).sum(dim=-1)
+    logprobs, outside = outside_support(logprobs, mask)
+    return (logprobs * mask * ~outside).sum(dim=-1)
+
+
+def outside_support(
+    logprobs: torch.Tensor, mask: torch.Tensor, fill: torch.Tensor | float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logprobs`` with each ``-inf`` (a token outside the support of the truncated
+    distribution this forward pass computes: a sampler that kept a token top-k / top-p here
+    cuts, or padding) replaced by ``fill`` (without a gradient), and where a trained token
+    (``mask`` > 0) was ``[B, R]`` bool, so the caller masks those out of the loss and counts
+    them (``rollout/outside_support``) instead of training through ``-inf``."""
+    cut = torch.isneginf(logprobs)  # padding too: its token may lie outside the support
+    outside = cut & (mask.to(logprobs.device) > 0)
+    if not bool(cut.any()):
+        return logprobs, outside
+    if isinstance(fill, torch.Tensor):
+        fill = fill.to(device=logprobs.device, dtype=logprobs.dtype)
+    return torch.where(cut, fill, logprobs), outside
 
 
 def chunks(size: int, chunk: int) -> Iterator[list[int]]:

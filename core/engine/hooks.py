@@ -17,6 +17,7 @@ import pluggy
 from alignzoo.devices import check_placement
 from alignzoo.errors import RunError, UserError
 from alignzoo.metrics import owned_by_engine
+from alignzoo.ops import sampling_rows
 from alignzoo.types import AlgorithmRequirements, LossContext, LossOutput, Placement
 
 if TYPE_CHECKING:
@@ -145,10 +146,15 @@ class Hooks:
         seeds: list[int] | None = None,
     ) -> tuple[RolloutBatch, dict[str, float]]:
         """``n`` samples per prompt and their ``env/*`` metrics: multi-turn episodes for an arm
-        with an environment, else the backend's ``generate`` (no metrics)."""
+        with an environment, else the backend's ``generate`` (no metrics); the batch records the
+        sampling parameters it was drawn with (``batch.sampling``)."""
         if self.episodes is None:
-            return self.generate(prompts, extras, n, sampling, seeds), {}
-        batch, metrics = self.episodes.run(self.pm, prompts, extras, n, sampling, seeds)
+            batch, metrics = self.generate(prompts, extras, n, sampling, seeds), {}
+        else:
+            batch, metrics = self.episodes.run(self.pm, prompts, extras, n, sampling, seeds)
+        # what the trainer recomputes the sampled tokens' log-probs under
+        batch.sampling = sampling_rows(sampling.temperature, sampling.top_k, sampling.top_p,
+                                       batch.size)  # fmt: skip
         return batch, metrics
 
     def generate(

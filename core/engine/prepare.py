@@ -18,9 +18,10 @@ import torch
 from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
+from alignzoo.engine.forward import outside_support
 from alignzoo.engine.hooks import Hooks
 from alignzoo.engine.scoring import Scorer
-from alignzoo.ops import global_masked_mean, masked_kl_penalty
+from alignzoo.ops import global_masked_mean, masked_kl_penalty, truncates
 
 if TYPE_CHECKING:
     from alignzoo.engine.context import RunContext
@@ -64,10 +65,26 @@ def prepare(
         batch.old_logprobs = None
         return {}
     logprobs, entropy = scorer.behaviour(batch)
+    logprobs, outside = outside_support(logprobs, batch.response_mask)
+    counted = mask_outside_support(batch, outside)
     if generated:
         batch.old_logprobs = logprobs
     batch.entropy = entropy
-    return behaviour_metrics(logprobs, entropy, batch)
+    return {**behaviour_metrics(logprobs, entropy, batch), **counted}
+
+
+def mask_outside_support(batch: RolloutBatch, outside: torch.Tensor) -> dict[str, float]:
+    """Take the sampled tokens outside the trainer's truncated support (``outside`` ``[B, R]``,
+    :func:`~alignzoo.engine.forward.outside_support`) out of ``batch.response_mask``; their
+    count over every rank (``rollout/outside_support``) for a batch sampled with top-k or
+    top-p, nothing otherwise (so an arm without them has the metrics it always had)."""
+    if not truncates(batch.sampling):
+        return {}
+    if bool(outside.any()):
+        keep = (~outside).to(device=batch.response_mask.device, dtype=batch.response_mask.dtype)
+        batch.response_mask = batch.response_mask * keep
+    count = distributed.all_sum(torch.tensor([float(outside.sum())], dtype=torch.float64))
+    return {canonical.ROLLOUT_OUTSIDE_SUPPORT: float(count[0])}
 
 
 def prepare_step(

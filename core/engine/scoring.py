@@ -46,11 +46,12 @@ class Scorer:
         return torch.cat(logprobs), torch.cat(entropy)
 
     def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The frozen reference's per-token log-probs ``[B, R]``."""
+        """The frozen reference's per-token log-probs ``[B, R]``, at the sampling temperature
+        (without top-k / top-p: the KL term compares the tempered distributions, as TRL's)."""
         reference, autocast = self.models.reference, self.models.autocast
         assert reference is not None
-        return no_grad_map(
-            lambda b: policy_forward(reference, b, autocast=autocast)[0],
+        return no_grad_map(  # tempered, not truncated: KL between the tempered policies
+            lambda b: policy_forward(reference, b, autocast=autocast, truncate=False)[0],
             batch,
             self.micro_batch_size,
         )
@@ -65,14 +66,20 @@ class Scorer:
             )
 
     def sequence_logprobs(
-        self, batch: RolloutBatch, role: Literal["actor", "ref"] = "actor"
+        self,
+        batch: RolloutBatch,
+        role: Literal["actor", "ref"] = "actor",
+        truncate: bool | None = None,
     ) -> torch.Tensor:
-        """Sum of response log-probs per sample ``[B]`` under the actor or the reference."""
+        """Sum of response log-probs per sample ``[B]`` under the actor or the reference, in
+        the distribution ``batch.sampling`` names (``truncate``: with its top-k / top-p; by
+        default for the actor, never for the reference)."""
         model = self.models.actor if role == "actor" else self.models.reference
         assert model is not None
+        cut = (role == "actor") if truncate is None else truncate
         with evaluating(model):
             return no_grad_map(
-                lambda b: sequence_logprob(model, b, self.models.autocast),
+                lambda b: sequence_logprob(model, b, self.models.autocast, cut),
                 batch,
                 self.micro_batch_size,
             )

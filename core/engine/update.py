@@ -20,13 +20,13 @@ from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import PolicyOutputs, RolloutBatch
 from alignzoo.config.schema import RolloutCorrection, TrainingConfig
-from alignzoo.engine.forward import critic_forward, policy_forward
+from alignzoo.engine.forward import critic_forward, outside_support, policy_forward
 from alignzoo.engine.hooks import Hooks, implementers
 from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
-from alignzoo.engine.prepare import behaviour_metrics
+from alignzoo.engine.prepare import behaviour_metrics, mask_outside_support
 from alignzoo.errors import RunError
-from alignzoo.ops import rollout_is_weights
+from alignzoo.ops import rollout_is_weights, truncates
 from alignzoo.types import AlgorithmRequirements, LossContext
 
 
@@ -64,6 +64,7 @@ class FusedSnapshot:
         self.logprobs = torch.zeros(shape)
         self.entropy = torch.zeros(shape)
         self.seen = torch.zeros(shape[0], dtype=torch.bool)
+        self.outside = torch.zeros(shape, dtype=torch.bool)  # tokens outside the support
 
     def record(self, index: list[int], logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
         """Keep micro-batch ``index``'s detached log-probs and entropy ``[b, R]``."""
@@ -78,10 +79,11 @@ class FusedSnapshot:
         """Fill the batch's behaviour fields; the canonical metrics of :func:`prepare`."""
         if not bool(self.seen.all()):
             raise RuntimeError("FusedSnapshot: some rows were never trained on")
+        counted = mask_outside_support(batch, self.outside)
         if self.generated:
             batch.old_logprobs = self.logprobs
         batch.entropy = self.entropy
-        return behaviour_metrics(self.logprobs, self.entropy, batch)
+        return {**behaviour_metrics(self.logprobs, self.entropy, batch), **counted}
 
 
 def global_context(context: LossContext) -> LossContext:
@@ -123,6 +125,14 @@ def micro_step(
         autocast=models.autocast,
         detached_entropy=snapshot is not None,
     )
+    if truncates(mb.sampling):  # a token the sampler kept and this pass cuts: not trained on
+        fill = mb.old_logprobs if mb.old_logprobs is not None else 0.0
+        logprobs, outside = outside_support(logprobs, mb.response_mask, fill)
+        if bool(outside.any()):
+            keep = (~outside).to(device=mb.response_mask.device, dtype=mb.response_mask.dtype)
+            mb.response_mask = mb.response_mask * keep
+        if snapshot is not None:
+            snapshot.outside[torch.as_tensor(index, dtype=torch.long)] = outside.cpu()
     if snapshot is not None:
         assert entropy is not None
         snapshot.record(index, logprobs, entropy)

@@ -24,8 +24,10 @@ Backend (``check_backend``, on a small random Qwen2 of the embedded world):
   right-padded responses with 0/1 masks, nothing masked in after an EOS, at most
   ``max_new_tokens`` tokens, texts and extras per sample;
 - ``greedy_deterministic``: greedy decoding twice gives the same tokens;
-- ``sampling_logprobs``: sampling log-probs the backend returns (``old_logprobs``) match a
-  forward pass of the synced weights (not run when it returns none);
+- ``sampling_logprobs``: sampling log-probs the backend returns (``rollout_logprobs``) match a
+  forward pass of the synced weights under the distribution each token was drawn from, at
+  temperature 1 and at :data:`WARPED` (temperature 0.7, top-k 20, top-p 0.9): a backend that
+  returns the raw logits' log-probs fails it (not run when it returns none);
 - ``sync_changes_outputs``: after ``sync_weights`` with weights that favour one token the greedy
   outputs follow them, and syncing the old weights back restores the old outputs.
 
@@ -338,6 +340,7 @@ def check_backend(
 ) -> list[CheckResult]:
     """The backend contract suite (see the module docstring), on a small random policy."""
     from alignzoo.engine.forward import policy_forward
+    from alignzoo.ops import sampling_rows
 
     label, factory = component_factory("backend", backend, params)
     instance = build_for_check(label, factory, "backend")
@@ -354,13 +357,21 @@ def check_backend(
         return [first, *_not_run(names[1:], "the backend did not start")]
     eos = {int(t) for t in ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
 
-    def generate(prompts: list[str], n: int, max_new: int, greedy: bool) -> Any:
+    def generate(
+        prompts: list[str], n: int, max_new: int, greedy: bool, warped: bool = False
+    ) -> Any:
         sampling = SamplingParams(
-            max_new_tokens=max_new, temperature=0.0 if greedy else 1.0, top_p=1.0, top_k=0
+            max_new_tokens=max_new,
+            temperature=0.0 if greedy else WARPED["temperature"] if warped else 1.0,
+            top_p=WARPED["top_p"] if warped else 1.0,
+            top_k=WARPED["top_k"] if warped else 0,
         )
-        return hook.generate(
+        batch = hook.generate(
             prompts=prompts, extras=[{} for _ in prompts], n=n, sampling=sampling, seeds=None
         )
+        batch.sampling = sampling_rows(sampling.temperature, sampling.top_k, sampling.top_p,
+                                       batch.size)  # fmt: skip
+        return batch
 
     def layout(example: tuple[list[str], int, int]) -> None:
         prompts, n, max_new = example
@@ -375,20 +386,26 @@ def check_backend(
 
     def sampling_logprobs(example: tuple[list[str], int, int]) -> None:
         prompts, n, max_new = example
-        batch = generate(prompts, n, max_new, False)
-        recorded = _sampling_logprobs(batch)
-        if recorded is None:
-            raise ContractViolation("returned rollout_logprobs for some calls and not for others")
-        with torch.no_grad():
-            forward, _ = policy_forward(actor, batch)
-        mask = batch.response_mask.bool()
-        diff = (forward.float() - recorded.float()).abs().masked_fill(~mask, 0.0)
-        if float(diff.max()) > 1e-3:
-            row, col = divmod(int(diff.argmax()), diff.shape[1])
-            raise ContractViolation(
-                f"sampling log-prob [{row}, {col}] is {float(recorded[row, col])!r}, "
-                f"a forward pass of the synced weights gives {float(forward[row, col])!r}"
-            )
+        for warped in (False, True):  # T = 1; then temperature, top-k and top-p (WARPED)
+            batch = generate(prompts, n, max_new, False, warped)
+            recorded = _sampling_logprobs(batch)
+            if recorded is None:
+                raise ContractViolation(
+                    "returned rollout_logprobs for some calls and not for others"
+                )
+            with torch.no_grad():  # under the distribution the tokens were drawn from
+                forward, _ = policy_forward(actor, batch)
+            mask = batch.response_mask.bool()
+            diff = (forward.float() - recorded.float()).abs().masked_fill(~mask, 0.0)
+            if float(diff.max()) > 1e-3:
+                row, col = divmod(int(diff.argmax()), diff.shape[1])
+                how = f"sampled at {WARPED}" if warped else "sampled at temperature 1"
+                raise ContractViolation(
+                    f"sampling log-prob [{row}, {col}] is {float(recorded[row, col])!r}, "
+                    f"a forward pass of the synced weights gives {float(forward[row, col])!r} "
+                    f"({how}: a backend returns the log-probs of the distribution it drew "
+                    "each token from, after temperature, top-k and top-p)"
+                )
 
     results = [CheckResult("instantiate", True, label)]
     legend = "example = (prompts, n, max_new_tokens)"
@@ -403,6 +420,10 @@ def check_backend(
                             max_examples, shrink_seconds, legend))  # fmt: skip
     results.append(_sync_check(hook, actor, tokenizer, generate))
     return results
+
+
+WARPED = {"temperature": 0.7, "top_k": 20, "top_p": 0.9}
+"""The warped sampling the backend contract checks recorded log-probs at (besides T = 1)."""
 
 
 def _sampling_logprobs(batch: Any) -> Any:

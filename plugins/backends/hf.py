@@ -11,9 +11,10 @@ processes (``training.parallel: fsdp2``) always gets such a copy. Per chunk of p
 2. with ``decoder: loop`` (the default), a lean decode loop over the model's KV cache: one
    prefill per *prompt* (its cache and last logits then repeated for the ``n`` samples, so
    ``group_ids[i] == i // n``), then one forward per new token for the whole batch, stopping
-   when every row has reached EOS; the log-softmax of the *raw* logits (temperature 1, before
-   any filtering) gives each sampled token's log-prob, and temperature, top-k and top-p are
-   applied by transformers' own logits warpers before sampling. ``decoder: generate`` calls
+   when every row has reached EOS; temperature, top-k and top-p are applied by transformers'
+   own logits warpers, and the log-softmax of the warped logits (the distribution the token is
+   drawn from, as the trainer recomputes it) gives each sampled token's log-prob (the raw
+   logits' under greedy decoding). ``decoder: generate`` calls
    ``model.generate`` instead (prompts repeated ``n`` times), with a logits processor of ours
    that records the same log-probs, for models whose forward the loop cannot drive;
 3. everything after the first EOS becomes padding with mask 0.
@@ -271,19 +272,20 @@ class HFBackend(Backend):
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
         for t in range(sampling.max_new_tokens):
-            raw_logp = torch.log_softmax(logits, dim=-1)  # the policy's own distribution
             if sampling.temperature == 0:
                 token = logits.argmax(dim=-1)
+                sampled_logp = torch.log_softmax(logits, dim=-1)  # greedy: the policy's own
             else:
                 scores = logits
                 for warper in warpers:
                     scores = warper(None, scores)
+                sampled_logp = torch.log_softmax(scores, dim=-1)  # what the token is drawn from
                 token = _draw(
                     torch.softmax(scores, dim=-1), None if uniforms is None else uniforms[t]
                 )
             token = token.masked_fill(finished, pad)
             tokens.append(token)
-            logprobs.append(raw_logp.gather(1, token.unsqueeze(1)).squeeze(1))
+            logprobs.append(sampled_logp.gather(1, token.unsqueeze(1)).squeeze(1))
             finished = finished | torch.isin(token, eos)
             if t + 1 == sampling.max_new_tokens or bool(finished.all()):
                 break
@@ -495,7 +497,8 @@ def eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
 
 
 class _SamplingProcessor:
-    """A logits processor that records raw-logit log-probs, then applies temperature/top-k/top-p.
+    """A logits processor that applies temperature/top-k/top-p, then records the log-probs of
+    the distribution the token is drawn from.
 
     ``generate`` calls it once per step with the tokens so far and that step's logits.
     """
@@ -508,9 +511,9 @@ class _SamplingProcessor:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.last is not None:  # the previous step's token is now the last input id
             self.token_logprobs.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.last = torch.log_softmax(scores.float(), dim=-1)
         for warper in self.warpers:
             scores = warper(input_ids, scores)
+        self.last = torch.log_softmax(scores.float(), dim=-1)  # the distribution drawn from
         return scores
 
     def finish(self, response: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,11 @@ unset). Per call:
    handed to vLLM as token ids, so both backends see the same prompt tokens;
 2. vLLM samples ``n`` completions per prompt with the arm's ``SamplingParams`` (temperature 0 is
    greedy; top-k 0 and top-p 1 disable those filters), stopping at the tokenizer's EOS;
-3. each sampled token's log-prob under the raw logits (vLLM's ``raw_logprobs``: before
-   temperature and filtering, the same convention as the ``hf`` backend) is returned as
-   ``rollout_logprobs``: the engine logs ``rollout/logprob_diff`` against its own forward pass,
-   and ``training.rollout_correction`` can reweight by it.
+3. each sampled token's log-prob under the distribution it was drawn from (vLLM's
+   ``processed_logprobs``: after temperature, top-k and top-p, the same convention as the
+   ``hf`` backend and the trainer) is returned as ``rollout_logprobs``: the engine logs
+   ``rollout/logprob_diff`` against its own forward pass, and ``training.rollout_correction``
+   can reweight by it.
 
 Weights: after each update the engine's stream (LoRA merged, shards gathered) is cast to the
 engine's dtype, serialised in blobs of at most ``sync_chunk_mb`` and loaded by every worker in
@@ -165,7 +166,7 @@ class VLLMBackend(Backend):
             "enable_prefix_caching": self.params.enable_prefix_caching,
             "tensor_parallel_size": placement.tensor_parallel_size,
             "worker_extension_cls": RECEIVER,
-            "logprobs_mode": "raw_logprobs",
+            "logprobs_mode": "processed_logprobs",  # after temperature, top-k and top-p
             "generation_config": "vllm",  # the checkpoint's defaults never leak into sampling
         }
         if on_gpu:

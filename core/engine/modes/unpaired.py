@@ -53,6 +53,7 @@ def mismatched_view(batch: RolloutBatch) -> RolloutBatch:
         response_ids=other.response_ids,
         response_mask=other.response_mask,
         group_ids=batch.group_ids,
+        sampling=batch.sampling,
     )
 
 
@@ -94,7 +95,9 @@ class _Unpaired(DataMode):
 
     def prepare(self, batch: RolloutBatch, scorer: Scorer) -> RolloutBatch:
         view = mismatched_view(batch)
-        batch.columns[MISMATCHED_LOGPROBS] = scorer.sequence_logprobs(view, "actor")
+        # Responses not sampled for these prompts: at the sampling temperature, not cut by
+        # top-k / top-p (which would cut many of their tokens), for the policy and the reference.
+        batch.columns[MISMATCHED_LOGPROBS] = scorer.sequence_logprobs(view, "actor", False)
         if scorer.models.reference is not None:
             batch.columns[MISMATCHED_REF_LOGPROBS] = scorer.sequence_logprobs(view, "ref")
         return batch

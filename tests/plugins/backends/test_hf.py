@@ -32,8 +32,12 @@ def make_backend(folder, **params) -> tuple[HFBackend, object, object]:
     return backend, model, tokenizer
 
 
-def full_forward_logprobs(model, batch) -> torch.Tensor:
-    """Log-probs of the response tokens from one forward pass over prompt + response (no cache)."""
+def full_forward_logprobs(model, batch, sampling=None) -> torch.Tensor:
+    """Log-probs of the response tokens from one forward pass over prompt + response (no cache),
+    under the distribution ``sampling`` draws from: transformers' own warpers (temperature,
+    top-k, top-p) applied to each position's logits (the raw logits' without ``sampling``)."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
     ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
     mask = torch.cat([batch.prompt_mask, batch.response_mask.long()], dim=1)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -41,7 +45,16 @@ def full_forward_logprobs(model, batch) -> torch.Tensor:
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     width = batch.prompt_ids.shape[1]
     logits = logits[:, width - 1 : -1].float()
-    return torch.log_softmax(logits, dim=-1).gather(2, batch.response_ids.unsqueeze(2)).squeeze(2)
+    if sampling is not None and sampling.temperature > 0:
+        warpers = [TemperatureLogitsWarper(sampling.temperature)]
+        warpers += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
+        warpers += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []
+        flat = logits.reshape(-1, logits.shape[-1])
+        for warper in warpers:
+            flat = warper(None, flat)
+        logits = flat.view(logits.shape)
+    logp = torch.log_softmax(logits, dim=-1).gather(2, batch.response_ids.unsqueeze(2)).squeeze(2)
+    return logp.masked_fill(batch.response_mask == 0, 0.0)
 
 
 def greedy_by_hand(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
@@ -116,13 +129,15 @@ def test_group_layout_and_left_padded_prompts(policy_dirs):
 @pytest.mark.parametrize("policy", ["plain", "stopping"])
 def test_sampling_logprobs_equal_full_forward(policy_dirs, policy):
     backend, model, _ = make_backend(policy_dirs[policy], max_batch_size=2)
-    # Filtering (temperature, top-k, top-p) shapes the sampling but the recorded log-probs are
-    # those of the temperature-1 distribution of the weights.
+    # The recorded log-probs are those of the distribution each token was drawn from: after
+    # temperature, top-k and top-p (renormalised), not the raw logits'.
     sampling = SamplingParams(temperature=0.7, top_k=20, top_p=0.95, max_new_tokens=8)
     torch.manual_seed(2)
     batch = backend.generate(PROMPTS, [], 3, sampling)
-    expected = full_forward_logprobs(model, batch) * batch.response_mask
+    expected = full_forward_logprobs(model, batch, sampling)
     torch.testing.assert_close(batch.rollout_logprobs, expected, atol=1e-4, rtol=0)
+    raw = full_forward_logprobs(model, batch)
+    assert float((raw - expected).abs().max()) > 0.05, "premise: the warping changes them"
 
 
 def test_greedy_is_deterministic_and_is_the_argmax_continuation(policy_dirs):
@@ -170,8 +185,8 @@ def test_top_k_one_equals_greedy(policy_dirs):
     torch.manual_seed(5)
     top1 = backend.generate(PROMPTS, [], 3, SamplingParams(top_k=1, max_new_tokens=6))
     assert top1.response_ids.equal(greedy.response_ids.repeat_interleave(3, dim=0))
-    # the sampling log-probs stay the temperature-1 log-probs, not the filtered (log 1 = 0) ones.
-    assert (top1.rollout_logprobs[top1.response_mask > 0] < 0).all()
+    # top-1 draws from a point mass: every sampled token's log-prob is log 1 = 0
+    assert (top1.rollout_logprobs[top1.response_mask > 0] == 0).all()
 
 
 def test_chunking_does_not_change_greedy_results(policy_dirs):
@@ -238,12 +253,12 @@ def test_the_decode_loop_and_generate_agree_on_the_same_weights(policy_dirs, pol
     assert a.prompt_ids.equal(b.prompt_ids) and a.prompt_mask.equal(b.prompt_mask)
     assert a.response_ids.equal(b.response_ids) and a.response_mask.equal(b.response_mask)
     torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5, rtol=0)
-    # Sampled: both record the temperature-1 log-probs of what they sampled.
+    # Sampled: both record the log-probs of the distribution they drew from.
     sampling = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=7)
     for backend in (loop, generate):
         torch.manual_seed(3)
         batch = backend.generate(PROMPTS, [], 3, sampling)
-        expected = full_forward_logprobs(model, batch) * batch.response_mask
+        expected = full_forward_logprobs(model, batch, sampling)
         torch.testing.assert_close(batch.rollout_logprobs, expected, atol=1e-4, rtol=0)
 
 
@@ -286,14 +301,18 @@ def test_recorder_reads_each_token_once_and_survives_undone_steps():
 
     torch.manual_seed(0)
     steps = [torch.randn(2, 5) for _ in range(3)]
-    tokens = torch.tensor([[1, 4, 2], [0, 3, 3]])
-    expected = torch.stack(
+    # each row's sampled token: one of the two largest logits of its step (what top-2 keeps)
+    tokens = torch.stack([s.topk(2).indices[:, t % 2] for t, s in enumerate(steps)], dim=1)
+    expected = torch.stack(  # temperature 0.5 and top-2: the distribution drawn from
         [
-            torch.log_softmax(s, -1).gather(1, tokens[:, t : t + 1]).squeeze(1)
+            torch.log_softmax((s / 0.5).masked_fill(s < s.topk(2).values[:, 1:], float("-inf")), -1)
+            .gather(1, tokens[:, t : t + 1])
+            .squeeze(1)
             for t, s in enumerate(steps)
         ],
         dim=1,
     )
+    assert bool(torch.isfinite(expected).all())
 
     def replay(calls: int) -> _SamplingProcessor:
         recorder = _SamplingProcessor(SamplingParams(temperature=0.5, top_k=2))
