@@ -1,11 +1,15 @@
 """alignzoo as users and cluster workers install it: ``python -m build`` makes the sdist and the
 wheel (the wheel from the sdist), ``twine check`` passes, the wheel holds every module and data
-file of core/, plugins/ and experiments/ (and nothing else), and its metadata is what users
-expect (one version, license, README, classifiers, every extra documented)."""
+file of core/, plugins/ and experiments/ (and nothing else), and the wheel installed
+non-editable into a fresh virtual environment (torch 2.13.0 first, the rest from pip) runs a
+bundled experiment by name, lists every built-in as loaded and passes ``alignzoo check``. A
+package written by ``alignzoo new plugin`` is built and installed the same way."""
 
 from __future__ import annotations
 
 import email.parser
+import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -19,8 +23,22 @@ import alignzoo
 tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml takes Python 3.11+")
 
 ROOT = Path(__file__).resolve().parents[2]
+TORCH = "torch==2.13.0"  # the CPU build on local disk: a plain `torch` would pull CUDA's
 # The import package each source folder installs as (pyproject.toml's package-dir).
 FOLDERS = {"core": "alignzoo", "plugins": "alignzoo/plugins", "experiments": "alignzoo/experiments"}
+# The bundled smoke experiment shrunk to a tiny model and task: trains 2 steps in seconds.
+TINY = [
+    "--set", "budget.steps=2",
+    "--set", "model.embedded={hidden_size: 32, num_layers: 1, num_heads: 2, "
+    "intermediate_size: 64, sft_steps: 60, sft_batch_size: 64}",
+    "--set", 'data.task={digits: 1, operations: ["+"], train_size: 80, eval_size: 20}',
+    "--set", "training.prompts_per_step=4",
+    "--set", "training.samples_per_prompt=4",
+    "--set", "training.micro_batch_size=8",
+    "--set", "training.checkpoint_every=2",
+    "--set", "evaluation.every=2",
+    "--set", "evaluation.num_prompts=8",
+]  # fmt: skip
 
 
 def sh(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -118,3 +136,71 @@ def test_sdist_and_wheel_hold_every_module_and_data_file(tmp_path):
     assert extras == set(pyproject()["project"]["optional-dependencies"])
     for name, target in pyproject()["project"]["entry-points"]["alignzoo"].items():
         assert f"{name} = {target}" in entry_points, name
+
+
+def clean_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of the commands run in the fresh venv: nothing of this checkout or of
+    the dev venv (no PYTHONPATH, no test plugins), its own warm-start cache."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(ALIGNZOO_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONNOUSERSITE="1")
+    return env
+
+
+@pytest.mark.slow
+def test_the_wheel_installed_in_a_fresh_venv_trains_lists_and_checks(tmp_path):
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    build(ROOT, dist, "--wheel")
+    wheel = next(dist.glob("alignzoo-*.whl"))
+
+    venv = tmp_path / "venv"
+    sh(sys.executable, "-m", "venv", venv)
+    env = clean_env(tmp_path)
+    pip = [venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    sh(*pip, TORCH, env=env)  # first: the wheel's `torch>=2.4` is then satisfied
+    sh(*pip, wheel, env=env)  # non-editable, its dependencies from pip
+    work = tmp_path / "work"  # not the checkout: nothing there can be imported by accident
+    work.mkdir()
+    python = venv / "bin" / "python"
+    cli = venv / "bin" / "alignzoo"
+
+    where = sh(python, "-c", "import alignzoo; print(alignzoo.__file__)", env=env, cwd=work)
+    assert where.stdout.strip().startswith(str(venv)), where.stdout
+    assert sh(cli, "--version", env=env, cwd=work).stdout.strip() == (
+        f"alignzoo {alignzoo.__version__}"
+    )
+
+    # The bundled smoke experiment by name, shrunk to 2 steps: it trains and writes its report.
+    sh(cli, "run", "smoke", *TINY, env=env, cwd=work)
+    report = work / "runs" / "smoke" / "report.md"
+    assert report.is_file() and "grpo" in report.read_text()
+    metrics = (work / "runs" / "smoke" / "grpo" / "seed-0" / "metrics.jsonl").read_text()
+    assert max(json.loads(line).get("step", 0) for line in metrics.splitlines()) == 2
+
+    # Every built-in component loads from the installed wheel.
+    rows = json.loads(sh(cli, "plugins", "--json", env=env, cwd=work).stdout)
+    builtins = {f"{r['kind']}.{r['name']}": r for r in rows if r["provider"] == "alignzoo"}
+    assert set(builtins) == set(pyproject()["project"]["entry-points"]["alignzoo"])
+    broken = {k: r for k, r in builtins.items() if r["status"] != "ok"}
+    assert not broken, broken
+    checks = sh(cli, "check", "algorithm", "grpo", env=env, cwd=work).stdout.splitlines()
+    assert len(checks) > 5 and all(line.startswith("pass ") for line in checks), checks
+
+    # init writes the bundled experiments with the annotator file rlhf_pipeline names.
+    sh(cli, "init", "project", env=env, cwd=work)
+    assert (work / "project" / "experiments" / "quickstart.yaml").is_file()
+    assert (work / "project" / "experiments" / "annotators" / "rlhf_pipeline.yaml").is_file()
+
+    # A package from `alignzoo new plugin`, built and installed non-editable the same way.
+    sh(cli, "new", "plugin", "my_rl", "--out", work / "my_rl", env=env, cwd=work)
+    build(work / "my_rl", dist, "--wheel")
+    sh(*pip, next(dist.glob("my_rl-*.whl")), env=env)
+    rows = json.loads(sh(cli, "plugins", "--json", env=env, cwd=work).stdout)
+    ours = {r["kind"]: r for r in rows if r["name"] == "my_rl"}
+    assert set(ours) >= {"algorithm", "labeler", "backend", "device_mapper", "modifier"}, ours
+    assert all(r["status"] == "ok" and r["provider"] == "my-rl" for r in ours.values()), ours
+    assert (
+        sh(python, "-c", "import my_rl; print(my_rl.__file__)", env=env, cwd=work)
+        .stdout.strip()
+        .startswith(str(venv))
+    )
