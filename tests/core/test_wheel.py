@@ -2,8 +2,9 @@
 wheel (the wheel from the sdist), ``twine check`` passes, the wheel holds every module and data
 file of core/, plugins/ and experiments/ (and nothing else), and the wheel installed
 non-editable into a fresh virtual environment (torch 2.13.0 first, the rest from pip) runs a
-bundled experiment by name, lists every built-in as loaded and passes ``alignzoo check``. A
-package written by ``alignzoo new plugin`` is built and installed the same way."""
+bundled experiment by name, locally and with ``--executor ray`` (whose workers import the
+installed alignzoo, not the checkout), lists every built-in as loaded and passes ``alignzoo
+check``. A package written by ``alignzoo new plugin`` is built and installed the same way."""
 
 from __future__ import annotations
 
@@ -138,6 +139,19 @@ def test_sdist_and_wheel_hold_every_module_and_data_file(tmp_path):
         assert f"{name} = {target}" in entry_points, name
 
 
+REWARD = """\
+import json, sys
+
+import alignzoo
+
+
+def reward(prompts, completions, **columns):
+    with open({calls!r}, "a") as out:
+        out.write(json.dumps({{"alignzoo": alignzoo.__file__, "argv0": sys.argv[0]}}) + "\\n")
+    return [0.0] * len(completions)
+"""
+
+
 def clean_env(tmp_path: Path) -> dict[str, str]:
     """The environment of the commands run in the fresh venv: nothing of this checkout or of
     the dev venv (no PYTHONPATH, no test plugins), its own warm-start cache."""
@@ -158,7 +172,7 @@ def test_the_wheel_installed_in_a_fresh_venv_trains_lists_and_checks(tmp_path):
     env = clean_env(tmp_path)
     pip = [venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     sh(*pip, TORCH, env=env)  # first: the wheel's `torch>=2.4` is then satisfied
-    sh(*pip, wheel, env=env)  # non-editable, its dependencies from pip
+    sh(*pip, f"{wheel}[ray]", env=env)  # non-editable, its dependencies from pip
     work = tmp_path / "work"  # not the checkout: nothing there can be imported by accident
     work.mkdir()
     python = venv / "bin" / "python"
@@ -176,6 +190,20 @@ def test_the_wheel_installed_in_a_fresh_venv_trains_lists_and_checks(tmp_path):
     assert report.is_file() and "grpo" in report.read_text()
     metrics = (work / "runs" / "smoke" / "grpo" / "seed-0" / "metrics.jsonl").read_text()
     assert max(json.loads(line).get("step", 0) for line in metrics.splitlines()) == 2
+
+    # --executor ray: a local Ray's workers import alignzoo from the installed wheel too. The
+    # reward function runs inside the worker and says where alignzoo came from.
+    calls = work / "calls.jsonl"
+    (work / "reward.py").write_text(REWARD.format(calls=str(calls)))
+    labeler = (
+        f"{{name: python, params: {{function: {work / 'reward.py'}:reward, validate_call: false}}}}"
+    )
+    sh(cli, "run", "smoke", *TINY, "--executor", "ray", "--out", work / "runs" / "ray",
+       "--set", f"arms.grpo.labeler={labeler}", env=env, cwd=work)  # fmt: skip
+    assert (work / "runs" / "ray" / "report.md").is_file()
+    seen = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert seen and all(c["argv0"].endswith("default_worker.py") for c in seen), seen[:2]
+    assert {c["alignzoo"] for c in seen} == {where.stdout.strip()}
 
     # Every built-in component loads from the installed wheel.
     rows = json.loads(sh(cli, "plugins", "--json", env=env, cwd=work).stdout)
