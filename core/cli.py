@@ -1,4 +1,5 @@
-"""The ``alignzoo`` command line: run, validate, plugins, schema, report, relabel, doctor, check.
+"""The ``alignzoo`` command line: run, validate, init, plugins, schema, report, relabel, doctor,
+check.
 
 Exit codes: 0 success; 2 a user error (bad config, unknown plugin, missing file), printed as a
 short message without traceback unless ``--debug``; 1 a failure inside a run.
@@ -120,16 +121,23 @@ SetOption = Annotated[
 
 @app.command()
 def validate(
-    experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
+    experiment: Annotated[
+        Path,
+        typer.Argument(
+            help="Experiment YAML file, or a bundled experiment's name (quickstart, smoke, ...)."
+        ),
+    ],
     overrides: SetOption = None,
 ) -> None:
     """Check an experiment file, every component's params and every data source (columns,
     types, splits, chat templates), without loading any model."""
+    from alignzoo.bundled import experiment_file
     from alignzoo.config.loader import load_experiment
     from alignzoo.engine.datacheck import check_data
 
-    loaded = load_experiment(experiment, overrides=overrides or ())
-    check_data(loaded)
+    with experiment_file(experiment) as path:
+        loaded = load_experiment(path, overrides=overrides or ())
+        check_data(loaded)
     spec = loaded.spec
     console.print(
         f"[green]ok[/green] {experiment}: experiment {spec.name!r}, arms "
@@ -140,7 +148,12 @@ def validate(
 
 @app.command()
 def run(
-    experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
+    experiment: Annotated[
+        Path,
+        typer.Argument(
+            help="Experiment YAML file, or a bundled experiment's name (quickstart, smoke, ...)."
+        ),
+    ],
     arms: Annotated[
         str | None, typer.Option(help="Comma-separated arms to run (default all).")
     ] = None,
@@ -181,7 +194,33 @@ def run(
     ] = 1,
     overrides: SetOption = None,
 ) -> None:
-    """Train every arm x seed of an experiment and write the comparison report."""
+    """Train every arm x seed of an experiment and write the comparison report.
+
+    EXPERIMENT is a YAML file or the name of a bundled one: `alignzoo run smoke` trains the
+    bundled smoke test from any folder (runs/smoke), `alignzoo run quickstart` the default
+    A/B experiment; `alignzoo init DIR` writes them out to edit."""
+    with _experiment_file(experiment) as path:
+        _run(path, arms, seeds, out, resume, jobs, executor, address, retries, overrides)
+
+
+def _experiment_file(value: Path) -> contextlib.AbstractContextManager[Path]:
+    from alignzoo.bundled import experiment_file
+
+    return experiment_file(value)
+
+
+def _run(
+    experiment: Path,
+    arms: str | None,
+    seeds: str | None,
+    out: Path | None,
+    resume: bool,
+    jobs: int | None,
+    executor: Executors,
+    address: str | None,
+    retries: int,
+    overrides: list[str] | None,
+) -> None:
     from alignzoo import distributed
     from alignzoo.config.loader import load_experiment
     from alignzoo.experiment.executors import LocalExecutor, RayExecutor, import_ray
@@ -729,6 +768,28 @@ def export(
     )
 
 
+@app.command()
+def init(
+    folder: Annotated[
+        Path, typer.Argument(help="Folder to write DIR/experiments/ into (created if missing).")
+    ],
+    force: Annotated[bool, typer.Option(help="Overwrite files that already exist.")] = False,
+) -> None:
+    """Write the bundled experiments (quickstart, smoke, ...) and the annotator files they
+    name into FOLDER/experiments/, to edit and run from FOLDER."""
+    from alignzoo.bundled import write_bundled
+
+    written = write_bundled(folder, force=force)
+    console.print(f"wrote {len(written)} files to {folder / 'experiments'}:", markup=False)
+    for path in written:
+        console.print(f"  {path.relative_to(folder)}", markup=False)
+    console.print(
+        f"next: cd {folder} && alignzoo run experiments/smoke.yaml   (a few steps; "
+        "experiments/quickstart.yaml is the full A/B comparison)",
+        markup=False,
+    )
+
+
 @new_app.command("plugin")
 def new_plugin(
     name: Annotated[str, typer.Argument(help="Package and component name, e.g. my_rl.")],
@@ -925,7 +986,8 @@ def annotate_pool(
     from alignzoo.human.simulate import sample_pool
     from alignzoo.types import LabelRequest
 
-    loaded = load_experiment(experiment)
+    with _experiment_file(experiment) as path:
+        loaded = load_experiment(path)
     name = arm or next(iter(loaded.spec.arms))
     if name not in loaded.spec.arms:
         raise UserError(f"--arm {name}: {experiment} has arms {', '.join(loaded.spec.arms)}")

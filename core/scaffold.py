@@ -341,7 +341,7 @@ def new_plugin(name: str, out: Path, kinds: list[str] | None = None) -> list[Pat
         f'description = "alignzoo plugins: {", ".join(chosen)}"\n'
         'requires-python = ">=3.10"\ndependencies = ["alignzoo"]\n\n'
         f'[project.optional-dependencies]\ntest = ["pytest"]\n\n'
-        f'[tool.setuptools]\npackages = ["{name}"]\n\n'
+        f'[tool.setuptools.packages.find]\ninclude = ["{name}", "{name}.*"]\n\n'
         "[project.entry-points.alignzoo]\n" + "\n".join(entry_points) + "\n"
     )
     arm = ["        algorithm: " + (name if uses_algorithm else "grpo")]
