@@ -358,6 +358,7 @@ class _Loop:
             sampling,
             labeling=self.run.eval_labeling,
             step=self.state.step,
+            pass_at_k_samples=cfg.pass_at_k_samples,
         )
         self.tick()
         row = {"step": self.state.step, "time_s": self.state.time_s, "samples": self.state.samples}
