@@ -129,9 +129,10 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Precision of forward passes (autocast; weights and optimizer state stay "
-        "fp32). 'auto': bf16 on GPU, fp32 on CPU; 'bfloat16': bf16 on GPU and CPU (fast on a "
-        "CPU with AVX512-BF16 or AMX, emulated and slower elsewhere); 'float32': no autocast; "
-        "'float16': GPU only.",
+        "fp32). 'auto': bf16 on a GPU that has it, else fp32 (CPU, older GPUs); 'bfloat16': "
+        "bf16 on GPU and CPU (fast on a CPU with AVX512-BF16 or AMX, emulated and slower "
+        "elsewhere; refused on a GPU without bf16); 'float32': no autocast; 'float16': GPU "
+        "only. validate refuses a dtype the actor's device cannot train in.",
     )
     attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = Field(
         "auto",

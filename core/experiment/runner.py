@@ -128,6 +128,16 @@ def prepare_folder(spec: ExperimentSpec, out: Path, resume: bool) -> None:
     write_atomic(out / EXPERIMENT_FILE, text)
 
 
+def _check_before_writing(loaded: LoadedExperiment) -> None:
+    """What ``alignzoo validate`` checks beyond the file: the data every run will read, and
+    each arm's precision on the device its actor would be placed on (ConfigError, exit 2)."""
+    from alignzoo.engine.assemble import check_precision
+    from alignzoo.engine.datacheck import check_data
+
+    check_data(loaded)
+    check_precision(loaded)
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -183,10 +193,8 @@ def run_experiment(
         return _run_data_parallel(loaded, out_dir, resume, jobs, console, run_fn, executor)
     spec = loaded.spec
     out = experiment_dir(spec, out_dir)
-    if run_fn is None:  # the data every run will read, checked once before anything is written
-        from alignzoo.engine.datacheck import check_data
-
-        check_data(loaded)
+    if run_fn is None:  # what `alignzoo validate` checks, once, before anything is written
+        _check_before_writing(loaded)
     if resume:
         _check_resumable(loaded, out, say=console.print if console is not None else None)
     prepare_folder(spec, out, resume)
@@ -339,9 +347,7 @@ def _run_data_parallel(
     if main:  # checked and prepared once; every rank then follows rank 0's plan
         try:
             if run_fn is None:
-                from alignzoo.engine.datacheck import check_data
-
-                check_data(loaded)
+                _check_before_writing(loaded)
             if resume:
                 _check_resumable(loaded, out, say=say)
             prepare_folder(spec, out, resume)
