@@ -129,15 +129,18 @@ def validate(
     ],
     overrides: SetOption = None,
 ) -> None:
-    """Check an experiment file, every component's params and every data source (columns,
-    types, splits, chat templates), without loading any model."""
+    """Check an experiment file, every component's params, every data source (columns,
+    types, splits, chat templates) and each arm's precision on the device its actor would be
+    placed on here, without loading any model."""
     from alignzoo.bundled import experiment_file
     from alignzoo.config.loader import load_experiment
+    from alignzoo.engine.assemble import check_precision
     from alignzoo.engine.datacheck import check_data
 
     with experiment_file(experiment) as path:
         loaded = load_experiment(path, overrides=overrides or ())
         check_data(loaded)
+        check_precision(loaded)
     spec = loaded.spec
     console.print(
         f"[green]ok[/green] {experiment}: experiment {spec.name!r}, arms "

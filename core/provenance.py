@@ -8,7 +8,9 @@ can be explained from the files alone.
   imported from and whether it had uncommitted changes (``{}`` outside a git checkout);
 - ``python``, ``torch``, ``transformers``: versions (read from the installed metadata);
 - ``cpu``: the CPU model, ``cpu_count``, ``gpu``: the CUDA device names (empty without CUDA);
-- ``threads``: torch's intra-op thread count (``OMP_NUM_THREADS`` as set, too);
+- ``threads``: torch's intra-op thread count (``OMP_NUM_THREADS`` as set, too); in a run
+  folder the run's own count, the same in every session since a resume keeps it
+  (:mod:`alignzoo.threads`);
 - ``command``: the command line; ``experiment_sha256``: a hash of the experiment file;
 - ``policy``: the policy folder a run loaded (the embedded warm start's cache entry or the
   user's checkpoint) and ``policy_sha256``, a hash of its files (files over 16 MiB are hashed

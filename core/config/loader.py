@@ -556,10 +556,10 @@ def load_experiment(
     except ConfigError as exc:
         if not overrides:
             raise
-        raise ConfigError([_at_override(i, overrides) for i in exc.issues]) from None
+        raise ConfigError([at_override(i, overrides) for i in exc.issues]) from None
 
 
-def _at_override(issue: ConfigIssue, overrides: Sequence[str]) -> ConfigIssue:
+def at_override(issue: ConfigIssue, overrides: Sequence[str]) -> ConfigIssue:
     """An issue in a field an override set is reported at that ``--set``."""
     for text in overrides:
         key = text.partition("=")[0].strip()

@@ -18,6 +18,7 @@ from pydantic import (
     NonNegativeFloat,
     PositiveInt,
     StrictInt,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -128,9 +129,10 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Precision of forward passes (autocast; weights and optimizer state stay "
-        "fp32). 'auto': bf16 on GPU, fp32 on CPU; 'bfloat16': bf16 on GPU and CPU (fast on a "
-        "CPU with AVX512-BF16 or AMX, emulated and slower elsewhere); 'float32': no autocast; "
-        "'float16': GPU only.",
+        "fp32). 'auto': bf16 on a GPU that has it, else fp32 (CPU, older GPUs); 'bfloat16': "
+        "bf16 on GPU and CPU (fast on a CPU with AVX512-BF16 or AMX, emulated and slower "
+        "elsewhere; refused on a GPU without bf16); 'float32': no autocast; 'float16': GPU "
+        "only. validate refuses a dtype the actor's device cannot train in.",
     )
     attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = Field(
         "auto",
@@ -405,7 +407,15 @@ class EvaluationConfig(_Strict):
         "for loss, error, perplexity, length, time and memory).",
     )
     pass_at_k: PositiveInt | None = Field(
-        None, description="Also report pass@k with k sampled responses."
+        None,
+        description="Also report pass@k: the unbiased estimator of Chen et al. 2021 on each "
+        "evaluation row's own sampled responses, averaged over the rows (a prompt that "
+        "appears in two rows counts twice, each with its own samples).",
+    )
+    pass_at_k_samples: PositiveInt | None = Field(
+        None,
+        description="Responses sampled per evaluation row for pass@k (n >= pass_at_k; "
+        "default pass_at_k). More than k lowers the estimator's variance.",
     )
     max_new_tokens: PositiveInt | None = Field(
         None, description="Longest evaluation response; default: training.sampling.max_new_tokens."
@@ -424,6 +434,21 @@ class EvaluationConfig(_Strict):
         "early, at that step, and a checkpoint is kept there; other runs keep their budget). "
         "Null: every run trains its whole budget.",
     )
+
+    @field_validator("pass_at_k_samples")
+    @classmethod
+    def _enough_samples_for_k(cls, n: int | None, info: ValidationInfo) -> int | None:
+        if n is None or "pass_at_k" not in info.data:  # a bad pass_at_k is said on its own
+            return n
+        k = info.data["pass_at_k"]
+        if k is None:
+            raise ValueError("samples for pass@k: set evaluation.pass_at_k too")
+        if n < k:
+            raise ValueError(
+                f"{n} samples per row cannot estimate pass@{k} (the estimator needs n >= k); "
+                f"give at least {k}, or leave it unset for {k}"
+            )
+        return n
 
 
 class WandbConfig(_Strict):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from alignzoo import distributed
-from alignzoo.config.loader import EVAL_LABELER, LoadedExperiment
+from alignzoo.config.loader import EVAL_LABELER, LoadedExperiment, at_override
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
 from alignzoo.engine import models as model_loading
 from alignzoo.engine.collect import Collector, LabelAhead, build_collector
@@ -28,7 +28,7 @@ from alignzoo.engine.modes import DataMode, select_mode
 from alignzoo.engine.policy import policy_path
 from alignzoo.engine.sampler import PromptSampler
 from alignzoo.engine.update import fuses_behaviour
-from alignzoo.errors import UserError
+from alignzoo.errors import ConfigError, ConfigIssue, UserError
 from alignzoo.labeling import LabelingStage
 from alignzoo.labeling.store import STORE_FILE, LabelStore
 from alignzoo.plugin import Component
@@ -193,6 +193,26 @@ def placement_plan(loaded: LoadedExperiment, arm: str) -> dict[str, Placement]:
     hooks = Hooks(build_plugin_manager(parts), loaded.spec.arms[arm].algorithm.name)
     roles = needed_roles(hooks.algorithm_requirements(), loaded.spec.arms[arm])
     return hooks.place_roles(roles, available_devices())
+
+
+def check_precision(loaded: LoadedExperiment) -> None:
+    """Before anything is written (``alignzoo validate``, ``alignzoo run``): every arm's
+    ``model.dtype`` is one its actor's device can train in, where the arm's device mapper
+    would place the actor on this machine; else a :class:`ConfigError` at ``model.dtype``
+    (or the ``--set`` that gave it) saying what would work. An arm whose mapper cannot place
+    it here is left to its run, which reports that."""
+    issues: list[ConfigIssue] = []
+    for arm, arm_spec in loaded.spec.arms.items():
+        try:
+            device = placement_plan(loaded, arm)["actor"].device
+        except Exception:  # a device this machine lacks, a mapper's own failure: the run says
+            continue
+        problem = model_loading.dtype_problem(arm_spec.model.dtype, device)
+        if problem is not None:
+            issue = loaded.issue(("arms", arm, "model", "dtype"), problem)
+            issues.append(at_override(issue, loaded.spec.overrides))
+    if issues:  # a shared model.dtype is one issue, said once
+        raise ConfigError(list(dict.fromkeys(issues)))
 
 
 def assemble(

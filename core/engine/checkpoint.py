@@ -6,7 +6,9 @@ Layout of ``checkpoints/step-000010/``:
     trainer.pt                              optimizer, scheduler, torch RNG, components' state
                                             (read only with ``torch.load(weights_only=True)``)
     state.json                              step, samples, time_s, sampler cursor, run.state,
-                                            python and numpy RNG states
+                                            python and numpy RNG states, and the thread count
+                                            the run trains with (kept across resumes:
+                                            :mod:`alignzoo.threads`)
 ``checkpoints/latest`` names the newest complete folder. A folder is written under a temporary
 name and renamed into place; ``latest`` is written to a temporary file and renamed too, so a
 kill at any moment leaves the previous checkpoint readable. A kill between the two renames
@@ -139,6 +141,7 @@ def save_checkpoint(
         "sampler": state.sampler,
         "run_state": state.run_state,
         "rng": _rng_state(),
+        "threads": torch.get_num_threads(),
     }
     (tmp / "state.json").write_text(json.dumps(meta), encoding="utf-8")
     for f in tmp.iterdir():
@@ -201,6 +204,14 @@ def _read_state(folder: Path) -> dict[str, Any]:
     if not isinstance(meta["step"], int) or meta["step"] < 0:
         raise CheckpointError(f"{path}: step must be a non-negative integer, got {meta['step']!r}")
     return meta
+
+
+def recorded_threads(folder: Path) -> int | None:
+    """The thread count the run of checkpoint ``folder`` trained with (None for a checkpoint
+    written before alignzoo recorded it)."""
+    threads = _read_state(folder).get("threads")
+    counted = isinstance(threads, int) and not isinstance(threads, bool) and threads > 0
+    return threads if counted else None
 
 
 def _check_weights(path: Path) -> None:

@@ -38,6 +38,7 @@ from alignzoo.engine.checkpoint import (
     gather_sharded,
     load_checkpoint,
     point_latest_at,
+    recorded_threads,
     save_checkpoint,
     truncate_jsonl,
 )
@@ -49,6 +50,7 @@ from alignzoo.engine.sinks import EVAL_FILE, Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
 from alignzoo.errors import UserError
 from alignzoo.labeling import swap as labelswap
+from alignzoo.threads import current_threads, threads_set_to
 
 STATUS_FILE = "status.json"
 CONFIG_FILE = "config.yaml"
@@ -383,6 +385,7 @@ class _Loop:
             sampling,
             labeling=self.run.eval_labeling,
             step=self.state.step,
+            pass_at_k_samples=cfg.pass_at_k_samples,
         )
         self.tick()
         row = {"step": self.state.step, "time_s": self.state.time_s, "samples": self.state.samples}
@@ -547,9 +550,44 @@ def run_one(
         kept = archive_attempt(out_dir)
         if kept is not None:
             log(f"{out_dir}: no checkpoint to resume from; the earlier attempt is kept in {kept}")
-    spec = loaded.spec
     config = resolved_config(loaded, arm, seed)
     (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    # The run's thread count is a setting: a resume trains with the count its checkpoint
+    # records, wherever and beside however many runs it now trains.
+    with threads_set_to(resume_threads(point, log)):
+        return _train(loaded, arm, seed, out_dir, resume, console, point, config, log)
+
+
+def resume_threads(point: ResumePoint, log: Callable[[str], None]) -> int | None:
+    """The thread count a run resuming from ``point`` trains with: the one its checkpoint
+    records (None for a run that starts, or a checkpoint that records none: as they are)."""
+    if point.folder is None:
+        return None
+    threads = recorded_threads(point.folder)
+    now = current_threads()
+    if threads is None:
+        log(f"checkpoint {point.folder.name} records no thread count (written before alignzoo "
+            f"kept it); resuming with this process's {now}, which may change the last digits")  # fmt: skip
+    elif threads != now:
+        log(f"resuming with {threads} thread(s), the count checkpoint {point.folder.name} "
+            f"records (this process has {now})")  # fmt: skip
+    return threads
+
+
+def _train(
+    loaded: LoadedExperiment,
+    arm: str,
+    seed: int,
+    out_dir: Path,
+    resume: bool,
+    console: Console | None,
+    point: ResumePoint,
+    config: dict[str, Any],
+    log: Callable[[str], None],
+) -> RunSummary:
+    """:func:`run_one` from assembling the run to its status: never raises for a failure of
+    the run itself."""
+    spec = loaded.spec
     state = TrainingState()
     stopped_early: str | None = None
     run: Run | None = None

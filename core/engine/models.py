@@ -138,35 +138,77 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
-def autocast_factory(cfg: ModelConfig, device: str) -> Callable[[], Any]:
-    """The mixed-precision context of the run's forward passes, from ``model.dtype``.
+def cuda_has_bf16(device: str) -> bool:
+    """Whether the GPU ``device`` trains in bfloat16 (what torch's autocast asks of it)."""
+    with torch.cuda.device(torch.device(device)):
+        return bool(torch.cuda.is_bf16_supported())
 
-    GPU: bf16 (or the asked dtype) autocast unless ``float32``. CPU: bf16 autocast when asked
-    for with ``bfloat16``, else plain fp32 (``auto``, ``float32``); ``float16`` is refused there.
-    The weights and the optimizer state stay fp32 either way.
-    """
-    if device.startswith("cuda"):
-        if cfg.dtype == "float32":
-            return contextlib.nullcontext
-        dtype = _DTYPES.get(cfg.dtype, torch.bfloat16)
-        return lambda: torch.autocast("cuda", dtype=dtype)
-    if cfg.dtype == "float16":
-        raise UserError(
-            f"model.dtype: float16 autocast is for GPUs, and the actor is on {device}; use "
-            "bfloat16 (fast where the CPU has AVX512-BF16 or AMX) or float32"
+
+def gpu_name(device: str) -> str:
+    """The model name of the GPU ``device``."""
+    return str(torch.cuda.get_device_name(torch.device(device)))
+
+
+def dtype_problem(dtype: str, device: str) -> str | None:
+    """Why an actor on ``device`` cannot train in ``model.dtype`` ``dtype``, and what would
+    work; None when it can. float16 autocast is for GPUs; bfloat16 on a GPU needs one that
+    has it (every CPU can, emulated where it lacks AVX512-BF16 or AMX)."""
+    on_gpu = device.startswith("cuda")
+    if dtype == "float16" and not on_gpu:
+        return (
+            f"float16 autocast is for GPUs, and the actor is placed on {device}; use bfloat16 "
+            "(fast where the CPU has AVX512-BF16 or AMX) or float32"
         )
-    if cfg.dtype == "bfloat16":
-        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext
+    if dtype == "bfloat16" and on_gpu and not cuda_has_bf16(device):
+        return (
+            f"{device} ({gpu_name(device)}) does not support bfloat16; use float16 or float32 "
+            "(auto trains in float32 on this GPU)"
+        )
+    return None
+
+
+def autocast_dtype(cfg: ModelConfig, device: str) -> torch.dtype | None:
+    """The dtype the forward passes autocast to from ``model.dtype`` (None: plain fp32).
+
+    GPU: the asked dtype, and for ``auto`` bf16 where the GPU has it (else fp32); ``float32``
+    none. CPU: bf16 when asked for with ``bfloat16``, else none (``auto``, ``float32``).
+    A dtype the device cannot train in (:func:`dtype_problem`) is a :class:`UserError`.
+    """
+    problem = dtype_problem(cfg.dtype, device)
+    if problem is not None:
+        raise UserError(f"model.dtype: {problem}")
+    if cfg.dtype == "float32":
+        return None
+    if device.startswith("cuda"):
+        if cfg.dtype == "auto":
+            return torch.bfloat16 if cuda_has_bf16(device) else None
+        return _DTYPES[cfg.dtype]
+    return torch.bfloat16 if cfg.dtype == "bfloat16" else None
+
+
+def autocast_factory(cfg: ModelConfig, device: str) -> Callable[[], Any]:
+    """The mixed-precision context of the run's forward passes (:func:`autocast_dtype`).
+    The weights and the optimizer state stay fp32 either way."""
+    dtype = autocast_dtype(cfg, device)
+    if dtype is None:
+        return contextlib.nullcontext
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    return lambda: torch.autocast(kind, dtype=dtype)
 
 
 def precision_note(cfg: ModelConfig, device: str) -> str | None:
-    """A line for the run's log when bf16 on this CPU will be slower than fp32."""
+    """A line for the run's log when the precision is not what the setting suggests: bf16 on
+    this CPU slower than fp32, or ``auto`` in fp32 on a GPU without bf16."""
     if cfg.dtype == "bfloat16" and not device.startswith("cuda") and not cpu_has_native_bf16():
         return (
             "model.dtype bfloat16: this CPU has no AVX512-BF16 or AMX, so torch emulates bf16 "
             "and the run will be much slower than in float32 (about 30 times, measured on a "
             "25.8M Qwen2 on an AVX2-only CPU); the numbers are bf16's all the same"
+        )
+    if cfg.dtype == "auto" and device.startswith("cuda") and not cuda_has_bf16(device):
+        return (
+            f"model.dtype auto: {device} ({gpu_name(device)}) has no bfloat16, so the forward "
+            "passes run in float32 (model.dtype: float16 for fp16 autocast)"
         )
     return None
 

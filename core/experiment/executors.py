@@ -17,6 +17,10 @@ node) the arm's components are built there, from the file, by the registry of th
 Every executor reports each run's :class:`~alignzoo.experiment.arm.RunResult` through
 ``done(result)`` as it ends; the runner writes the report from the run folders alone, so the
 report does not depend on the executor.
+
+A run that starts trains with the threads it is given here; a resumed run trains with the
+count its first attempt had, which its checkpoints record (:mod:`alignzoo.threads`), in a
+worker or in this process alike.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from alignzoo.experiment.arm import (
     record_failure,
     run_engine,
 )
+from alignzoo.threads import limit_threads
 
 if TYPE_CHECKING:
     from alignzoo.config.loader import LoadedExperiment
@@ -55,8 +60,9 @@ class RunJob:
 
     ``source`` is the experiment file and ``spec`` the resolved experiment (with its command-line
     overrides, and the arms and seeds of a resumed folder); ``resume`` continues the run from
-    its checkpoint; ``threads`` caps BLAS/torch threads; ``resources`` is what the run asks a
-    scheduler for (``{"cpus": 1.0, "gpus": 0.0}``).
+    its checkpoint; ``threads`` caps BLAS/torch threads in a worker (a resumed run then trains
+    with the count its checkpoint records); ``resources`` is what the run asks a scheduler for
+    (``{"cpus": 1.0, "gpus": 0.0}``).
     """
 
     source: str
@@ -94,14 +100,6 @@ class Executor(Protocol):
     ) -> None:
         """Run every job; call ``started(arm, seed)`` when one starts, ``done(result)`` when it ends."""
         ...
-
-
-def limit_threads(threads: int) -> None:
-    """Cap BLAS / torch threads so that parallel runs do not oversubscribe the cores."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = str(threads)
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(threads)
 
 
 def _loaded_for(job: RunJob, fn: RunFn) -> LoadedExperiment:

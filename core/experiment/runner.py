@@ -128,6 +128,16 @@ def prepare_folder(spec: ExperimentSpec, out: Path, resume: bool) -> None:
     write_atomic(out / EXPERIMENT_FILE, text)
 
 
+def _check_before_writing(loaded: LoadedExperiment) -> None:
+    """What ``alignzoo validate`` checks beyond the file: the data every run will read, and
+    each arm's precision on the device its actor would be placed on (ConfigError, exit 2)."""
+    from alignzoo.engine.assemble import check_precision
+    from alignzoo.engine.datacheck import check_data
+
+    check_data(loaded)
+    check_precision(loaded)
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -172,7 +182,9 @@ def run_experiment(
     :class:`~alignzoo.experiment.executors.LocalExecutor`, which runs them here one by one or,
     with ``jobs > 1``, in that many spawned worker processes; a
     :class:`~alignzoo.experiment.executors.RayExecutor` runs them as Ray tasks. Every job caps
-    BLAS/torch threads at ``max(1, cpu_count // jobs)`` in a worker. ``run_fn`` replaces the
+    BLAS/torch threads at ``max(1, cpu_count // jobs)`` in a worker; a resumed run trains with
+    the count its checkpoint records, in a worker or here (:mod:`alignzoo.threads`), so its
+    numbers do not depend on how many runs are left or on ``jobs``. ``run_fn`` replaces the
     engine's ``run_one`` (same signature; a module-level function when it runs in workers,
     where it receives the spec without components).
     """
@@ -183,10 +195,8 @@ def run_experiment(
         return _run_data_parallel(loaded, out_dir, resume, jobs, console, run_fn, executor)
     spec = loaded.spec
     out = experiment_dir(spec, out_dir)
-    if run_fn is None:  # the data every run will read, checked once before anything is written
-        from alignzoo.engine.datacheck import check_data
-
-        check_data(loaded)
+    if run_fn is None:  # what `alignzoo validate` checks, once, before anything is written
+        _check_before_writing(loaded)
     if resume:
         _check_resumable(loaded, out, say=console.print if console is not None else None)
     prepare_folder(spec, out, resume)
@@ -339,9 +349,7 @@ def _run_data_parallel(
     if main:  # checked and prepared once; every rank then follows rank 0's plan
         try:
             if run_fn is None:
-                from alignzoo.engine.datacheck import check_data
-
-                check_data(loaded)
+                _check_before_writing(loaded)
             if resume:
                 _check_resumable(loaded, out, say=say)
             prepare_folder(spec, out, resume)

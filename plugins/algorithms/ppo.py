@@ -231,9 +231,13 @@ def value_loss(
     mask: torch.Tensor,
     cliprange_value: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped value loss ``[B, R]`` and where the clipped term is the larger one.
+    """Per-token clipped value loss ``[B, R]`` and where a clip decides it: the prediction
+    lies outside the clip range (|V - V_old| > c) and the clipped term is the larger one.
 
     L_vf = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)   (value clipping of OpenAI baselines' PPO)
+
+    Inside the range the clipped value is V itself, not ``V_old + (V - V_old)``, which float
+    rounding can move one unit in the last place away from V: no clip is counted there.
     """
     mask_b = mask.bool()
     values = torch.where(mask_b, values, 0.0)
@@ -242,9 +246,13 @@ def value_loss(
     unclipped = (values - returns).square()
     if cliprange_value is None:
         return 0.5 * unclipped, torch.zeros_like(mask_b)
-    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    delta = values - old_values
+    outside = delta.abs() > cliprange_value  # where clip(V - V_old, -c, c) changes anything
+    clipped_values = torch.where(
+        outside, old_values + delta.clamp(-cliprange_value, cliprange_value), values
+    )
     clipped = (clipped_values - returns).square()
-    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped) & mask_b
+    return 0.5 * torch.maximum(unclipped, clipped), outside & (clipped > unclipped) & mask_b
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

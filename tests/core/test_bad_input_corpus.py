@@ -183,6 +183,7 @@ CONFIG_CASES = [
         "does not exist",
     ),
     config_case("dtype-unknown", "model.dtype", "fp8", "model.dtype"),
+    config_case("dtype-float16-on-cpu", "model.dtype", "float16", "model.dtype", "placed on cpu"),
     config_case("hidden-zero", "model.embedded.hidden_size", 0, "hidden_size"),
     config_case("slip-two", "model.embedded.sft_slip", 2, "sft_slip"),
     config_case("sft-lr-inf", "model.embedded.sft_lr", INF, "sft_lr", "finite"),
@@ -203,6 +204,20 @@ CONFIG_CASES = [
     ),
     config_case("metric-pass-without-k", "evaluation.metric", "pass@8", "evaluation.metric"),
     config_case("pass-at-k-zero", "evaluation.pass_at_k", 0, "pass_at_k"),
+    config_case(
+        "pass-at-k-samples-fewer",
+        "evaluation",
+        {"every": 3, "metric": "score", "pass_at_k": 4, "pass_at_k_samples": 2},
+        "evaluation.pass_at_k_samples",
+        "at least 4",
+    ),
+    config_case(
+        "pass-at-k-samples-without-k",
+        "evaluation.pass_at_k_samples",
+        8,
+        "evaluation.pass_at_k_samples",
+        "set evaluation.pass_at_k",
+    ),
     config_case("evaluation-unknown", "evaluation.evry", 3, "evaluation.evry", "did you mean"),
     config_case("sinks-unknown", "logging.sinks", ["nope"], "logging.sinks"),
     config_case("sinks-scalar", "logging.sinks", "console", "logging.sinks"),
@@ -493,6 +508,13 @@ RUN_FOLDER_CASES = [
         },
         1,
         ("a/seed-0", "does not exist on this machine"),
+    ),
+    Case(
+        "run-float16-on-cpu",
+        ["run", "{tmp}/exp.yaml", "--out", "{out}", "--set", "model.dtype=float16"],
+        {"exp.yaml": _run_with()},
+        2,
+        ("--set model.dtype=float16", "model.dtype", "placed on cpu", "bfloat16 ", "float32"),
     ),
     resume_case(
         "state-binary", "state.json", "not readable JSON", **{"state.json": b"\x00\xff" * 50}

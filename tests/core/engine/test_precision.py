@@ -1,5 +1,7 @@
 """Precision as a setting: ``model.dtype: bfloat16`` runs the forward passes under bf16 autocast on
-CPU too, with losses within bf16's tolerance of fp32's; float16 is refused on CPU."""
+CPU too, with losses within bf16's tolerance of fp32's; a dtype the actor's device cannot train
+in (float16 on CPU, bf16 on a GPU without it) is refused by validate and by run before anything
+is written."""
 
 from __future__ import annotations
 
@@ -116,3 +118,58 @@ def test_an_arm_trains_in_bf16_on_cpu(write_experiment, tmp_path):
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["entropy"]) for r in rows)
+
+
+def test_validate_and_run_refuse_float16_on_cpu_before_anything_runs(
+    write_experiment, tmp_path, capsys
+):
+    from alignzoo import cli
+
+    exp = write_experiment()
+    for argv in (["validate", str(exp)], ["run", str(exp), "--out", str(tmp_path / "out")]):
+        code = cli.main([*argv, "--set", "model.dtype=float16"])
+        text = " ".join((lambda c: c.out + c.err)(capsys.readouterr()).split())
+        assert code == 2, text
+        assert "Traceback" not in text
+        # the field (at the --set that gave it), the device, and what would work
+        assert "--set model.dtype=float16: model.dtype:" in text, text
+        assert "placed on cpu" in text and "bfloat16" in text and "float32" in text, text
+        assert not (tmp_path / "out").exists()  # the run never started: nothing written
+    # written in the file, the problem is placed at its line
+    spec = tiny_experiment(model={"dtype": "float16"})
+    code = cli.main(["validate", str(write_experiment(spec, name="f16.yaml"))])
+    text = " ".join((lambda c: c.out + c.err)(capsys.readouterr()).split())
+    assert code == 2 and "f16.yaml:" in text and ": model.dtype:" in text, text
+
+
+def test_bfloat16_on_a_gpu_without_it_is_refused_and_auto_falls_back_to_fp32(
+    write_experiment, monkeypatch, capsys
+):
+    from alignzoo import cli, devices
+    from alignzoo.engine.assemble import check_precision
+    from alignzoo.errors import ConfigError
+
+    # a machine with one GPU that has no bf16 (a V100, say); nothing touches CUDA itself
+    monkeypatch.setattr(devices, "available_devices", lambda: ["cpu", "cuda:0"])
+    monkeypatch.setattr(model_loading, "cuda_has_bf16", lambda device: False)
+    monkeypatch.setattr(model_loading, "gpu_name", lambda device: "Tesla V100")
+    on_gpu = {"devices": {"name": "single", "params": {"device": "cuda"}}}
+    spec = tiny_experiment(model={"dtype": "bfloat16"})
+    spec["arms"]["grpo"].update(on_gpu)
+    loaded = load_experiment(write_experiment(spec))
+    with pytest.raises(ConfigError) as caught:
+        check_precision(loaded)
+    (issue,) = caught.value.issues
+    assert issue.path == "model.dtype" and issue.line is not None
+    assert "cuda:0 (Tesla V100) does not support bfloat16" in issue.message
+    assert "float16" in issue.message and "float32" in issue.message
+    assert cli.main(["validate", str(write_experiment(spec, name="again.yaml"))]) == 2
+    assert "does not support bfloat16" in capsys.readouterr().err
+    # float16 and float32 train there; auto means float32 on such a GPU (not bf16)
+    for dtype in ("float16", "float32", "auto"):
+        spec["model"]["dtype"] = dtype
+        check_precision(load_experiment(write_experiment(spec, name=f"{dtype}.yaml")))
+    assert model_loading.autocast_dtype(ModelConfig(dtype="auto"), "cuda:0") is None
+    assert model_loading.autocast_dtype(ModelConfig(dtype="float16"), "cuda:0") == torch.float16
+    monkeypatch.setattr(model_loading, "cuda_has_bf16", lambda device: True)
+    assert model_loading.autocast_dtype(ModelConfig(dtype="auto"), "cuda:0") == torch.bfloat16

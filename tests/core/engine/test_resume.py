@@ -208,3 +208,40 @@ def test_sigkill_during_labeling_then_resume_scores_no_sample_twice(
     assert sorted(scored) == sorted(servers["full"].scored)
     for name in ("metrics.jsonl", "eval.jsonl"):
         assert _stable(read_jsonl(killed / name)) == _stable(read_jsonl(full / name)), name
+
+
+@pytest.mark.slow
+def test_a_resume_trains_with_the_thread_count_its_checkpoint_records(
+    write_experiment, tmp_path, monkeypatch
+) -> None:
+    # The same process, another count (as when the run was started in a worker of --jobs N
+    # and is resumed alone in the main process): the run keeps its own.
+    import torch
+
+    from alignzoo.config.loader import load_experiment
+    from alignzoo.engine.checkpoint import recorded_threads
+    from alignzoo.engine.loop import run_one
+    from alignzoo.provenance import read_sessions
+
+    from .conftest import back_to_checkpoint
+
+    loaded = load_experiment(write_experiment(tiny_experiment(budget={"steps": 4})))
+    first = torch.get_num_threads()
+    out = tmp_path / "run"
+    assert run_one(loaded, "grpo", 0, out).status == "finished"
+    assert recorded_threads(out / "checkpoints" / "step-000004") == first
+    back_to_checkpoint(out, 2)  # as if killed after the checkpoint of step 2
+
+    monkeypatch.setenv("OMP_NUM_THREADS", str(first + 1))
+    torch.set_num_threads(first + 1)
+    try:
+        assert run_one(loaded, "grpo", 0, out, resume=True).status == "finished"
+        # this process gets its own count back for whatever it runs next
+        assert torch.get_num_threads() == first + 1
+        assert os.environ["OMP_NUM_THREADS"] == str(first + 1)
+    finally:
+        torch.set_num_threads(first)
+    sessions = read_sessions(out)
+    assert [s["threads"] for s in sessions] == [first, first]
+    assert sessions[1]["omp_num_threads"] == str(first)  # and processes it started had it too
+    assert recorded_threads(out / "checkpoints" / "step-000004") == first

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -336,3 +337,32 @@ def test_episode_metrics_of_an_evaluation_are_means_over_the_chunks_that_report_
     out = evaluation.evaluate(hooks, [{"prompt": p} for p in "xyz"], 3)
     assert out["eval/env/turns"] == pytest.approx(2.0)  # (2 x 1 + 1 x 4) / 3 episodes
     assert out["eval/env/tool/calc/calls"] == 1.0  # not diluted by the chunk without it
+
+
+def test_threads_set_to_gives_the_process_its_own_count_back(monkeypatch) -> None:
+    from alignzoo.threads import THREAD_VARIABLES, threads_set_to
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    with threads_set_to(None):  # a run that starts: nothing changes
+        assert torch.get_num_threads() == before and os.environ["OMP_NUM_THREADS"] == "5"
+    with threads_set_to(before + 1):
+        assert torch.get_num_threads() == before + 1
+        assert all(os.environ[var] == str(before + 1) for var in THREAD_VARIABLES)
+    assert torch.get_num_threads() == before
+    assert os.environ["OMP_NUM_THREADS"] == "5" and "MKL_NUM_THREADS" not in os.environ
+
+
+def test_a_checkpoint_records_the_thread_count(tmp_path: Path) -> None:
+    from alignzoo.engine.checkpoint import recorded_threads
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    folder = save_checkpoint(tmp_path, _state(2), model, None, optimizer, scheduler, {})
+    assert recorded_threads(folder) == torch.get_num_threads()
+    state = json.loads((folder / "state.json").read_text())
+    del state["threads"]  # a checkpoint written before the count was kept
+    (folder / "state.json").write_text(json.dumps(state))
+    assert recorded_threads(folder) is None

@@ -3,6 +3,7 @@ equals an uninterrupted run's (timing columns aside); a failing arm makes the co
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -132,3 +133,74 @@ def test_a_failing_arm_exits_1_and_the_others_finish(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "grpo" / "seed-0" / "status.json").read_text().count("finished")
     report = (tmp_path / "out" / "report.md").read_text()
     assert "broken/seed-0 | failed" in report
+
+
+VOLATILE = ("time_s", "timing/", "throughput/", "labeler/", "memory/")
+"""Keys that differ between any two sessions: wall-clock, speed, and how labels were obtained
+(a resumed step finds the labels its killed attempt stored; the labels are the same)."""
+
+
+def numbers(path: Path) -> list[dict[str, object]]:
+    """A jsonl stream's rows without the :data:`VOLATILE` keys."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in rows]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_alone_keeps_its_thread_count(tmp_path: Path) -> None:
+    # --jobs 2 trains both runs in workers with cpu_count // 2 threads each; killed when one
+    # run is left, `--resume --jobs 2` trains that one alone, in the main process, whose own
+    # count (OMP_NUM_THREADS here) differs. The run must keep the count it started with.
+    worker = max(1, (os.cpu_count() or 1) // 2)
+    env = {**os.environ, "ALIGNZOO_CACHE": str(tmp_path / "cache")}
+    env["OMP_NUM_THREADS"] = str(worker + 1)
+    spec = {**TINY, "seeds": [0], "budget": {"steps": 16}}
+    spec["training"] = {**TINY["training"], "prompts_per_step": 16, "samples_per_prompt": 8}
+    spec["arms"] = {  # "quick" finishes long before "long"
+        "quick": {
+            "algorithm": "grpo",
+            "training": {"prompts_per_step": 2, "samples_per_prompt": 2},
+        },
+        "long": {"algorithm": "grpo"},
+    }
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(spec, sort_keys=False))
+
+    straight = alignzoo(
+        "run", str(exp), "--jobs", "2", "--out", str(tmp_path / "straight"), env=env
+    )
+    assert straight.wait(timeout=600) == 0, straight.stdout.read() if straight.stdout else ""
+
+    out = tmp_path / "killed"
+    victim = alignzoo("run", str(exp), "--jobs", "2", "--out", str(out), env=env)
+    deadline = time.monotonic() + 300
+    checkpoints = out / "long" / "seed-0" / "checkpoints"
+    while not (
+        "finished" in read_text(out / "quick" / "seed-0" / "status.json")
+        and checkpoints.is_dir()
+        and any(checkpoints.glob("step-*"))
+    ):
+        assert victim.poll() is None, "the experiment ended before it could be killed"
+        assert time.monotonic() < deadline, "no checkpoint of the long run appeared"
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert "finished" not in read_text(out / "long" / "seed-0" / "status.json")
+
+    resumed = alignzoo("run", str(exp), "--resume", "--jobs", "2", "--out", str(out), env=env)
+    assert resumed.wait(timeout=600) == 0, resumed.stdout.read() if resumed.stdout else ""
+
+    run, reference = out / "long" / "seed-0", tmp_path / "straight" / "long" / "seed-0"
+    sessions = json.loads((run / "provenance.json").read_text())["sessions"]
+    assert len(sessions) == 2  # the killed attempt and its resumption
+    assert [s["threads"] for s in sessions] == [worker, worker]
+    for stream in ("metrics.jsonl", "eval.jsonl"):
+        assert numbers(run / stream) == numbers(reference / stream), stream
+    assert "Every run session shares one setting" in (out / "report.md").read_text()
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

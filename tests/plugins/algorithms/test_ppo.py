@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from alignzoo.batch import PolicyOutputs
-from alignzoo.plugins.algorithms.ppo import PPO, AdaptiveKLController
+from alignzoo.plugins.algorithms.ppo import PPO, AdaptiveKLController, value_loss
 
 from .helpers import (
     TinyPolicy,
@@ -137,6 +137,75 @@ def test_ppo_value_clip_golden():
     assert out.metrics["critic/vf_clipfrac"] == pytest.approx(0.5)
     out.loss.backward()
     assert values.grad[0, 0].item() == 0.0  # the clipped branch is constant in V
+
+
+def value_clip_tokens(dtype: torch.dtype, c: float) -> tuple[torch.Tensor, ...]:
+    """Old values, predictions and returns ``[1, N]`` in ``dtype``, and per token whether the
+    prediction is clipped and its clipped term the larger one (computed exactly, in float64).
+
+    Three kinds of token: strictly inside the clip range (near 0, where ``old + (V - old)``
+    rounds away from V), exactly on its edge (|V - old| == c, representable), and outside it by
+    a clear margin, with the return beyond V (the clipped term is larger: a clip that counts)
+    or behind the old value (it is smaller)."""
+    g = torch.Generator().manual_seed(0)
+    n, margin = 3000, 0.02
+
+    def uniform(low: float, high: float) -> torch.Tensor:
+        return low + (high - low) * torch.rand(n, generator=g, dtype=torch.float64)
+
+    def sign() -> torch.Tensor:
+        return torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype)
+
+    old_in = cast(uniform(-0.3, 0.3))
+    v_in = cast(old_in.double() + uniform(-(c - margin), c - margin))
+    r_in = cast(uniform(-1.0, 1.0))
+    old_edge = torch.randint(-32, 33, (n,), generator=g).double() / 64  # exact in bf16 too
+    s = sign()
+    v_edge, r_edge = cast(old_edge + s * c), cast(uniform(-1.0, 1.0))
+    s = sign()
+    old_out = cast(uniform(-0.3, 0.3))
+    v_out = cast(old_out.double() + s * uniform(c + margin, 2 * c))
+    beyond = torch.rand(n, generator=g) < 0.5
+    r_out = cast(torch.where(beyond, v_out.double() + s, old_out.double() - s))
+    old = torch.cat([old_in, cast(old_edge), old_out]).unsqueeze(0)
+    values = torch.cat([v_in, v_edge, v_out]).unsqueeze(0)
+    returns = torch.cat([r_in, r_edge, r_out]).unsqueeze(0)
+    # the reference, in float64 from the same numbers: a token is clipped when |V - old| > c
+    v64, old64, r64 = values.double(), old.double(), returns.double()
+    over = (v64 - old64).abs() > c
+    clipped64 = torch.where(over, old64 + (v64 - old64).clamp(-c, c), v64)
+    counts = over & ((clipped64 - r64).square() > (v64 - r64).square())
+    assert counts.sum() == beyond.sum() and not over[0, : 2 * n].any()
+    return old, values, returns, counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_clip_fraction_counts_only_real_clips(dtype: torch.dtype) -> None:
+    # Inside the clip range old + (V - old) may round one unit in the last place away from V;
+    # that is no clip, and the metric must not count it (nor the loss take the rounded value).
+    c = 0.25
+    old, values, returns, counts = value_clip_tokens(dtype, c)
+    mask = torch.ones(values.shape)
+    vf_mat, clipped = value_loss(values, old, returns, mask, c)
+    assert torch.equal(clipped, counts)
+    unclipped = ~(values.double() - old.double()).abs().gt(c)
+    own = 0.5 * (values - returns).square()
+    assert torch.equal(vf_mat[unclipped], own[unclipped])  # an unclipped token's own loss
+    batch = make_batch(
+        mask,
+        old_logprobs=torch.zeros(values.shape),
+        advantages=torch.zeros(values.shape),
+        values=old,
+        returns=returns,
+    )
+    algo = PPO({**PG_ONLY, "vf_coef": 0.5, "cliprange_value": c})
+    outputs = PolicyOutputs(logprobs=torch.zeros(values.shape), values=values)
+    out = algo.compute_loss(batch, outputs, batch.loss_context())
+    want = counts.sum().item() / counts.numel()
+    assert out.metrics["critic/vf_clipfrac"] == pytest.approx(want, abs=1e-7)
 
 
 def test_ppo_gae_golden_through_the_plugin():
