@@ -96,6 +96,27 @@ def test_sampled_log_probs_are_the_policys_own(backends):
     assert float(diff.max()) < 1e-3, float(diff.max())
 
 
+def test_warped_sampling_log_probs_are_those_of_the_distribution_drawn_from(backends):
+    """At temperature 0.7 with top-k and top-p, vLLM's recorded log-probs (processed_logprobs)
+    equal the trainer's under the same distribution, and differ from the raw logits' (what
+    raw_logprobs gave)."""
+    from alignzoo.engine.forward import policy_forward
+    from alignzoo.ops import sampling_rows
+
+    model, _, engine = backends
+    sampling = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=8)
+    batch = engine.generate(PROMPTS, [{} for _ in PROMPTS], 3, sampling)
+    batch.sampling = sampling_rows(0.7, 20, 0.9, batch.size)  # as the engine records it
+    mask = batch.response_mask.bool()
+    with torch.no_grad():
+        trainer, _ = policy_forward(model, batch)
+        batch.sampling = None
+        raw, _ = policy_forward(model, batch)
+    assert bool(torch.isfinite(trainer[mask]).all()), "a sampled token outside the support"
+    assert float((trainer - batch.rollout_logprobs).abs()[mask].max()) < 1e-3
+    assert float((raw - batch.rollout_logprobs).abs()[mask].max()) > 0.05
+
+
 def test_a_grpo_arm_trains_with_the_vllm_backend(tmp_path, monkeypatch):
     import yaml
 
