@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from safetensors.torch import load_file
 
 from alignzoo.cli import main
@@ -22,7 +21,6 @@ from alignzoo.engine.checkpoint import pointed_name
 
 from .conftest import KillWorkers, read_jsonl, tiny_experiment
 
-ROOT = Path(__file__).resolve().parents[3]
 VOLATILE = ("time_s", "timing/", "throughput/", "labeler/", "memory/")
 STREAMS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl")
 
@@ -107,17 +105,12 @@ def test_a_multi_turn_arm_killed_before_its_final_pointer_resumes_exactly(
     write_experiment, tmp_path, kill_workers
 ) -> None:
     """experiments/tool_use.yaml's calculator arm at a tiny size (the issue's own case)."""
-    spec = yaml.safe_load((ROOT / "experiments" / "tool_use.yaml").read_text())
+    from ..experiment.test_tool_use import tiny_tool_use
+
+    spec = tiny_tool_use([0], 5)
     spec["arms"] = {"grpo": spec["arms"]["tool"]}
     spec.pop("baseline", None)
-    spec["seeds"], spec["budget"] = [0], {"steps": 5}
-    spec["model"]["embedded"].update(
-        hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, sft_steps=60,
-        sft_tool_share=0.5,
-    )  # fmt: skip
-    spec["data"]["task"].update(train_size=64, eval_size=8)
-    spec["training"].update(prompts_per_step=4, samples_per_prompt=2, checkpoint_every=2)
-    spec["evaluation"].update(every=2, num_prompts=4)
+    spec["evaluation"]["num_prompts"] = 4
     spec["logging"] = {"sinks": ["jsonl"]}
     exp = write_experiment(spec)
     full = tmp_path / "full"

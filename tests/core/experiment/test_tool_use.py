@@ -31,11 +31,11 @@ def test_the_shipped_experiment_differs_between_arms_only_in_the_calculator():
     assert all(getattr(tool, k) == getattr(no_tool, k) for k in same)
 
 
-@pytest.mark.slow
-def test_the_tool_use_experiment_runs_end_to_end_at_a_tiny_size(tmp_path, monkeypatch):
+def tiny_tool_use(seeds: list[int], steps: int) -> dict:
+    """experiments/tool_use.yaml with a tiny policy and data, ``seeds`` and a ``steps`` budget
+    (checkpoints and evaluations every 2 steps)."""
     spec = yaml.safe_load((ROOT / "experiments" / "tool_use.yaml").read_text())
-    spec["seeds"] = [0, 1]
-    spec["budget"] = {"steps": 2}
+    spec["seeds"], spec["budget"] = seeds, {"steps": steps}
     spec["model"]["embedded"].update(
         hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, sft_steps=60,
         sft_tool_share=0.5,
@@ -43,6 +43,12 @@ def test_the_tool_use_experiment_runs_end_to_end_at_a_tiny_size(tmp_path, monkey
     spec["data"]["task"].update(train_size=64, eval_size=8)
     spec["training"].update(prompts_per_step=4, samples_per_prompt=2, checkpoint_every=2)
     spec["evaluation"].update(every=2)
+    return spec
+
+
+@pytest.mark.slow
+def test_the_tool_use_experiment_runs_end_to_end_at_a_tiny_size(tmp_path, monkeypatch):
+    spec = tiny_tool_use([0, 1], 2)
     path = tmp_path / "tool_use.yaml"
     path.write_text(yaml.safe_dump(spec))
     monkeypatch.setenv("ALIGNZOO_CACHE", str(tmp_path / "cache"))
