@@ -134,13 +134,11 @@ def validate(
     placed on here, without loading any model."""
     from alignzoo.bundled import experiment_file
     from alignzoo.config.loader import load_experiment
-    from alignzoo.engine.assemble import check_precision
-    from alignzoo.engine.datacheck import check_data
+    from alignzoo.experiment.runner import check_before_writing
 
     with experiment_file(experiment) as path:
         loaded = load_experiment(path, overrides=overrides or ())
-        check_data(loaded)
-        check_precision(loaded)
+        check_before_writing(loaded)  # what `alignzoo run` checks before writing
     spec = loaded.spec
     console.print(
         f"[green]ok[/green] {experiment}: experiment {spec.name!r}, arms "
@@ -202,14 +200,10 @@ def run(
     EXPERIMENT is a YAML file or the name of a bundled one: `alignzoo run smoke` trains the
     bundled smoke test from any folder (runs/smoke), `alignzoo run quickstart` the default
     A/B experiment; `alignzoo init DIR` writes them out to edit."""
-    with _experiment_file(experiment) as path:
-        _run(path, arms, seeds, out, resume, jobs, executor, address, retries, overrides)
-
-
-def _experiment_file(value: Path) -> contextlib.AbstractContextManager[Path]:
     from alignzoo.bundled import experiment_file
 
-    return experiment_file(value)
+    with experiment_file(experiment) as path:
+        _run(path, arms, seeds, out, resume, jobs, executor, address, retries, overrides)
 
 
 def _run(
@@ -984,12 +978,13 @@ def annotate_pool(
     scale_label: ScaleLabelOption = None,
 ) -> None:
     """Sample two responses per prompt from the arm's starting policy and queue them."""
+    from alignzoo.bundled import experiment_file
     from alignzoo.config.loader import load_experiment
     from alignzoo.human.queue import HumanQueue, write_source
     from alignzoo.human.simulate import sample_pool
     from alignzoo.types import LabelRequest
 
-    with _experiment_file(experiment) as path:
+    with experiment_file(experiment) as path:
         loaded = load_experiment(path)
     name = arm or next(iter(loaded.spec.arms))
     if name not in loaded.spec.arms:

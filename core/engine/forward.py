@@ -212,8 +212,8 @@ def sequence_logprob(
     support, :func:`outside_support`, left out)."""
     logprobs, _ = policy_forward(model, batch, autocast=autocast, truncate=truncate)
     mask = batch.response_mask.to(logprobs.device)
-    logprobs, outside = outside_support(logprobs, mask)
-    return (logprobs * mask * ~outside).sum(dim=-1)
+    logprobs, _ = outside_support(logprobs, mask)  # 0 where cut: left out of the sum
+    return (logprobs * mask).sum(dim=-1)
 
 
 def outside_support(

@@ -128,7 +128,7 @@ def prepare_folder(spec: ExperimentSpec, out: Path, resume: bool) -> None:
     write_atomic(out / EXPERIMENT_FILE, text)
 
 
-def _check_before_writing(loaded: LoadedExperiment) -> None:
+def check_before_writing(loaded: LoadedExperiment) -> None:
     """What ``alignzoo validate`` checks beyond the file: the data every run will read, and
     each arm's precision on the device its actor would be placed on (ConfigError, exit 2)."""
     from alignzoo.engine.assemble import check_precision
@@ -196,7 +196,7 @@ def run_experiment(
     spec = loaded.spec
     out = experiment_dir(spec, out_dir)
     if run_fn is None:  # what `alignzoo validate` checks, once, before anything is written
-        _check_before_writing(loaded)
+        check_before_writing(loaded)
     if resume:
         _check_resumable(loaded, out, say=console.print if console is not None else None)
     prepare_folder(spec, out, resume)
@@ -349,7 +349,7 @@ def _run_data_parallel(
     if main:  # checked and prepared once; every rank then follows rank 0's plan
         try:
             if run_fn is None:
-                _check_before_writing(loaded)
+                check_before_writing(loaded)
             if resume:
                 _check_resumable(loaded, out, say=say)
             prepare_folder(spec, out, resume)

@@ -128,30 +128,35 @@ def write_request(run: Path, payload: dict[str, Any]) -> None:
 
 def finished_step(run: Path) -> int:
     """The last step the run in ``run`` has finished (its last metrics line; 0 before any)."""
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    last = 0
-    for raw in path.read_bytes().splitlines():
-        try:
-            row = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue  # a line cut by a kill
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            last = max(last, row["step"])
-    return last
+    from alignzoo.experiment.runfiles import read_jsonl
+
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if isinstance(r.get("step"), int)]
+    return max(steps, default=0)
+
+
+PATH_KEYS = ("path", "_path", "_dir", "_file", "folder")
+"""Param names (or their endings) that hold a path, such as the reward_model labeler's
+``path``; other params are taken for paths only when written as one (with a ``/``)."""
+
+
+def _names_a_path(key: str, value: Any) -> bool:
+    """Whether a labeler param is a path to keep portable: a non-empty string under a path
+    key, or one written with a folder separator or ``~`` (a regex ``.`` is not a path)."""
+    if not isinstance(value, str) or not value or "\n" in value:
+        return False
+    return key.endswith(PATH_KEYS) or "/" in value or value.startswith("~")
 
 
 def portable_ref(labeler: dict[str, Any], run: Path) -> dict[str, Any]:
-    """A labeler spec as a run folder keeps it: each string param that names an existing path
-    (relative to the working directory) made absolute, or relative to ``run`` and listed in
-    ``run_relative`` when it lies inside the run folder, so the request means the same file
-    from any working directory and after the folder is moved."""
+    """A labeler spec as a run folder keeps it: each param that names an existing path
+    (:func:`_names_a_path`, relative to the working directory) made absolute, or relative to
+    ``run`` and listed in ``run_relative`` when it lies inside the run folder, so the request
+    means the same file from any working directory and after the folder is moved."""
     params = dict(labeler.get("params") or {})
     relative = list(labeler.get(RUN_RELATIVE) or [])
     root = run.resolve()
     for key, value in params.items():
-        if key in relative or not isinstance(value, str) or not value or "\n" in value:
+        if key in relative or not _names_a_path(key, value):
             continue
         try:
             found = Path(value).expanduser()
@@ -186,19 +191,13 @@ def resolve_ref(labeler: dict[str, Any], run: Path) -> ComponentRef:
 def read_ledger(run: Path) -> list[dict[str, Any]]:
     """The requests the run took, in order: ``{"step": n, "request": {...}}`` rows (a line cut
     by a kill is left out)."""
-    path = run / LEDGER
-    if not path.is_file():
-        return []
-    rows = []
-    for raw in path.read_bytes().splitlines():
-        try:
-            row = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue
-        ok = isinstance(row, dict) and isinstance(row.get("step"), int)
-        if ok and isinstance(row.get("request"), dict):
-            rows.append(row)
-    return rows
+    from alignzoo.experiment.runfiles import read_jsonl
+
+    return [
+        row
+        for row in read_jsonl(run / LEDGER)
+        if isinstance(row.get("step"), int) and isinstance(row.get("request"), dict)
+    ]
 
 
 def shadow_of(run: Path) -> str | None:

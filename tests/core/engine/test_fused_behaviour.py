@@ -34,10 +34,18 @@ def _stable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
+# Sampled at a temperature with top-k and top-p: the fused snapshot takes the warped log-probs
+# and masks the tokens outside the trainer's support as the separate pass does.
+WARPED = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "max_new_tokens": 4}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("sampling", ["default", "warped"])
 def test_a_fused_snapshot_gives_the_numbers_of_the_separate_pass(
-    write_experiment, tmp_path, monkeypatch
+    write_experiment, tmp_path, monkeypatch, sampling
 ):
+    arms = ARMS if sampling == "default" else {a: ARMS[a] for a in ("grpo", "rloo")}
+    training = {} if sampling == "default" else {"sampling": WARPED}
     behaviour_passes = {"n": 0}
     original = Scorer.behaviour
 
@@ -51,19 +59,19 @@ def test_a_fused_snapshot_gives_the_numbers_of_the_separate_pass(
     for fuse in (True, False):
         spec = tiny_experiment(
             budget={"steps": 3},
-            training={"fuse_behaviour": fuse, "checkpoint_every": 3},
+            training={"fuse_behaviour": fuse, "checkpoint_every": 3, **training},
             evaluation={"every": 3, "num_prompts": 4},
-            arms=ARMS,
+            arms=arms,
         )
         loaded = load_experiment(write_experiment(spec, name=f"{fuse}.yaml"))
-        for arm in ARMS:
+        for arm in arms:
             behaviour_passes["n"] = 0
             out = tmp_path / f"{arm}-{fuse}"
             summary = run_one(loaded, arm, 0, out)
             assert summary.status == "finished", summary.error
             histories[arm, fuse] = _stable(read_jsonl(out / "metrics.jsonl"))
             passes[arm, fuse] = behaviour_passes["n"]
-    for arm in ARMS:
+    for arm in arms:
         if arm == "ppo":
             assert passes[arm, True] == 3, "ppo was fused, though its advantages need the pass"
         else:
@@ -75,7 +83,10 @@ def test_a_fused_snapshot_gives_the_numbers_of_the_separate_pass(
             for key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (arm, step, key)
         assert canonical.ENTROPY in fused[0], arm
-    assert histories["grpo", True][0][canonical.KL_REF] == pytest.approx(0.0, abs=1e-7)
+        if sampling == "warped":  # counted by both paths alike (compared above)
+            assert canonical.ROLLOUT_OUTSIDE_SUPPORT in fused[0], arm
+    if sampling == "default":  # the warm start is its own reference
+        assert histories["grpo", True][0][canonical.KL_REF] == pytest.approx(0.0, abs=1e-7)
 
 
 def _decide(**overrides) -> bool:

@@ -205,3 +205,24 @@ def test_at_step_must_name_a_step_not_trained_yet(tmp_path, capsys):
     assert yaml.safe_load((run / CONTROL).read_text())["not_before"] == 3
     assert cli.main(["labeler", "swap", str(run), str(spec_file), "--at-step", "5"]) == 0
     assert yaml.safe_load((run / CONTROL).read_text())["not_before"] == 5
+
+
+def test_a_requests_paths_are_kept_so_the_run_folder_can_move(tmp_path, monkeypatch):
+    """A path param inside the run folder is kept relative to it (and resolved against where
+    the folder is when the labeler is built), one outside it absolute; a param that only
+    happens to name a file (a regex ``.``) is left as written."""
+    from alignzoo.labeling.swap import RUN_RELATIVE, portable_ref, resolve_ref
+
+    run = tmp_path / "run"
+    (run / "rlhf" / "rm-1").mkdir(parents=True)
+    (tmp_path / "rm0").mkdir()
+    monkeypatch.chdir(tmp_path)
+    inside = portable_ref({"name": "reward_model", "params": {"path": "run/rlhf/rm-1"}}, run)
+    assert inside["params"]["path"] == "rlhf/rm-1" and inside[RUN_RELATIVE] == ["path"]
+    outside = portable_ref({"name": "reward_model", "params": {"path": "rm0"}}, run)
+    assert outside["params"]["path"] == str(tmp_path / "rm0") and RUN_RELATIVE not in outside
+    regex = {"name": "regex", "params": {"pattern": ".", "answer_field": "run"}}
+    assert portable_ref(regex, run) == regex
+    moved = tmp_path / "moved"
+    run.rename(moved)
+    assert resolve_ref(inside, moved).params["path"] == str(moved / "rlhf" / "rm-1")

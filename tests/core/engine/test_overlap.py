@@ -97,6 +97,27 @@ def test_overlap_resumes_exactly_and_records_the_slowest_calls(write_experiment,
     assert [r["step"] for r in read_jsonl(out / "labels_slowest.jsonl")] == [1, 2, 3, 4]
 
 
+def test_a_look_ahead_batch_sampled_with_top_k_and_top_p_resumes_exactly(
+    write_experiment, tmp_path
+):
+    """The checkpointed look-ahead batch keeps the distribution it was drawn from
+    (``batch.sampling``): resumed from the checkpoint of step 3 (every 3 of 5 steps), the
+    run trains on its warped log-probs as the uninterrupted one did."""
+    spec = _spec(True, steps=5)
+    spec["training"].update(
+        checkpoint_every=3,
+        sampling={"temperature": 0.7, "top_k": 5, "top_p": 0.9, "max_new_tokens": 4},
+    )
+    loaded = load_experiment(write_experiment(spec))
+    out = tmp_path / "run"
+    assert run_one(loaded, "grpo", 0, out).status == "finished"
+    reference = _stable(read_jsonl(out / "metrics.jsonl"))
+    assert all("rollout/outside_support" in row for row in reference)
+    back_to_checkpoint(out, 3)
+    assert run_one(loaded, "grpo", 0, out, resume=True).status == "finished"
+    assert _stable(read_jsonl(out / "metrics.jsonl")) == reference
+
+
 def test_overlap_on_an_offline_arm_is_refused(write_experiment, tmp_path, engine_cache):
     spec = tiny_experiment(
         data={"online": False},
