@@ -26,7 +26,7 @@ import json, resource, sys, torch
 from alignzoo.engine.malloc import keep_freed_memory
 took = keep_freed_memory() if sys.argv[1] == "keep" else None
 faults = []
-for _ in range(8):
+for _ in range(16):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     block = torch.ones(16 << 20)  # 64 MB of float32, every page written
     del block
@@ -53,8 +53,13 @@ def test_a_process_that_keeps_freed_memory_allocates_a_large_tensor_again_withou
     kept = _rounds("keep")
     assert kept["took"] is True
     # The first rounds grow the heap (each aligned allocation a little larger than the block
-    # freed before it, until the freed blocks merge); from then on the block is reused.
-    assert max(kept["faults"][-4:]) < PAGES * 0.05, kept["faults"]
+    # freed before it, until the freed blocks merge); from then on the block is reused. How
+    # many rounds the merging takes varies between machines (1 to 5 seen): the second half of
+    # the 16 rounds is past it.
+    settled = kept["faults"][len(kept["faults"]) // 2 :]
+    assert max(settled) < PAGES * 0.05, (
+        f"the heap did not settle to reusing the freed block within 8 rounds: {kept['faults']}"
+    )
 
 
 def test_a_cpu_run_keeps_freed_memory_unless_told_not_to(
