@@ -8,6 +8,14 @@ can be explained from the files alone.
   imported from and whether it had uncommitted changes (``{}`` outside a git checkout);
 - ``python``, ``torch``, ``transformers``: versions (read from the installed metadata);
 - ``cpu``: the CPU model, ``cpu_count``, ``gpu``: the CUDA device names (empty without CUDA);
+- ``cpu_isa``: what the CPU's kernels were allowed to use: torch's dispatch level
+  (``capability``: AVX2, AVX512, ...), the vector-instruction flags the CPU reports (AVX2,
+  AVX-512, AMX) and the environment variables that restrict them (``ATEN_CPU_CAPABILITY``,
+  ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``): the same model can give other numbers
+  on an AVX2 CPU than on an AVX-512 or AMX one;
+- ``lock``: the lock file of the checkout (``requirements/<env>.txt``) whose every pin the
+  running environment has installed, with its sha256; ``null`` where none matches (a wheel
+  install, or an environment changed by hand), and then the first packages that differ;
 - ``threads``: torch's intra-op thread count (``OMP_NUM_THREADS`` as set, too); in a run
   folder the run's own count, the same in every session since a resume keeps it
   (:mod:`alignzoo.threads`);
@@ -27,6 +35,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -38,7 +47,17 @@ from typing import Any
 PROVENANCE_FILE = "provenance.json"
 BIG_FILE = 16 * 2**20
 EDGE = 2**20
-COMPARED = ("alignzoo", "git", "python", "torch", "transformers", "cpu", "gpu", "threads")
+COMPARED = (
+    "alignzoo",
+    "git",
+    "python",
+    "torch",
+    "transformers",
+    "cpu",
+    "cpu_isa",
+    "gpu",
+    "threads",
+)
 """The fields that decide whether two sessions' numbers are comparable to the last digit."""
 
 
@@ -94,6 +113,79 @@ def _gpus() -> list[str]:
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
+# The CPU flags that decide which vector kernels torch, oneDNN and MKL may run.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def cpu_isa() -> dict[str, Any]:
+    """``{"capability", "flags", "limits"}``: torch's CPU dispatch level (None without torch), the :data:`ISA_FLAGS` the CPU reports (/proc/cpuinfo) and the :data:`ISA_LIMITS`
+    environment variables that are set."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        capability: str | None = str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # no torch, or an old or unusual build without the query
+        capability = None
+    return {
+        "capability": capability,
+        "flags": [flag for flag in ISA_FLAGS if flag in flags],
+        "limits": {name: os.environ[name] for name in ISA_LIMITS if name in os.environ},
+    }
+
+
+def _pins(lock: Path) -> dict[str, str]:
+    """``{normalised name: version}`` of a pip-compile lock's ``name==version`` lines."""
+    pins = {}
+    for line in lock.read_text(encoding="utf-8").splitlines():
+        match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", line)
+        if match:
+            pins[_normalise(match.group(1))] = match.group(2)
+    return pins
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_fields(checkout: Path) -> dict[str, Any]:
+    """``{"lock": "requirements/<env>.txt", "lock_sha256": ...}`` for the checkout's lock whose
+    every pin is installed in this environment; ``{"lock": None, "lock_differs": [...]}`` (the
+    closest lock's first differing packages) where none is, or ``{"lock": None}`` without
+    locks (an installed wheel)."""
+    locks = sorted((checkout / "requirements").glob("*.txt"))
+    if not locks:
+        return {"lock": None}
+    installed = {
+        _normalise(dist.metadata["Name"]): dist.version
+        for dist in metadata.distributions()
+        if dist.metadata["Name"]
+    }
+    closest: list[str] | None = None
+    for lock in locks:
+        differs = [
+            f"{name}=={version} (installed: {installed.get(name, 'none')})"
+            for name, version in sorted(_pins(lock).items())
+            if installed.get(name) != version
+        ]
+        if not differs:
+            return {
+                "lock": str(lock.relative_to(checkout)),
+                "lock_sha256": file_sha256(lock),
+            }
+        if closest is None or len(differs) < len(closest):
+            closest = differs
+    return {"lock": None, "lock_differs": (closest or [])[:5]}
+
+
 def _threads() -> int | None:
     torch = sys.modules.get("torch")
     return int(torch.get_num_threads()) if torch is not None else None
@@ -137,12 +229,14 @@ def collect(
         "transformers": _version("transformers"),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "cpu_isa": cpu_isa(),
         "gpu": _gpus(),
         "threads": _threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "command": shlex.join(sys.argv),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    entry.update(lock_fields(source.parent))
     if experiment_file is not None and Path(experiment_file).is_file():
         entry["experiment_sha256"] = file_sha256(Path(experiment_file))
     if policy is not None:

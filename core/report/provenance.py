@@ -32,14 +32,32 @@ def _threads(entry: dict[str, Any]) -> str:
     return text + (f" (OMP_NUM_THREADS={omp})" if omp is not None else "")
 
 
+def _isa(entry: dict[str, Any]) -> str:
+    """torch's CPU dispatch level, the CPU's vector flags and what restricted them."""
+    isa = entry.get("cpu_isa")
+    if not isinstance(isa, dict):
+        return ""
+    limits = ", ".join(f"{k}={v}" for k, v in (isa.get("limits") or {}).items())
+    text = f"; kernels {isa.get('capability') or '?'} (CPU: {' '.join(isa.get('flags') or [])})"
+    return text + (f", restricted by {limits}" if limits else "")
+
+
+def _lock(entry: dict[str, Any]) -> str:
+    if entry.get("lock"):
+        return f"; lock {entry['lock']} (sha256 {str(entry.get('lock_sha256', ''))[:16]})"
+    if "lock" in entry:
+        return "; no lock matches the environment"
+    return ""
+
+
 def _describe(entry: dict[str, Any]) -> list[str]:
     gpus = entry.get("gpu") or []
     return [
         str(entry.get("alignzoo") or "?"),
         _git(entry),
         f"python {entry.get('python', '?')}, torch {entry.get('torch', '?')}, "
-        f"transformers {entry.get('transformers', '?')}",
-        f"{entry.get('cpu', '?')} ({entry.get('cpu_count', '?')} cores)",
+        f"transformers {entry.get('transformers', '?')}{_lock(entry)}",
+        f"{entry.get('cpu', '?')} ({entry.get('cpu_count', '?')} cores){_isa(entry)}",
         ", ".join(gpus) if gpus else "none",
         _threads(entry),
     ]
@@ -79,7 +97,7 @@ def provenance_blocks(run_dir: Path, runs: list[RunData]) -> list[Block]:
                 "p",
                 f"The runs come from {len(groups)} different settings (rows above): numbers are "
                 "reproducible to the last digit only within one setting (same versions, commit, "
-                "CPU, GPU and thread count), so small differences between arms may be rounding.",
+                "CPU and its kernels, GPU and thread count), so small differences between arms may be rounding.",
             )
         )
     else:
