@@ -511,6 +511,7 @@ def main() -> None:
         folders = prepare_models(tmp, models)
         data = prepare_data(tmp)
         limit = matmul_limit_gflops(dtype=args.dtype)
+        from alignzoo import provenance
         from alignzoo.engine.models import cpu_has_native_bf16
 
         machine = {
@@ -558,6 +559,9 @@ def main() -> None:
                 json.dumps(
                     {
                         "machine": machine,
+                        # Where the numbers came from (commit, lock, CPU and its kernels,
+                        # threads, versions): what docs' figures are checked against.
+                        "provenance": {"settings": [provenance.collect()]},
                         "settings": {
                             "dtype": args.dtype,
                             "gradient_checkpointing": args.gradient_checkpointing,

@@ -372,14 +372,24 @@ def report(
             "metric, else guessed from the name: lower for length, loss, error, time, memory).",
         ),
     ] = None,
+    results: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write the report's tables, every run's evaluations and the provenance "
+            "(commit, lock, CPU and its kernels, threads) as one JSON file here: what "
+            "docs/results/ holds for the figures the documentation quotes."
+        ),
+    ] = None,
 ) -> None:
     """(Re)write report.md and report.html for a finished or partial experiment, or with
     --metric a report comparing the arms on another recorded metric (no training)."""
     if not run_dir.is_dir():
         raise UserError(f"run folder not found: {run_dir}")
+    if results is not None and results.suffix != ".json":
+        raise UserError(f"--results {results}: expected a file name ending in .json")
     from alignzoo.report.sections import write_report
 
-    paths = write_report(run_dir, metric, higher_is_better)
+    paths = write_report(run_dir, metric, higher_is_better, results)
     for path in paths:
         console.print(f"wrote {path}")
 

@@ -1156,7 +1156,10 @@ def _plots(
 
 
 def write_report(
-    run_dir: Path, metric: str | None = None, higher_is_better: bool | None = None
+    run_dir: Path,
+    metric: str | None = None,
+    higher_is_better: bool | None = None,
+    results: Path | None = None,
 ) -> list[Path]:
     """Write ``report.md``, ``report.html`` and ``plots/*.png`` into ``run_dir``.
 
@@ -1167,7 +1170,10 @@ def write_report(
     report, which it leaves as it is (see :mod:`alignzoo.report.choice`). Naming the
     experiment's own metric and direction writes the default report.
 
-    Returns the paths of the two reports (Markdown first).
+    ``results``: also write the report's tables, every run's evaluations and the provenance
+    as one JSON file there (:mod:`alignzoo.report.results`: what docs/results/ holds).
+
+    Returns the paths of the two reports (Markdown first), then the results file if written.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -1179,4 +1185,8 @@ def write_report(
     page = run_dir / f"{stem}.html"
     write_atomic(md, render_markdown(blocks))
     write_atomic(page, render_html(blocks, title, run_dir))
-    return [md, page]
+    if results is None:
+        return [md, page]
+    from alignzoo.report.results import results_document, write_results
+
+    return [md, page, write_results(results, results_document(exp, blocks))]

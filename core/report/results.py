@@ -1,0 +1,124 @@
+"""A report's figures as one JSON file: what the documentation quotes from an experiment, tied to
+the run that produced it (``docs/results/<figure>.json``, written by ``make figures``).
+
+``alignzoo report RUN_DIR --results FILE`` writes, beside the report it rewrites:
+
+- ``experiment``: the experiment's name, the compared metric and its direction, the baseline;
+- ``tables``: every table of report.md as it prints them (strings), each with the heading of
+  the section it sits under;
+- ``evaluations``: per run (``arm/seed-N``) every evaluation's numbers (the step and each
+  ``eval/*`` metric it recorded);
+- ``runs``: per run its status, steps, wall clock, tokens per second and peak memory;
+- ``wall_clock_s``: from the start of the first ``alignzoo run`` session of the folder to the
+  last run's final write (a resumed experiment counts its pause);
+- ``provenance``: the experiment's sessions (command, start, experiment file hash) and every
+  distinct setting its runs ran under (versions, commit, lock, CPU model and kernels, threads:
+  :mod:`alignzoo.provenance`), each with the runs that share it.
+
+Numbers the documentation quotes from the run are checked against this file by the test suite
+(tests/core/test_figures.py), so a figure that no longer matches its run fails it.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from alignzoo.experiment.runfiles import RunData, number, write_atomic
+from alignzoo.provenance import COMPARED, comparable_key, read_sessions
+from alignzoo.report.document import Block
+
+RESULTS_FORMAT = 1
+# Session fields that describe one invocation rather than the setting the numbers depend on.
+_PER_SESSION = ("command", "started", "components", "policy", "policy_sha256")
+
+
+def _tables(blocks: list[Block]) -> list[dict[str, Any]]:
+    tables, section = [], ""
+    for block in blocks:
+        if block.kind in ("h1", "h2"):
+            section = block.text
+        elif block.kind == "table":
+            tables.append({"section": section, "headers": block.headers, "rows": block.rows})
+    return tables
+
+
+def _settings(runs: list[RunData]) -> list[dict[str, Any]]:
+    settings: dict[tuple[str, ...], dict[str, Any]] = {}
+    for run in runs:
+        for entry in read_sessions(run.path):
+            key = comparable_key(entry)
+            if key not in settings:
+                setting = {k: v for k, v in entry.items() if k not in _PER_SESSION}
+                settings[key] = {**setting, "runs": []}
+            if run.name not in settings[key]["runs"]:
+                settings[key]["runs"].append(run.name)
+    return list(settings.values())
+
+
+def _wall_clock(run_dir: Path, runs: list[RunData]) -> float | None:
+    sessions = read_sessions(run_dir)
+    ends = [(run.path / "status.json").stat().st_mtime for run in runs]
+    ends = [end for end, run in zip(ends, runs, strict=True) if run.status == "finished"]
+    if not sessions or not ends:
+        return None
+    try:
+        start = datetime.fromisoformat(str(sessions[0]["started"])).timestamp()
+    except (KeyError, ValueError):
+        return None
+    return round(max(ends) - start, 1)
+
+
+def results_document(exp: Any, blocks: list[Block]) -> dict[str, Any]:
+    """The results document of an experiment folder (``exp``: the report's view of it) whose
+    report is ``blocks``."""
+    runs: list[RunData] = exp.runs
+    run_dir: Path = exp.run_dir
+    return {
+        "format": RESULTS_FORMAT,
+        "experiment": {
+            "name": exp.name,
+            "metric": exp.key,
+            "higher_is_better": exp.higher,
+            "baseline": exp.baseline,
+            "arms": exp.arms,
+        },
+        "tables": _tables(blocks),
+        "evaluations": {
+            run.name: [
+                {k: v for k, v in row.items() if k == "step" or number(v) is not None}
+                for row in run.evals
+            ]
+            for run in runs
+        },
+        "runs": {
+            run.name: {
+                "status": run.status,
+                "steps": run.info.get("step"),
+                **{
+                    k: number(run.info.get(k))
+                    for k in ("wall_clock_s", "tokens_per_s", "peak_memory_mb")
+                },
+            }
+            for run in runs
+        },
+        "wall_clock_s": _wall_clock(run_dir, runs),
+        "provenance": {
+            "compared_on": list(COMPARED),
+            "sessions": [
+                {k: entry.get(k) for k in ("command", "started", "experiment_sha256")}
+                for entry in read_sessions(run_dir)
+            ],
+            "settings": _settings(runs),
+        },
+    }
+
+
+def write_results(path: Path, document: dict[str, Any]) -> Path:
+    """Write ``document`` as indented JSON (stable key order, so reruns diff cleanly)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(document, indent=1, sort_keys=True) + "\n")
+    return path
