@@ -36,7 +36,7 @@ LOCK_ARGS ?=
 PIP_COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links $(LOCK_ARGS)
 
-.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-tool-use figure-reasoning-gym figure-rlhf test test-fast test-vllm test-verifiers lint bench clean
+.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-tool-use figure-reasoning-gym figure-rlhf test test-fast test-vllm test-verifiers lint bench clean
 
 # The lock first (hash-checked; alignzoo is not in it), then alignzoo itself, editable.
 $(VENV)/.installed: pyproject.toml requirements/dev.txt
@@ -120,25 +120,36 @@ rlhf: setup
 	$(VENV)/bin/alignzoo run experiments/rlhf_pipeline.yaml --out $(RLHF)/ab --resume --jobs 2
 
 ## The figures the documentation quotes, rerun from scratch into $(FIGURES)/ and written to
-## docs/results/<figure>.json (the report's tables, every run's evaluations, the provenance:
-## commit, lock, CPU and its kernels, threads); tests/core/test_figures.py checks every quoted
-## number against them. `make figures` reruns all four (about 35 minutes on 2 cores), `make
-## figure-demo` one. Commit first: a results file from uncommitted code fails that test.
+## docs/results/<figure>.json (the report's tables, every run's evaluations and training curves'
+## ends, the provenance: commit, lock, CPU and its kernels, threads); tests/core/test_figures.py
+## checks every quoted number against them. `make figures` reruns them all (about 50 minutes on
+## 2 cores), `make figure-demo` one. Commit first: a results file from uncommitted code fails
+## that test. The warm starts are built in $(FIGURES)/cache (and cache-avx2), not taken from
+## another machine's cache: a warm start built on another CPU kind is another starting policy.
+## figure-demo-avx2 runs the demo with every kernel limited to AVX2 (torch's dispatch, oneDNN,
+## MKL), which is how an AVX-512 or AMX CPU gives an AVX2-only CPU's numbers.
 FIGURES ?= runs/figures
 FIGURE_RUNS := demo:quickstart tool-use:tool_use reasoning-gym:reasoning_gym
-figures: $(foreach f,$(FIGURE_RUNS),figure-$(firstword $(subst :, ,$(f)))) figure-rlhf
+AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+figures: $(foreach f,$(FIGURE_RUNS),figure-$(firstword $(subst :, ,$(f)))) figure-rlhf figure-demo-avx2
 
 define figure_rule
 figure-$(1): setup
 	rm -rf $(FIGURES)/$(1)
-	$(VENV)/bin/alignzoo run experiments/$(2).yaml --out $(FIGURES)/$(1) --jobs 2
+	ALIGNZOO_CACHE=$(abspath $(FIGURES))/cache $(VENV)/bin/alignzoo run experiments/$(2).yaml --out $(FIGURES)/$(1) --jobs 2
 	$(VENV)/bin/alignzoo report $(FIGURES)/$(1) --results docs/results/$(1).json
 endef
 $(foreach f,$(FIGURE_RUNS),$(eval $(call figure_rule,$(firstword $(subst :, ,$(f))),$(lastword $(subst :, ,$(f))))))
 
+figure-demo-avx2: setup
+	rm -rf $(FIGURES)/demo-avx2
+	ALIGNZOO_CACHE=$(abspath $(FIGURES))/cache-avx2 $(AVX2_ONLY) \
+		$(VENV)/bin/alignzoo run experiments/quickstart.yaml --out $(FIGURES)/demo-avx2 --jobs 2
+	$(VENV)/bin/alignzoo report $(FIGURES)/demo-avx2 --results docs/results/demo-avx2.json
+
 figure-rlhf: setup
 	rm -rf $(FIGURES)/rlhf
-	$(MAKE) --no-print-directory rlhf RLHF=$(FIGURES)/rlhf
+	ALIGNZOO_CACHE=$(abspath $(FIGURES))/cache $(MAKE) --no-print-directory rlhf RLHF=$(FIGURES)/rlhf
 	$(VENV)/bin/alignzoo report $(FIGURES)/rlhf/ab --results docs/results/rlhf.json
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.

@@ -8,6 +8,8 @@ the run that produced it (``docs/results/<figure>.json``, written by ``make figu
   the section it sits under;
 - ``evaluations``: per run (``arm/seed-N``) every evaluation's numbers (the step and each
   ``eval/*`` metric it recorded);
+- ``training``: per run, each training metric's mean over the first and over the last
+  :data:`EDGE_STEPS` steps (``{"metric": [first, last]}``): where a curve started and ended;
 - ``runs``: per run its status, steps, wall clock, tokens per second and peak memory;
 - ``wall_clock_s``: from the start of the first ``alignzoo run`` session of the folder to the
   last run's final write (a resumed experiment counts its pause);
@@ -31,6 +33,7 @@ from alignzoo.provenance import COMPARED, comparable_key, read_sessions
 from alignzoo.report.document import Block
 
 RESULTS_FORMAT = 1
+EDGE_STEPS = 5
 # Session fields that describe one invocation rather than the setting the numbers depend on.
 _PER_SESSION = ("command", "started", "components", "policy", "policy_sha256")
 
@@ -56,6 +59,22 @@ def _settings(runs: list[RunData]) -> list[dict[str, Any]]:
             if run.name not in settings[key]["runs"]:
                 settings[key]["runs"].append(run.name)
     return list(settings.values())
+
+
+def _edges(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each metric's mean over the first and the last :data:`EDGE_STEPS` rows that hold it."""
+    series: dict[str, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key not in ("step", "time_s") and number(value) is not None:
+                series.setdefault(key, []).append(float(value))
+    return {
+        key: [
+            sum(values[:EDGE_STEPS]) / len(values[:EDGE_STEPS]),
+            sum(values[-EDGE_STEPS:]) / len(values[-EDGE_STEPS:]),
+        ]
+        for key, values in sorted(series.items())
+    }
 
 
 def _wall_clock(run_dir: Path, runs: list[RunData]) -> float | None:
@@ -93,6 +112,7 @@ def results_document(exp: Any, blocks: list[Block]) -> dict[str, Any]:
             ]
             for run in runs
         },
+        "training": {run.name: _edges(run.metrics) for run in runs},
         "runs": {
             run.name: {
                 "status": run.status,

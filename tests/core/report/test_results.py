@@ -58,6 +58,11 @@ def test_the_results_file_holds_the_reports_tables_evaluations_and_provenance(
         json.loads(line) for line in (root / "other/seed-1/eval.jsonl").read_text().splitlines()
     ]
     assert document["evaluations"]["other/seed-1"] == rows
+    # The fixture's reward climbs linearly to the final value: steps 1-5 and 6-10 of 10.
+    final = 0.7
+    first, last = document["training"]["other/seed-0"]["reward/mean"]
+    assert first == pytest.approx(final * 3 / 10) and last == pytest.approx(final * 8 / 10)
+    assert "step" not in document["training"]["other/seed-0"]
     assert document["runs"]["base/seed-2"] == {
         "status": "finished",
         "steps": 10,
