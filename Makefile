@@ -36,7 +36,7 @@ LOCK_ARGS ?=
 PIP_COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links $(LOCK_ARGS)
 
-.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-tool-use figure-reasoning-gym figure-rlhf test test-fast test-vllm test-verifiers lint bench clean
+.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-rlhf test test-fast test-vllm test-verifiers lint bench clean
 
 # The lock first (hash-checked; alignzoo is not in it), then alignzoo itself, editable.
 $(VENV)/.installed: pyproject.toml requirements/dev.txt
@@ -131,7 +131,7 @@ rlhf: setup
 FIGURES ?= runs/figures
 FIGURE_RUNS := demo:quickstart tool-use:tool_use reasoning-gym:reasoning_gym
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
-figures: $(foreach f,$(FIGURE_RUNS),figure-$(firstword $(subst :, ,$(f)))) figure-rlhf figure-demo-avx2
+figures: $(foreach f,$(FIGURE_RUNS),figure-$(firstword $(subst :, ,$(f)))) figure-rlhf figure-demo-avx2 figure-demo-threads
 
 define figure_rule
 figure-$(1): setup
@@ -146,6 +146,14 @@ figure-demo-avx2: setup
 	ALIGNZOO_CACHE=$(abspath $(FIGURES))/cache-avx2 $(AVX2_ONLY) \
 		$(VENV)/bin/alignzoo run experiments/quickstart.yaml --out $(FIGURES)/demo-avx2 --jobs 2
 	$(VENV)/bin/alignzoo report $(FIGURES)/demo-avx2 --results docs/results/demo-avx2.json
+
+## Two of the demo's arms as one process with two threads (the demo runs two one-thread
+## workers), from the same cached warm start: what the thread count alone changes.
+figure-demo-threads: setup
+	rm -rf $(FIGURES)/demo-threads
+	ALIGNZOO_CACHE=$(abspath $(FIGURES))/cache OMP_NUM_THREADS=2 $(VENV)/bin/alignzoo run \
+		experiments/quickstart.yaml --arms grpo,ppo --out $(FIGURES)/demo-threads --jobs 1
+	$(VENV)/bin/alignzoo report $(FIGURES)/demo-threads --results docs/results/demo-threads.json
 
 figure-rlhf: setup
 	rm -rf $(FIGURES)/rlhf

@@ -8,7 +8,10 @@ the run that produced it (``docs/results/<figure>.json``, written by ``make figu
   the section it sits under;
 - ``evaluations``: per run (``arm/seed-N``) every evaluation's numbers (the step and each
   ``eval/*`` metric it recorded);
-- ``training``: per run, each training metric's mean over the first and over the last
+- ``curves``: per arm the compared metric's mean over its runs at each evaluation step (what
+  the report's evaluation plot draws), ``[[step, mean, runs], ...]``;
+- ``training``: per run, each learning metric's (not timing, throughput, labeler or batch
+  bookkeeping) mean over the first and over the last
   :data:`EDGE_STEPS` steps (``{"metric": [first, last]}``): where a curve started and ended;
 - ``runs``: per run its status, steps, wall clock, tokens per second and peak memory;
 - ``wall_clock_s``: from the start of the first ``alignzoo run`` session of the folder to the
@@ -34,6 +37,18 @@ from alignzoo.report.document import Block
 
 RESULTS_FORMAT = 1
 EDGE_STEPS = 5
+# Training metrics of bookkeeping rather than learning, left out of ``training``.
+_NOT_LEARNING = (
+    "step",
+    "time_s",
+    "lr",
+    "samples",
+    "timing/",
+    "throughput/",
+    "labeler/",
+    "label/",
+    "batch/",
+)
 # Session fields that describe one invocation rather than the setting the numbers depend on.
 _PER_SESSION = ("command", "started", "components", "policy", "policy_sha256")
 
@@ -66,7 +81,7 @@ def _edges(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     series: dict[str, list[float]] = {}
     for row in rows:
         for key, value in row.items():
-            if key not in ("step", "time_s") and number(value) is not None:
+            if not key.startswith(_NOT_LEARNING) and number(value) is not None:
                 series.setdefault(key, []).append(float(value))
     return {
         key: [
@@ -75,6 +90,21 @@ def _edges(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
         ]
         for key, values in sorted(series.items())
     }
+
+
+def _curves(exp: Any) -> dict[str, list[list[float]]]:
+    curves = {}
+    for arm in exp.arms:
+        at: dict[int, list[float]] = {}
+        for run in exp.runs:
+            if run.arm != arm:
+                continue
+            for row in run.evals:
+                value = number(row.get(exp.key))
+                if value is not None and isinstance(row.get("step"), int):
+                    at.setdefault(row["step"], []).append(value)
+        curves[arm] = [[step, sum(v) / len(v), len(v)] for step, v in sorted(at.items())]
+    return curves
 
 
 def _wall_clock(run_dir: Path, runs: list[RunData]) -> float | None:
@@ -112,6 +142,7 @@ def results_document(exp: Any, blocks: list[Block]) -> dict[str, Any]:
             ]
             for run in runs
         },
+        "curves": _curves(exp),
         "training": {run.name: _edges(run.metrics) for run in runs},
         "runs": {
             run.name: {

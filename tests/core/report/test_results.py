@@ -58,6 +58,9 @@ def test_the_results_file_holds_the_reports_tables_evaluations_and_provenance(
         json.loads(line) for line in (root / "other/seed-1/eval.jsonl").read_text().splitlines()
     ]
     assert document["evaluations"]["other/seed-1"] == rows
+    # The mean over seeds at every evaluation: the fixture's evals climb from 0.1 to the final.
+    assert document["curves"]["other"][0] == [0, pytest.approx(0.1), 3]
+    assert document["curves"]["other"][-1] == [10, pytest.approx(0.75), 3]
     # The fixture's reward climbs linearly to the final value: steps 1-5 and 6-10 of 10.
     final = 0.7
     first, last = document["training"]["other/seed-0"]["reward/mean"]
