@@ -159,6 +159,7 @@ figure-rlhf: setup
 	rm -rf $(FIGURES)/rlhf
 	ALIGNZOO_CACHE=$(abspath $(FIGURES))/cache $(MAKE) --no-print-directory rlhf RLHF=$(FIGURES)/rlhf
 	$(VENV)/bin/alignzoo report $(FIGURES)/rlhf/ab --results docs/results/rlhf.json
+	$(PY) benchmarks/kl_control.py $(FIGURES)/rlhf/ab --json docs/results/rlhf-kl.json
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.
 test: setup vllm-env verifiers-env browser slurm

@@ -7,6 +7,10 @@ enters the band, and the coefficient's range. Arms with a fixed coefficient are 
 comparison (their measured KL against the adaptive arms' target, when there is one).
 
     .venv/bin/python benchmarks/kl_control.py runs/rlhf_pipeline/ab [--window 10] [--from-step 20]
+        [--json docs/results/rlhf-kl.json]
+
+``--json`` also writes every run's figures and the runs' provenance settings (commit, lock, CPU
+and its kernels, threads) as one JSON file, what the documentation's figures are checked against.
 
 Reads run folders only; trains nothing.
 """
@@ -17,6 +21,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 BAND = (0.5, 1.5)
 
@@ -62,7 +67,9 @@ def main() -> None:
     parser.add_argument("experiment", type=Path, help="An experiment's output folder.")
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--from-step", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
+    document: dict[str, Any] = {"window": args.window, "from_step": args.from_step, "arms": {}}
     runs = sorted(p.parent for p in args.experiment.glob("*/seed-*/metrics.jsonl"))
     by_arm: dict[str, list[tuple[Path, list[dict[str, float]]]]] = {}
     for run in runs:
@@ -79,6 +86,11 @@ def main() -> None:
         if target is None:
             continue
         stats = [held(rows, target, args.window, args.from_step) for _, rows in arm_runs]
+        document["arms"][arm] = {
+            "kind": kind,
+            "target": target,
+            "runs": {f"{arm}/{run.name}": s for (run, _), s in zip(arm_runs, stats, strict=True)},
+        }
         shares = [s["share_in_band"] for s in stats]
         firsts = [s["first_step_in_band"] for s in stats]
         print(
@@ -89,6 +101,28 @@ def main() -> None:
             f"{statistics.median(s['kl_median'] for s in stats):.3g}; coefficient "
             f"{min(s['coef_min'] for s in stats):.3g} to {max(s['coef_max'] for s in stats):.3g}"
         )
+    if args.json is not None:
+        document["provenance"] = {"settings": settings([run for run in runs])}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+
+
+def settings(runs: list[Path]) -> list[dict[str, Any]]:
+    """The distinct provenance settings the runs ran under, each with its runs."""
+    from alignzoo.provenance import comparable_key, read_sessions
+
+    out: dict[tuple[str, ...], dict[str, Any]] = {}
+    for run in runs:
+        for entry in read_sessions(run):
+            setting = out.setdefault(
+                comparable_key(entry),
+                {k: v for k, v in entry.items() if k not in ("command", "started", "components")}
+                | {"runs": []},
+            )
+            name = f"{run.parent.name}/{run.name}"
+            if name not in setting["runs"]:
+                setting["runs"].append(name)
+    return list(out.values())
 
 
 if __name__ == "__main__":
