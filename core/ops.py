@@ -519,6 +519,15 @@ def gae(
     return advantages, returns
 
 
+def token_log_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """log r_t = log pi(y_t) - log pi_old(y_t) per token ``[B, R]``: the log of the importance
+    ratio of the policy to the sampling policy, 0 on padding whatever the padding holds."""
+    mask_b = mask.bool()
+    return torch.where(mask_b, logprobs, 0.0) - torch.where(mask_b, old_logprobs, 0.0)
+
+
 def clipped_surrogate(
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
@@ -526,7 +535,8 @@ def clipped_surrogate(
     clip_high: float,
     dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO clipped surrogate loss (to minimise) and where the clip binds.
+    """Per-token PPO clipped surrogate loss (to minimise) and where the clip binds: the one
+    clipped surrogate of PPO, GRPO, RLOO and REINFORCE++.
 
     With ratio r = exp(log_ratio) (``log_ratio`` clamped to [-20, 20] so it stays finite)::
 
@@ -575,25 +585,28 @@ def clipped_policy_loss(
     mask: torch.Tensor,
     clip_low: float,
     clip_high: float,
+    *,
+    dual_clip: float | None = None,
     aggregation: LossAggregation = "token-mean",
     norm_constant: float | None = None,
     weights: torch.Tensor | None = None,
-    context: LossContext | None = None,
     token_weights: torch.Tensor | None = None,
+    context: LossContext | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped policy-gradient loss of critic-free methods (RLOO, REINFORCE++), aggregated.
+    """PPO's policy loss on given advantages, aggregated: the policy term of PPO, RLOO and
+    REINFORCE++ (GRPO aggregates its KL term with the per-token surrogate, so it calls
+    :func:`clipped_surrogate` itself).
 
-    Per token ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (PPO eq. 7 with the
-    advantage given), padding ignored whatever it holds, per-token ``token_weights`` (the
-    rollout correction, :func:`rollout_is_weights`) and per-sample ``weights`` applied, then
+    Per token :func:`clipped_surrogate` of :func:`token_log_ratio` (``dual_clip`` as there),
+    padding ignored whatever it holds, per-token ``token_weights`` (the rollout correction,
+    :func:`rollout_is_weights`) and per-sample ``weights`` applied, then
     :func:`aggregate_loss` (over the optimizer step's counts when ``context`` is given).
     Returns the loss and detached metric tensors (this micro-batch's own mean pg loss, clip
     fractions, approximate KL to the sampling policy).
     """
-    mask_b = mask.bool()
-    log_ratio = torch.where(mask_b, logprobs, 0.0) - torch.where(mask_b, old_logprobs, 0.0)
+    log_ratio = token_log_ratio(logprobs, old_logprobs, mask)
     pg_mat, clipped_low, clipped_high = clipped_surrogate(
-        log_ratio, torch.where(mask_b, advantages, 0.0), clip_low, clip_high
+        log_ratio, torch.where(mask.bool(), advantages, 0.0), clip_low, clip_high, dual_clip
     )
     weighted = weight_samples(weight_tokens(pg_mat, token_weights), weights)
     loss = aggregate_loss(weighted, mask, aggregation, norm_constant, context)

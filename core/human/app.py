@@ -1,5 +1,6 @@
 """``alignzoo annotate QUEUE_DIR``: the web app annotators judge queued samples in (Starlette
-on uvicorn, one HTML page, its script and its style sheet).
+on uvicorn, one HTML page, its script and its style sheet: ``static/app.html``, ``app.js`` and
+``app.css`` beside this module, package data).
 
 An annotator signs in with the token ``alignzoo annotate add-annotator QUEUE_DIR NAME``
 issued, then judges one item after another, each under the queue's question and what its
@@ -51,6 +52,7 @@ import contextlib
 import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +198,11 @@ class _LiveAgreement:
         return self.tracker.summary()
 
 
+def _static_file(name: str) -> str:
+    """A file of the app's page, script or style sheet: package data in ``static/``."""
+    return (resources.files("alignzoo.human") / "static" / name).read_text(encoding="utf-8")
+
+
 def create_app(queue_dir: str | Path, undo_seconds: float = UNDO_SECONDS) -> Starlette:
     """The annotation app over the queue in ``queue_dir``."""
     queue = HumanQueue(queue_dir)
@@ -219,14 +226,16 @@ def create_app(queue_dir: str | Path, undo_seconds: float = UNDO_SECONDS) -> Sta
 
         return wrapped
 
+    html, script_js, style_css = (_static_file(name) for name in ("app.html", "app.js", "app.css"))
+
     async def page(request: Request) -> Response:
-        return HTMLResponse(PAGE)
+        return HTMLResponse(html)
 
     async def script(request: Request) -> Response:
-        return Response(SCRIPT, media_type="text/javascript; charset=utf-8")
+        return Response(script_js, media_type="text/javascript; charset=utf-8")
 
     async def style(request: Request) -> Response:
-        return Response(STYLE, media_type="text/css; charset=utf-8")
+        return Response(style_css, media_type="text/css; charset=utf-8")
 
     async def no_icon(request: Request) -> Response:
         return Response(status_code=204)
@@ -331,388 +340,3 @@ def serve(queue_dir: str | Path, host: str = "127.0.0.1", port: int = 8766) -> N
     import uvicorn
 
     uvicorn.run(create_app(queue_dir), host=host, port=port, log_level="warning")
-
-
-PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>alignzoo annotate</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="stylesheet" href="/app.css"><script src="/app.js" defer></script>
-</head><body>
-<header><h1>alignzoo annotate</h1><span id="who"></span>
-<button id="helpbutton" type="button" title="Keyboard help">Keys <kbd>?</kbd></button>
-<button id="signout" type="button" hidden>Sign out</button></header>
-<form id="signin"><label>Token <input id="token" type="password" autocomplete="off" size="40"></label>
-<button type="submit">Sign in</button></form>
-<main id="work" hidden>
-  <p id="status"></p>
-  <section id="item" hidden>
-    <h2 id="question"></h2>
-    <ul id="guide"></ul>
-    <h3>Prompt</h3><pre id="prompt" class="text"></pre>
-    <div id="single"><h3>Response</h3><pre id="response" class="text"></pre></div>
-    <div id="pair" class="cols" hidden>
-      <div><h3>A</h3><pre id="a" class="text"></pre></div><div><h3>B</h3><pre id="b" class="text"></pre></div>
-    </div>
-  </section>
-  <p id="done" hidden>Nothing is waiting for you. Thank you!</p>
-  <p id="agreement"></p>
-</main>
-<div id="controls">
-  <div id="buttons"></div>
-  <div id="slider" hidden>
-    <span id="slow"></span><input id="scale" type="range" aria-label="rating"><span id="shigh"></span>
-    <output id="scalevalue" for="scale"></output>
-    <button id="send" type="button">Send <kbd>Enter</kbd></button>
-    <button id="cannot" type="button" data-key="x">Cannot judge <kbd>x</kbd></button>
-  </div>
-  <button id="undo" type="button" hidden>Undo <kbd>u</kbd> <span id="undoleft"></span></button>
-  <p id="message" class="error" role="alert"></p>
-</div>
-<dialog id="help" aria-labelledby="helptitle">
-  <h2 id="helptitle">Keys</h2>
-  <dl>
-    <dt><kbd>0</kbd>-<kbd>9</kbd></dt><dd>a rating: the point of the scale with that key (each button shows its key)</dd>
-    <dt><kbd>a</kbd> <kbd>b</kbd> <kbd>t</kbd></dt><dd>two responses: A is better, B is better, a tie</dd>
-    <dt><kbd>x</kbd></dt><dd>cannot judge (you cannot tell, or it is outside what you know)</dd>
-    <dt><kbd>&larr;</kbd> <kbd>&rarr;</kbd> <kbd>Home</kbd> <kbd>End</kbd></dt><dd>a slider: move it (<kbd>0</kbd>-<kbd>9</kbd>: to 0%-90% of the scale); <kbd>Enter</kbd> sends it</dd>
-    <dt><kbd>u</kbd></dt><dd>undo your last judgement (for <span id="undosecs">30</span> seconds after it)</dd>
-    <dt><kbd>Tab</kbd> <kbd>Enter</kbd></dt><dd>move between the buttons and press one</dd>
-    <dt><kbd>?</kbd></dt><dd>show or hide this help; <kbd>Esc</kbd> closes it</dd>
-  </dl>
-  <button id="helpclose" type="button">Close</button>
-</dialog>
-</body></html>
-"""
-
-STYLE = """
-body { font: 16px/1.45 system-ui, sans-serif; max-width: 60rem; margin: 0 auto; padding: 0 1rem; }
-header { display: flex; align-items: center; gap: .75rem; flex-wrap: wrap; }
-header h1 { font-size: 1.3rem; margin: .6rem 0; flex: 1; }
-h2 { font-size: 1.15rem; margin: .6rem 0 .3rem; } h3 { font-size: 1rem; margin: .6rem 0 .2rem; }
-.text { white-space: pre-wrap; overflow-wrap: anywhere; word-break: break-word; overflow: auto;
-        max-height: 30vh; background: #f4f4f4; padding: .6rem; border-radius: 4px; margin: 0; }
-.cols { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 1rem; }
-@media (max-width: 40rem) { .cols { grid-template-columns: minmax(0, 1fr); } }
-#guide { margin: 0; padding-left: 1.2rem; color: #333; } #guide li { overflow-wrap: anywhere; }
-#controls { position: sticky; bottom: 0; background: #fff; border-top: 1px solid #ddd;
-            padding: .4rem 0; }
-#buttons, #slider { display: flex; flex-wrap: wrap; align-items: center; gap: .3rem; }
-button { font-size: 1rem; padding: .35rem .7rem; }
-#buttons button small { display: block; font-size: .7rem; color: #555; max-width: 9rem; }
-#scale { flex: 1; min-width: 8rem; } #scalevalue { min-width: 3rem; font-weight: bold; }
-kbd { border: 1px solid #999; border-radius: 3px; padding: 0 .3rem; font-size: .85rem; }
-#status, #who { color: #555; } .error { color: #b00; margin: .2rem 0; } [hidden] { display: none !important; }
-dialog { max-width: 36rem; } dt { font-weight: bold; margin-top: .4rem; } dd { margin-left: 1rem; }
-"""
-
-SCRIPT = r"""
-"use strict";
-let token = sessionStorage.getItem("alignzoo-token") || "";
-let who = "";
-let current = null;    // the item on screen
-let busy = false;      // one request at a time: the next item is shown before the next key counts
-let undoSeconds = 30;
-let lastJudged = null; // {item, until}: what "undo" takes back, and until when
-let undoTimer = null;
-const $ = (id) => document.getElementById(id);
-
-class ApiError extends Error {
-  constructor(message, status) { super(message); this.status = status; }
-}
-
-async function api(path, body) {
-  const init = {headers: {"Authorization": "Bearer " + token}};
-  if (body !== undefined) {
-    init.method = "POST";
-    init.headers["Content-Type"] = "application/json";
-    init.body = JSON.stringify(body);
-  }
-  const response = await fetch(path, init);
-  let data = {};
-  try { data = await response.json(); } catch (error) { data = {}; }
-  if (!response.ok) throw new ApiError(data.error || response.statusText, response.status);
-  return data;
-}
-
-function isShortScale(item) {
-  const span = item.high - item.low;
-  return Number.isInteger(item.low) && Number.isInteger(item.high) && span >= 2 && span <= 10;
-}
-
-function labelOf(item, value) {
-  for (const [v, text] of item.labels) if (v === value) return text;
-  return "";
-}
-
-function choices(item) {
-  // [key, text, value, meaning] per button
-  if (item.kind === "pair") {
-    return [["a", "A is better", 1, ""], ["b", "B is better", 0, ""],
-            ["t", "Tie", 0.5, ""], ["x", "Cannot judge", null, ""]];
-  }
-  const out = [];
-  const digits = item.low >= 0 && item.high <= 10;
-  let n = 0;
-  for (let v = item.low; v <= item.high; v++) {
-    n++;
-    let key = "";
-    if (digits) key = v <= 9 ? String(v) : "";
-    else if (n <= 10) key = String(n % 10);
-    out.push([key, String(v), v, labelOf(item, v)]);
-  }
-  out.push(["x", "Cannot judge", null, ""]);
-  return out;
-}
-
-function fmt(value, item) {
-  const v = Number(value), span = item.high - item.low;
-  if (Number.isInteger(v) && Number.isInteger(item.low) && Number.isInteger(item.high) && span >= 2) {
-    return String(v);
-  }
-  return v.toFixed(span >= 100 ? 0 : span >= 10 ? 1 : 2);
-}
-
-function showGuide(item) {
-  $("question").textContent = item.question;
-  const guide = $("guide");
-  guide.replaceChildren();
-  for (const [value, text] of item.labels) {
-    const li = document.createElement("li");
-    li.textContent = (item.kind === "pair" ? "" : fmt(value, item) + ": ") + text;
-    guide.append(li);
-  }
-}
-
-function makeButton(key, text, value, meaning) {
-  const button = document.createElement("button");
-  button.type = "button";
-  button.dataset.key = key;
-  if (value !== null) button.dataset.value = String(value);
-  if (key) {
-    const kbd = document.createElement("kbd");
-    kbd.textContent = key;
-    button.append(kbd, " ");
-  }
-  button.append(text);
-  if (meaning) {
-    button.title = meaning;
-    const small = document.createElement("small");
-    small.textContent = meaning;
-    button.append(small);
-  }
-  button.addEventListener("click", () => send(value));
-  return button;
-}
-
-function showControls(item) {
-  const box = $("buttons");
-  box.replaceChildren();
-  const slider = item !== null && item.kind !== "pair" && !isShortScale(item);
-  $("slider").hidden = !slider;
-  box.hidden = item === null || slider;
-  if (item === null) return;
-  if (slider) {
-    const input = $("scale");
-    const span = item.high - item.low;
-    input.min = String(item.low);
-    input.max = String(item.high);
-    input.step = Number.isInteger(item.low) && Number.isInteger(item.high) && span > 10 ? "1" : String(span / 100);
-    input.value = String(item.low + span / 2);
-    const end = (v) => fmt(v, item) + (labelOf(item, v) ? " (" + labelOf(item, v) + ")" : "");
-    $("slow").textContent = end(item.low);
-    $("shigh").textContent = end(item.high);
-    $("scalevalue").textContent = fmt(input.value, item);
-    return;
-  }
-  for (const [key, text, value, meaning] of choices(item)) box.append(makeButton(key, text, value, meaning));
-}
-
-function showProgress(p) {
-  $("status").textContent = "Signed in as " + who + ": " + p.judged + " judged, " + p.open + " open";
-}
-
-function show(data) {
-  showProgress(data.progress);
-  current = data.item;
-  $("item").hidden = current === null;
-  $("done").hidden = current !== null;
-  if (current !== null) {
-    showGuide(current);
-    $("prompt").textContent = current.prompt;
-    const pair = current.kind === "pair";
-    $("pair").hidden = !pair;
-    $("single").hidden = pair;
-    if (pair) { $("a").textContent = current.response; $("b").textContent = current.other; }
-    else $("response").textContent = current.response;
-    for (const id of ["prompt", "response", "a", "b"]) $(id).scrollTop = 0;
-  }
-  showControls(current);
-}
-
-async function refresh() {
-  show(await api("/api/next"));
-  updateStats();  // not awaited: keys count again as soon as the next item is shown
-}
-
-let statsAsked = 0;
-async function updateStats() {
-  const asked = ++statsAsked;
-  try {
-    const stats = await api("/api/stats");
-    if (asked !== statsAsked) return;  // a later answer is on its way
-    const r = stats.agreement.ratings, q = stats.agreement.pairs;
-    const f = (x) => x === null ? "n/a" : x.toFixed(2);
-    $("agreement").textContent = "Agreement: ratings alpha " + f(r.krippendorff_alpha) +
-      " (" + r.items + " items); pairs " + f(q.raw_agreement) + " raw, alpha " +
-      f(q.krippendorff_alpha) + " (" + q.items + " items)";
-  } catch (error) {
-    if (error instanceof ApiError && error.status === 401) failed(error);
-  }
-}
-
-function failed(error) {
-  if (error instanceof ApiError && error.status === 401) signOut(error.message);
-  else $("message").textContent = error.message;
-}
-
-function showUndo() {
-  const left = lastJudged === null ? 0 : Math.ceil((lastJudged.until - Date.now()) / 1000);
-  $("undo").hidden = left <= 0;
-  $("undoleft").textContent = left > 0 ? "(" + left + " s)" : "";
-  if (left <= 0 && undoTimer !== null) { clearInterval(undoTimer); undoTimer = null; lastJudged = null; }
-}
-
-async function send(value) {
-  if (current === null || busy) return;
-  busy = true;
-  const item = current.id;
-  try {
-    const answer = await api("/api/judge", {item: item, value: value});
-    $("message").textContent = "";
-    lastJudged = {item: item, until: Date.now() + 1000 * answer.undo_seconds};
-    if (undoTimer === null) undoTimer = setInterval(showUndo, 1000);
-    showUndo();
-  } catch (error) {
-    failed(error);
-  }
-  try { if (token) await refresh(); } catch (error) { failed(error); } finally { busy = false; }
-}
-
-async function undo() {
-  if (busy || lastJudged === null || lastJudged.until <= Date.now()) return;
-  busy = true;
-  try {
-    const answer = await api("/api/undo", {item: lastJudged.item});
-    lastJudged = null;
-    showUndo();
-    show(answer);
-    updateStats();
-    $("message").textContent = "Your judgement of that item is taken back: judge it again.";
-  } catch (error) {
-    lastJudged = null;
-    showUndo();
-    failed(error);
-  } finally { busy = false; }
-}
-
-function sendSlider() {
-  const input = $("scale");
-  const value = Math.min(current.high, Math.max(current.low, Number(input.value)));
-  send(value);
-}
-
-function nudgeSlider(key, shift) {
-  const input = $("scale");
-  const lo = Number(input.min), hi = Number(input.max), step = Number(input.step);
-  let value = Number(input.value);
-  if (key === "Home") value = lo;
-  else if (key === "End") value = hi;
-  else if (/^[0-9]$/.test(key)) value = lo + (hi - lo) * Number(key) / 10;
-  else {
-    const sign = key === "ArrowRight" || key === "ArrowUp" ? 1 : -1;
-    value += sign * step * (shift ? 10 : 1);
-  }
-  input.value = String(Math.min(hi, Math.max(lo, value)));
-  $("scalevalue").textContent = fmt(input.value, current);
-}
-
-function signOut(message) {
-  sessionStorage.removeItem("alignzoo-token");
-  token = ""; who = ""; current = null; lastJudged = null; showUndo();
-  $("work").hidden = true;
-  $("signout").hidden = true;
-  $("who").textContent = "";
-  showControls(null);
-  $("signin").hidden = false;
-  $("token").value = "";
-  $("message").textContent = message || "Signed out.";
-  $("token").focus();
-}
-
-async function signIn() {
-  try {
-    const me = await api("/api/me");
-    who = me.annotator;
-    undoSeconds = me.undo_seconds;
-    $("undosecs").textContent = String(undoSeconds);
-    sessionStorage.setItem("alignzoo-token", token);
-    $("signin").hidden = true;
-    $("work").hidden = false;
-    $("signout").hidden = false;
-    $("who").textContent = who;
-    $("message").textContent = "";
-    await refresh();
-  } catch (error) {
-    $("message").textContent = error.message;
-  }
-}
-
-function toggleHelp() {
-  const help = $("help");
-  if (help.open) help.close(); else help.showModal();
-}
-
-document.addEventListener("DOMContentLoaded", () => {
-  $("signin").addEventListener("submit", (event) => {
-    event.preventDefault();
-    token = $("token").value.trim();
-    signIn();
-  });
-  $("signout").addEventListener("click", () => signOut());
-  $("helpbutton").addEventListener("click", toggleHelp);
-  $("helpclose").addEventListener("click", () => $("help").close());
-  $("undo").addEventListener("click", undo);
-  $("send").addEventListener("click", sendSlider);
-  $("cannot").addEventListener("click", () => send(null));
-  $("scale").addEventListener("input", () => { $("scalevalue").textContent = fmt($("scale").value, current); });
-  document.addEventListener("keydown", onKey);
-  if (token) signIn();
-});
-
-function onKey(event) {
-  if (event.ctrlKey || event.metaKey || event.altKey) return;
-  const target = event.target;
-  const tag = target && target.tagName ? target.tagName : "";
-  if ((tag === "INPUT" && target.type !== "range") || tag === "TEXTAREA") return;  // typing
-  const key = typeof event.key === "string" ? event.key : "";
-  if (key === "?") { event.preventDefault(); toggleHelp(); return; }
-  if ($("help").open || token === "" || $("work").hidden) return;  // Esc closes the help itself
-  if (event.repeat) return;
-  if (key === "u" || key === "U") { event.preventDefault(); undo(); return; }
-  if (current === null || busy) return;
-  const lower = key.length === 1 ? key.toLowerCase() : key;
-  if (!$("slider").hidden) {
-    if (lower === "x") { event.preventDefault(); send(null); }
-    else if (key === "Enter" && tag !== "BUTTON") { event.preventDefault(); sendSlider(); }
-    else if (/^([0-9]|Home|End|Arrow(Left|Right|Up|Down))$/.test(key)) {
-      if (tag !== "INPUT") { event.preventDefault(); nudgeSlider(key, event.shiftKey); }
-      else if (/^[0-9]$/.test(key)) { event.preventDefault(); nudgeSlider(key, false); }
-    }
-    return;
-  }
-  if (lower === "") return;
-  for (const button of $("buttons").querySelectorAll("button")) {
-    if (button.dataset.key === lower) { event.preventDefault(); button.click(); return; }
-  }
-}
-"""

@@ -8,54 +8,15 @@ Model". With the implicit reward r(x, y) = β log π(y|x)/π_ref(y|x), the DPO l
 where y_w is the chosen and y_l the rejected response, and log π(y) is a *sequence* log-prob
 (the sum of the per-token log-probs over real response tokens). Below, ρ_w = log π(y_w)/π_ref(y_w)
 and ρ_l = log π(y_l)/π_ref(y_l) are the two log-ratios (h = ρ_w - ρ_l), ε is
-``label_smoothing``. Variants (``loss_type``):
+``label_smoothing``.
 
-- ``sigmoid`` with ``label_smoothing`` ε: conservative DPO (cDPO, Mitchell 2023, "A note on DPO
-  with noisy preferences"): -(1-ε) log σ(βh) - ε log σ(-βh), the expected loss when a fraction ε
-  of the labels is flipped.
-- ``ipo``: Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
-  Preferences", the empirical IPO loss (h - 1/(2β))², with β playing the role of the paper's τ.
-  As in the paper, h is built from sequence (summed) log-probs, not length-normalised ones.
-  It is minimised at margin h = 1/(2β).
-- ``hinge``: the SLiC calibration loss (Zhao et al. 2023, "SLiC-HF") on the reference-adjusted
-  margin: max(0, 1 - βh).
-- ``robust``: rDPO, Chowdhury et al. 2024, "Provably Robust DPO: Aligning Language Models with
-  Noisy Feedback": the unbiased loss under a known flip rate ε = ``label_smoothing``,
-  [(1-ε) ℓ(h) - ε ℓ(-h)] / (1 - 2ε) with ℓ(h) = -log σ(βh).
-- ``exo_pair``: EXO, Ji et al. 2024, "Towards Efficient Exact Optimization of Language Model
-  Alignment" (eq. 16, K = 2): KL(q ‖ p_ε) between q = (σ(βh), σ(-βh)) over {y_w, y_l} and the
-  smoothed label p_ε = (1-ε, ε). Needs ε > 0 (the paper uses 1e-3).
-- ``nca_pair``: NCA, Chen et al. 2024, "Noise Contrastive Alignment of Language Models with
-  Explicit Rewards": -log σ(βρ_w) - ½ log σ(-βρ_w) - ½ log σ(-βρ_l).
-- ``bco_pair``: BCO, Jung et al. 2024, "Binary Classifier Optimization for Large Language Model
-  Alignment", on pairs: -log σ(βρ_w) - log σ(-βρ_l). As in TRL 1.16's DPOTrainer there is no
-  reward shift δ (the paper's running mean of the rewards), so it keeps no state.
-- ``sppo_hard``: SPPO, Wu et al. 2024, "Self-Play Preference Optimization for Language Model
-  Alignment" (eq. 4.7 with the hard win probabilities P = 1 and 0, η = 1/β):
-  (ρ_w - 1/(2β))² + (ρ_l + 1/(2β))².
-- ``aot`` / ``aot_unpaired``: AOT, Melnyk et al. 2024, "Distributional Preference Alignment of
-  LLMs via Optimal Transport": the cDPO loss on sorted quantities, k-th smallest against k-th
-  smallest: ``aot`` pairs the sorted policy margins log π(y_w) - log π(y_l) with the sorted
-  reference margins, ``aot_unpaired`` the sorted ρ_w with the sorted ρ_l. The sort couples
-  the pairs of one ``compute_loss`` call (a micro-batch, as TRL's per-device batch), so these
-  two are not micro-batch invariant, and they do not take ``batch.weights`` (after the sort a
-  loss term belongs to no one pair; TRL refuses its WPO weighting for them too).
-- ``apo_zero`` / ``apo_down``: APO, D'Oosterlinck et al. 2024, "Anchored Preference
-  Optimization and Contrastive Revisions" (eqs. 7 and 8): ``apo_zero`` 1 - σ(βρ_w) + σ(βρ_l)
-  (raise the chosen, lower the rejected); ``apo_down`` σ(βρ_w) + 1 - σ(βh) (lower the chosen,
-  the rejected more).
-- ``discopop``: DiscoPOP (LRML), Lu et al. 2024, "Discovering Preference Optimization
-  Algorithms with and for Large Language Models" (eq. 5): with z = βh and ω = σ(z/τ),
-  (1 - ω)(-log σ(z)) + ω e^{-z}, τ = ``discopop_tau``. Not monotone: at h = 0 its slope is
-  (1 - log 2)/(4τ) - 3/4 > 0 for τ < 0.102 (TRL's default 0.05), so the first step from an
-  on-policy start lowers the margin.
-- ``sft``: the negative log-likelihood of the chosen responses, a token mean over every chosen
-  token of the step (TRL's "sft" term); each pair contributes -log π(y_w) / L̄_w, with L̄_w the
-  mean chosen length of the step batch over every rank (``compute_advantages`` puts it in
-  ``batch.columns["dpo/chosen_length"]``, so the micro-batching changes nothing; with several
-  minibatches per batch it is the whole batch's mean, the same for each of them). It does not
-  use the reference.
-- ``sigmoid_norm``: DPO on length-normalised log-ratios: -log σ(β (ρ_w/|y_w| - ρ_l/|y_l|)).
+Variants (``loss_type``): every loss of the family is one function below, registered in
+:data:`LOSS_TYPES` by :func:`register_loss` with what it reads (``label_smoothing``, a param of
+its own, the step's mean chosen length) and whether it sorts over the pairs; its docstring says
+where it comes from and the line that computes it carries the paper's equation. Adding a
+variant is adding one such function: the params accept its name, and validate what it reads,
+from the registry. ``sigmoid`` is DPO (cDPO with ``label_smoothing``); the others are the rest
+of TRL 1.16's ``loss_type`` values.
 
 Several losses at once (as TRL's list ``loss_type`` with ``loss_weights``): ``loss_type:
 [sigmoid, sft]`` and ``loss_weights: [1.0, 0.5]`` train on Σ_j λ_j L_j; the weights default
@@ -75,23 +36,27 @@ Data layout (how the engine hands pairs to this algorithm):
 - ``batch.response_mask [B, R]``: 1.0 on real response tokens; sequence log-probs sum over it.
 - ``batch.weights [B]`` (optional): per-sample weights; a pair is weighted by the mean of its
   two samples' weights, and the loss is the mean over the optimizer step's pairs of
-  weight × pair loss (``context.groups``: each group is one pair). ``aot`` and
-  ``aot_unpaired`` do not take them (see above).
+  weight × pair loss (``context.groups``: each group is one pair). The losses that sort over
+  the pairs (``aot`` and ``aot_unpaired``) do not take them (see :func:`aot`).
 
 The pairing helpers are public, in :mod:`alignzoo.preference`; the engine's preference data
 modes (:mod:`alignzoo.engine.modes.preference`) build the pairs, offline or online.
 
-``compute_advantages`` returns the batch unchanged (DPO needs no advantages), except with
-``sft``, for which it adds ``batch.columns["dpo/chosen_length"]``.
+``compute_advantages`` returns the batch unchanged (DPO needs no advantages), except with a loss
+that reads the step's mean chosen length (``sft``), for which it adds
+``batch.columns["dpo/chosen_length"]``.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, model_validator
+from pydantic_core import core_schema
 
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
@@ -108,6 +73,7 @@ from alignzoo.types import AlgorithmRequirements, LossContext, LossOutput
 
 if TYPE_CHECKING:
     import torch
+    from pydantic.json_schema import GetJsonSchemaHandler, JsonSchemaValue
 
     from alignzoo import ops
     from alignzoo.batch import PolicyOutputs, RolloutBatch
@@ -115,30 +81,104 @@ else:
     torch = lazy_import("torch")
     ops = lazy_import("alignzoo.ops")
 
-DPOLossType = Literal[
-    "sigmoid",
-    "ipo",
-    "hinge",
-    "robust",
-    "exo_pair",
-    "nca_pair",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-]
-LOSS_TYPES: tuple[str, ...] = get_args(DPOLossType)
-SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
-"""The loss types that read ``label_smoothing``."""
-SORTED = ("aot", "aot_unpaired")
-"""The loss types that sort over the micro-batch (no per-pair weights, no micro-batch invariance)."""
 CHOSEN_LENGTH = "dpo/chosen_length"
 """``batch.columns`` key: the step batch's mean chosen length, for ``sft``."""
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+@dataclass
+class Pairs:
+    """N preference pairs as a loss of :data:`LOSS_TYPES` reads them: the sequence log-probs
+    ``[N]`` of the chosen y_w and the rejected y_l under the policy and the reference (zeros
+    without one), their log-ratios ρ_w, ρ_l and margin h, and the response lengths."""
+
+    chosen_logps: torch.Tensor  # log π(y_w)
+    rejected_logps: torch.Tensor  # log π(y_l)
+    ref_chosen_logps: torch.Tensor  # log π_ref(y_w)
+    ref_rejected_logps: torch.Tensor  # log π_ref(y_l)
+    chosen_lengths: torch.Tensor  # |y_w|
+    rejected_lengths: torch.Tensor  # |y_l|
+    mean_chosen_length: torch.Tensor | None = None  # L̄_w of the step, if a loss reads it
+    chosen_ratio: torch.Tensor = field(init=False)  # ρ_w
+    rejected_ratio: torch.Tensor = field(init=False)  # ρ_l
+    margin: torch.Tensor = field(init=False)  # h = ρ_w - ρ_l
+
+    def __post_init__(self) -> None:
+        self.chosen_ratio = self.chosen_logps - self.ref_chosen_logps  # ρ_w = log π(y_w)/π_ref(y_w)
+        self.rejected_ratio = self.rejected_logps - self.ref_rejected_logps  # ρ_l
+        self.margin = self.chosen_ratio - self.rejected_ratio  # h, the log-ratio margin
+
+    def rewards(self, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The implicit rewards r(x, y) = β log π(y|x)/π_ref(y|x) of the chosen and the rejected
+        ``[N]`` (detached)."""
+        return beta * self.chosen_ratio.detach(), beta * self.rejected_ratio.detach()
+
+
+LossFunction = Callable[[Pairs, "DPOParams"], "torch.Tensor"]
+"""A DPO-family loss: the per-pair losses ``[N]`` of the pairs under the params."""
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One loss of the DPO family, as :data:`LOSS_TYPES` holds it."""
+
+    loss: LossFunction
+    smoothed: bool = False
+    """It reads ``label_smoothing`` ε (which is refused when no chosen loss reads it)."""
+    sorts: bool = False
+    """It sorts over the pairs of a micro-batch: it takes no per-pair weights and is not
+    micro-batch invariant."""
+    chosen_length: bool = False
+    """It reads :attr:`Pairs.mean_chosen_length` (``compute_advantages`` puts it in the batch)."""
+    params: tuple[str, ...] = ()
+    """The params only this loss reads: setting one without the loss is refused."""
+    check: Callable[[DPOParams], None] | None = None
+    """Refuses (ValueError) params the loss cannot use."""
+
+
+LOSS_TYPES: dict[str, LossType] = {}
+"""Every DPO ``loss_type`` by name, in the order they are registered."""
+
+
+def register_loss(name: str, **traits: Any) -> Callable[[LossFunction], LossFunction]:
+    """Register the decorated function as DPO ``loss_type`` ``name``, with the
+    :class:`LossType` traits given; a name registered twice is an error."""
+
+    def register(loss: LossFunction) -> LossFunction:
+        if name in LOSS_TYPES:
+            raise ValueError(f"DPO loss_type {name!r} is registered twice")
+        LOSS_TYPES[name] = LossType(loss, **traits)
+        return loss
+
+    return register
+
+
+class _RegisteredLossType:
+    """A ``loss_type`` name: one of :data:`LOSS_TYPES` when validated, and their list (as it
+    is when the schema is written) in the JSON Schema."""
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self.validate, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        return {**handler(schema), "enum": list(LOSS_TYPES)}
+
+    @staticmethod
+    def validate(name: str) -> str:
+        if name not in LOSS_TYPES:
+            raise ValueError(
+                f"unknown DPO loss_type {name!r}; expected one of {', '.join(LOSS_TYPES)}"
+            )
+        return name
+
+
+LossTypeName = Annotated[str, _RegisteredLossType()]
 
 
 class DPOParams(BaseModel):
@@ -149,13 +189,12 @@ class DPOParams(BaseModel):
     beta: float = Field(
         0.1, gt=0.0, description="β: strength of the KL regularisation to the reference (τ in IPO)"
     )
-    loss_type: DPOLossType | list[DPOLossType] = Field(
+    loss_type: LossTypeName | list[LossTypeName] = Field(
         "sigmoid",
         description=(
-            "sigmoid (DPO / cDPO), ipo (Azar 2023), hinge (SLiC), robust (rDPO), exo_pair "
-            "(EXO), nca_pair (NCA), bco_pair (BCO), sppo_hard (SPPO), aot / aot_unpaired (AOT), "
-            "apo_zero / apo_down (APO), discopop (DiscoPOP), sft (NLL of the chosen), "
-            "sigmoid_norm (length-normalised DPO); a list combines several (see loss_weights)"
+            "the loss, a name in LOSS_TYPES: sigmoid is DPO (cDPO with label_smoothing), the "
+            "others are the variants of TRL's DPOTrainer, each with its paper in "
+            "alignzoo.plugins.algorithms.dpo; a list combines several (see loss_weights)"
         ),
     )
     loss_weights: list[float] | None = Field(
@@ -167,8 +206,8 @@ class DPOParams(BaseModel):
         ge=0.0,
         lt=0.5,
         description=(
-            "ε: assumed fraction of flipped labels (cDPO for sigmoid, rDPO for robust, the "
-            "smoothed target of exo_pair, aot and aot_unpaired)"
+            "ε: assumed fraction of flipped labels, for the losses that read it (cDPO for "
+            "sigmoid, rDPO for robust, the smoothed target of exo_pair and aot, ...)"
         ),
     )
     discopop_tau: float = Field(
@@ -181,7 +220,7 @@ class DPOParams(BaseModel):
     )
 
     @property
-    def loss_types(self) -> list[DPOLossType]:
+    def loss_types(self) -> list[str]:
         """``loss_type`` as a list (one entry for a single loss)."""
         return [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
 
@@ -189,6 +228,11 @@ class DPOParams(BaseModel):
     def weights_of_losses(self) -> list[float]:
         """λ_j of each entry of :attr:`loss_types`."""
         return self.loss_weights or [1.0] * len(self.loss_types)
+
+    @property
+    def loss_entries(self) -> list[LossType]:
+        """The :class:`LossType` of each entry of :attr:`loss_types`."""
+        return [LOSS_TYPES[name] for name in self.loss_types]
 
     @model_validator(mode="after")
     def _losses_and_their_params_agree(self) -> DPOParams:
@@ -208,134 +252,199 @@ class DPOParams(BaseModel):
                 )
             if not all(math.isfinite(w) for w in self.loss_weights):
                 raise ValueError(f"loss_weights must be finite numbers, not {self.loss_weights}")
-        if self.label_smoothing > 0 and not set(types) & set(SMOOTHED):
+        if self.label_smoothing > 0 and not any(entry.smoothed for entry in self.loss_entries):
+            readers = [name for name, entry in LOSS_TYPES.items() if entry.smoothed]
             raise ValueError(
-                f"label_smoothing applies to loss_type 'sigmoid' (cDPO), 'robust' (rDPO), "
-                f"'exo_pair', 'aot' and 'aot_unpaired', not {self.loss_type!r}; "
-                "set label_smoothing: 0"
+                f"label_smoothing applies to loss_type {', '.join(readers)}, not "
+                f"{self.loss_type!r}; set label_smoothing: 0"
             )
-        if "exo_pair" in types and self.label_smoothing == 0:
-            raise ValueError(
-                "loss_type 'exo_pair' needs label_smoothing > 0 (EXO's ε: its loss has log ε); "
-                "the EXO paper uses 1e-3"
-            )
-        if "discopop_tau" in self.model_fields_set and "discopop" not in types:
-            raise ValueError(
-                f"discopop_tau applies to loss_type 'discopop' only, not {self.loss_type!r}; "
-                "remove it"
-            )
+        own_params = {param for entry in LOSS_TYPES.values() for param in entry.params}
+        for param in sorted(own_params & self.model_fields_set):
+            if not any(param in entry.params for entry in self.loss_entries):
+                readers = [name for name, entry in LOSS_TYPES.items() if param in entry.params]
+                raise ValueError(
+                    f"{param} applies to loss_type {', '.join(readers)} only, not "
+                    f"{self.loss_type!r}; remove it"
+                )
+        for entry in self.loss_entries:
+            if entry.check is not None:
+                entry.check(self)
         return self
 
 
-# --------------------------------------------------------------------------- pure functions
+# --------------------------------------------------------------------------- the losses
 
 
-def dpo_loss(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    beta: float,
-    loss_type: DPOLossType = "sigmoid",
-    label_smoothing: float = 0.0,
-    *,
-    chosen_lengths: torch.Tensor | None = None,
-    rejected_lengths: torch.Tensor | None = None,
-    mean_chosen_length: torch.Tensor | float | None = None,
-    discopop_tau: float = 0.05,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair DPO-family losses ``[N]`` and the implicit rewards of chosen and rejected ``[N]``.
+def logsig(z: torch.Tensor) -> torch.Tensor:
+    """log σ(z), computed stably."""
+    return torch.nn.functional.logsigmoid(z)
 
-    All inputs are sequence log-probs ``[N]``; for reference-free DPO pass zeros as reference.
-    ``sigmoid_norm`` needs the response lengths ``chosen_lengths`` / ``rejected_lengths``
-    ``[N]``; ``sft`` the mean chosen length L̄_w of the optimizer step (its pair losses
-    -log π(y_w)/L̄_w average to the token mean over the step's chosen tokens). ``aot`` and
-    ``aot_unpaired`` sort over the N pairs: their i-th loss is the i-th quantile's.
+
+def smoothed(z: torch.Tensor, eps: float) -> torch.Tensor:
+    """The cDPO loss of a logit z: -(1-ε) log σ(z) - ε log σ(-z) (-log σ(z) at ε = 0)."""
+    return -(1.0 - eps) * logsig(z) - eps * logsig(-z)
+
+
+@register_loss("sigmoid", smoothed=True)
+def sigmoid(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """DPO (Rafailov 2023, eq. 7); with ``label_smoothing`` ε, conservative DPO (cDPO, Mitchell
+    2023, "A note on DPO with noisy preferences"), the expected loss when a fraction ε of the
+    labels is flipped."""
+    # -log σ(βh); cDPO: -(1-ε) log σ(βh) - ε log σ(-βh)
+    return smoothed(params.beta * pairs.margin, params.label_smoothing)
+
+
+@register_loss("ipo")
+def ipo(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """IPO: Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
+    Preferences", the empirical loss with β playing the role of the paper's τ. As in the paper,
+    h is built from sequence (summed) log-probs, not length-normalised ones. It is minimised at
+    margin h = 1/(2β)."""
+    return (pairs.margin - 1.0 / (2.0 * params.beta)) ** 2  # (h - 1/(2τ))²
+
+
+@register_loss("hinge")
+def hinge(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """The SLiC calibration loss (Zhao et al. 2023, "SLiC-HF") on the reference-adjusted
+    margin."""
+    return torch.relu(1.0 - params.beta * pairs.margin)  # max(0, 1 - βh)
+
+
+@register_loss("robust", smoothed=True)
+def robust(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """rDPO: Chowdhury et al. 2024, "Provably Robust DPO: Aligning Language Models with Noisy
+    Feedback", the unbiased loss under a known flip rate ε = ``label_smoothing``."""
+    beta, eps, h = params.beta, params.label_smoothing, pairs.margin
+    # [(1-ε) ℓ(h) + ε log σ(-βh)] / (1-2ε), ℓ(h) = -log σ(βh)
+    return (-(1.0 - eps) * logsig(beta * h) + eps * logsig(-beta * h)) / (1.0 - 2.0 * eps)
+
+
+def _exo_needs_label_smoothing(params: DPOParams) -> None:
+    if params.label_smoothing == 0:
+        raise ValueError(
+            "loss_type 'exo_pair' needs label_smoothing > 0 (EXO's ε: its loss has log ε); "
+            "the EXO paper uses 1e-3"
+        )
+
+
+@register_loss("exo_pair", smoothed=True, check=_exo_needs_label_smoothing)
+def exo_pair(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """EXO: Ji et al. 2024, "Towards Efficient Exact Optimization of Language Model Alignment"
+    (eq. 16, K = 2): KL(q ‖ p_ε) between q = (σ(βh), σ(-βh)) over {y_w, y_l} and the smoothed
+    label p_ε = (1-ε, ε). Needs ε > 0 (the paper uses 1e-3)."""
+    z, eps = params.beta * pairs.margin, params.label_smoothing
+    # KL(q ‖ p_ε) = Σ q log(q / p), q = (σ(βh), σ(-βh)), p_ε = (1-ε, ε)
+    return torch.sigmoid(z) * (logsig(z) - math.log1p(-eps)) + torch.sigmoid(-z) * (
+        logsig(-z) - math.log(eps)
+    )
+
+
+@register_loss("nca_pair")
+def nca_pair(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """NCA: Chen et al. 2024, "Noise Contrastive Alignment of Language Models with Explicit
+    Rewards"."""
+    beta, chosen, rejected = params.beta, pairs.chosen_ratio, pairs.rejected_ratio
+    # -log σ(βρ_w) - ½ log σ(-βρ_w) - ½ log σ(-βρ_l)
+    return -logsig(beta * chosen) - 0.5 * logsig(-beta * chosen) - 0.5 * logsig(-beta * rejected)
+
+
+@register_loss("bco_pair")
+def bco_pair(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """BCO: Jung et al. 2024, "Binary Classifier Optimization for Large Language Model
+    Alignment", on pairs. As in TRL 1.16's DPOTrainer there is no reward shift δ (the paper's
+    running mean of the rewards), so it keeps no state."""
+    # -log σ(βρ_w) - log σ(-βρ_l)  (reward shift δ = 0)
+    return -logsig(params.beta * pairs.chosen_ratio) - logsig(-params.beta * pairs.rejected_ratio)
+
+
+@register_loss("sppo_hard")
+def sppo_hard(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """SPPO: Wu et al. 2024, "Self-Play Preference Optimization for Language Model Alignment"
+    (eq. 4.7 with the hard win probabilities P = 1 and 0, η = 1/β)."""
+    beta = params.beta
+    # (ρ_w - η/2)² + (ρ_l + η/2)²
+    return (pairs.chosen_ratio - 0.5 / beta) ** 2 + (pairs.rejected_ratio + 0.5 / beta) ** 2
+
+
+@register_loss("aot", smoothed=True, sorts=True)
+def aot(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """AOT: Melnyk et al. 2024, "Distributional Preference Alignment of LLMs via Optimal
+    Transport", paired: the cDPO loss on sorted quantities, the k-th smallest policy margin
+    log π(y_w) - log π(y_l) against the k-th smallest reference margin.
+
+    The sort couples the pairs of one ``compute_loss`` call (a micro-batch, as TRL's per-device
+    batch), so AOT is not micro-batch invariant, and it takes no ``batch.weights`` (after the
+    sort a loss term belongs to no one pair; TRL refuses its WPO weighting for it too).
     """
-    chosen_ratio = chosen_logps - ref_chosen_logps  # ρ_w = log π(y_w)/π_ref(y_w)
-    rejected_ratio = rejected_logps - ref_rejected_logps  # ρ_l = log π(y_l)/π_ref(y_l)
-    margin = chosen_ratio - rejected_ratio  # h, the log-ratio margin
-    eps = label_smoothing
-    logsig = torch.nn.functional.logsigmoid
+    u = torch.sort(pairs.chosen_logps - pairs.rejected_logps).values  # u_(k)
+    v = torch.sort(pairs.ref_chosen_logps - pairs.ref_rejected_logps).values  # v_(k)
+    return smoothed(params.beta * (u - v), params.label_smoothing)  # cDPO of β(u_(k) - v_(k))
 
-    def smoothed(z: torch.Tensor) -> torch.Tensor:  # cDPO: -(1-ε) log σ(z) - ε log σ(-z)
-        return -(1.0 - eps) * logsig(z) - eps * logsig(-z)
 
-    if loss_type == "sigmoid":
-        # DPO eq. 7: -log σ(βh); cDPO (Mitchell 2023): -(1-ε) log σ(βh) - ε log σ(-βh)
-        losses = smoothed(beta * margin)
-    elif loss_type == "ipo":
-        losses = (margin - 1.0 / (2.0 * beta)) ** 2  # IPO (Azar 2023): (h - 1/(2τ))²
-    elif loss_type == "hinge":
-        losses = torch.relu(1.0 - beta * margin)  # SLiC (Zhao 2023): max(0, 1 - βh)
-    elif loss_type == "robust":
-        # rDPO (Chowdhury 2024): [(1-ε) ℓ(h) + ε log σ(-βh)] / (1-2ε), ℓ(h) = -log σ(βh)
-        losses = (-(1.0 - eps) * logsig(beta * margin) + eps * logsig(-beta * margin)) / (
-            1.0 - 2.0 * eps
-        )
-    elif loss_type == "exo_pair":
-        # EXO (Ji 2024) eq. 16, K = 2: KL(q ‖ p_ε) = Σ q log(q / p), q = (σ(βh), σ(-βh)),
-        # p_ε = (1-ε, ε)
-        z = beta * margin
-        losses = torch.sigmoid(z) * (logsig(z) - math.log1p(-eps)) + torch.sigmoid(-z) * (
-            logsig(-z) - math.log(eps)
-        )
-    elif loss_type == "nca_pair":
-        # NCA (Chen 2024): -log σ(βρ_w) - ½ log σ(-βρ_w) - ½ log σ(-βρ_l)
-        losses = (
-            -logsig(beta * chosen_ratio)
-            - 0.5 * logsig(-beta * chosen_ratio)
-            - 0.5 * logsig(-beta * rejected_ratio)
-        )
-    elif loss_type == "bco_pair":
-        # BCO (Jung 2024) on pairs, reward shift δ = 0: -log σ(βρ_w) - log σ(-βρ_l)
-        losses = -logsig(beta * chosen_ratio) - logsig(-beta * rejected_ratio)
-    elif loss_type == "sppo_hard":
-        # SPPO (Wu 2024) eq. 4.7, P = 1 / 0, η = 1/β: (ρ_w - η/2)² + (ρ_l + η/2)²
-        losses = (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
-    elif loss_type == "aot":
-        # AOT (Melnyk 2024), paired: cDPO loss of β(u_(k) - v_(k)), u = log π(y_w) - log π(y_l)
-        # and v the reference's, each sorted over the pairs
-        u = torch.sort(chosen_logps - rejected_logps).values
-        v = torch.sort(ref_chosen_logps - ref_rejected_logps).values
-        losses = smoothed(beta * (u - v))
-    elif loss_type == "aot_unpaired":
-        # AOT (Melnyk 2024), unpaired: cDPO loss of β(ρ_w,(k) - ρ_l,(k)), each sorted over pairs
-        losses = smoothed(
-            beta * (torch.sort(chosen_ratio).values - torch.sort(rejected_ratio).values)
-        )
-    elif loss_type == "apo_zero":
-        # APO-zero (D'Oosterlinck 2024) eq. 7: 1 - σ(βρ_w) + σ(βρ_l)
-        losses = 1.0 - torch.sigmoid(beta * chosen_ratio) + torch.sigmoid(beta * rejected_ratio)
-    elif loss_type == "apo_down":
-        # APO-down (D'Oosterlinck 2024) eq. 8: σ(βρ_w) + 1 - σ(β(ρ_w - ρ_l))
-        losses = torch.sigmoid(beta * chosen_ratio) + 1.0 - torch.sigmoid(beta * margin)
-    elif loss_type == "discopop":
-        # DiscoPOP / LRML (Lu 2024) eq. 5: (1 - ω)(-log σ(z)) + ω e^{-z}, ω = σ(z/τ), z = βh;
-        # ω e^{-z} is computed as exp(log σ(z/τ) - z), which cannot overflow to 0 · inf
-        z = beta * margin
-        omega = torch.sigmoid(z / discopop_tau)
-        losses = (1.0 - omega) * -logsig(z) + torch.exp(logsig(z / discopop_tau) - z)
-    elif loss_type == "sft":
-        if mean_chosen_length is None:
-            raise UserError("DPO loss_type 'sft' needs the step's mean chosen length")
-        # NLL of the chosen: -Σ_k log π(y_w,k) / Σ_k |y_w,k| = mean_k [-log π(y_w,k) / L̄_w]
-        losses = -chosen_logps / mean_chosen_length
-    elif loss_type == "sigmoid_norm":
-        if chosen_lengths is None or rejected_lengths is None:
-            raise UserError("DPO loss_type 'sigmoid_norm' needs the response lengths")
-        # DPO on per-token log-ratios: -log σ(β (ρ_w/|y_w| - ρ_l/|y_l|))
-        per_token_margin = chosen_ratio / chosen_lengths.clamp(min=1.0) - rejected_ratio / (
-            rejected_lengths.clamp(min=1.0)
-        )
-        losses = -logsig(beta * per_token_margin)
-    else:
-        raise UserError(
-            f"unknown DPO loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}"
-        )
-    chosen_rewards = beta * chosen_ratio.detach()  # r(x, y_w) = β log π/π_ref
-    rejected_rewards = beta * rejected_ratio.detach()  # r(x, y_l)
-    return losses, chosen_rewards, rejected_rewards
+@register_loss("aot_unpaired", smoothed=True, sorts=True)
+def aot_unpaired(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """AOT (Melnyk 2024), unpaired: the cDPO loss of the k-th smallest ρ_w against the k-th
+    smallest ρ_l (sorting as :func:`aot`)."""
+    chosen = torch.sort(pairs.chosen_ratio).values  # ρ_w,(k)
+    rejected = torch.sort(pairs.rejected_ratio).values  # ρ_l,(k)
+    return smoothed(params.beta * (chosen - rejected), params.label_smoothing)
+
+
+@register_loss("apo_zero")
+def apo_zero(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """APO-zero: D'Oosterlinck et al. 2024, "Anchored Preference Optimization and Contrastive
+    Revisions" (eq. 7): raise the chosen, lower the rejected."""
+    beta = params.beta
+    # 1 - σ(βρ_w) + σ(βρ_l)
+    return (
+        1.0 - torch.sigmoid(beta * pairs.chosen_ratio) + torch.sigmoid(beta * pairs.rejected_ratio)
+    )
+
+
+@register_loss("apo_down")
+def apo_down(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """APO-down: D'Oosterlinck et al. 2024 (eq. 8): lower the chosen, the rejected more."""
+    beta = params.beta
+    # σ(βρ_w) + 1 - σ(β(ρ_w - ρ_l))
+    return torch.sigmoid(beta * pairs.chosen_ratio) + 1.0 - torch.sigmoid(beta * pairs.margin)
+
+
+@register_loss("discopop", params=("discopop_tau",))
+def discopop(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """DiscoPOP (LRML): Lu et al. 2024, "Discovering Preference Optimization Algorithms with
+    and for Large Language Models" (eq. 5), with z = βh, ω = σ(z/τ) and τ = ``discopop_tau``.
+
+    Not monotone: at h = 0 its slope is (1 - log 2)/(4τ) - 3/4 > 0 for τ < 0.102 (TRL's default
+    0.05), so the first step from an on-policy start lowers the margin.
+    """
+    z, tau = params.beta * pairs.margin, params.discopop_tau
+    omega = torch.sigmoid(z / tau)
+    # (1 - ω)(-log σ(z)) + ω e^{-z}; ω e^{-z} is computed as exp(log σ(z/τ) - z), which cannot
+    # overflow to 0 · inf
+    return (1.0 - omega) * -logsig(z) + torch.exp(logsig(z / tau) - z)
+
+
+@register_loss("sft", chosen_length=True)
+def sft(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """The negative log-likelihood of the chosen responses, a token mean over every chosen
+    token of the step (TRL's "sft" term): each pair contributes -log π(y_w) / L̄_w, with L̄_w
+    the mean chosen length of the step batch over every rank, so the micro-batching changes
+    nothing (with several minibatches per batch it is the whole batch's mean, the same for
+    each of them). It does not use the reference."""
+    if pairs.mean_chosen_length is None:
+        raise UserError("DPO loss_type 'sft' needs the step's mean chosen length")
+    # -Σ_k log π(y_w,k) / Σ_k |y_w,k| = mean_k [-log π(y_w,k) / L̄_w]
+    return -pairs.chosen_logps / pairs.mean_chosen_length
+
+
+@register_loss("sigmoid_norm")
+def sigmoid_norm(pairs: Pairs, params: DPOParams) -> torch.Tensor:
+    """DPO on length-normalised log-ratios."""
+    # -log σ(β (ρ_w/|y_w| - ρ_l/|y_l|))
+    per_token_margin = pairs.chosen_ratio / pairs.chosen_lengths.clamp(
+        min=1.0
+    ) - pairs.rejected_ratio / (pairs.rejected_lengths.clamp(min=1.0))
+    return -logsig(params.beta * per_token_margin)
 
 
 # --------------------------------------------------------------------------- plugin
@@ -354,9 +463,9 @@ class DPO(Algorithm):
         self._warned_micro_batches = False
 
     @property
-    def _sorts(self) -> bool:
-        """Whether a loss term sorts over the micro-batch (aot, aot_unpaired)."""
-        return bool(set(self.params.loss_types) & set(SORTED))
+    def _sorting(self) -> list[str]:
+        """The chosen loss types that sort over the micro-batch (aot, aot_unpaired)."""
+        return [name for name in self.params.loss_types if LOSS_TYPES[name].sorts]
 
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:
@@ -364,14 +473,15 @@ class DPO(Algorithm):
             reference=not self.params.reference_free,
             data="preference",
             entropy=False,
-            weights=not self._sorts,
+            weights=not self._sorting,
         )
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
-        """Unchanged, except with ``sft``: the step batch's mean chosen length L̄_w (over every
-        data-parallel rank) in ``batch.columns["dpo/chosen_length"]``, carried by every sample."""
-        if "sft" not in self.params.loss_types:
+        """Unchanged, except with a loss that reads it (``sft``): the step batch's mean chosen
+        length L̄_w (over every data-parallel rank) in ``batch.columns["dpo/chosen_length"]``,
+        carried by every sample."""
+        if not any(entry.chosen_length for entry in self.params.loss_entries):
             return batch
         chosen = (require_labels(batch, "DPO") == 1.0).to(batch.response_mask.dtype)
         lengths = batch.response_mask.sum(-1)
@@ -384,7 +494,6 @@ class DPO(Algorithm):
         self, batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext
     ) -> LossOutput:
         p = self.params
-        types = p.loss_types
         labels = require_labels(batch, "DPO")
         chosen, rejected = pair_indices(batch.group_ids, labels)
         logps = sequence_logps(outputs.logprobs, batch.response_mask)
@@ -399,47 +508,43 @@ class DPO(Algorithm):
             ref_logps = sequence_logps(batch.ref_logprobs, batch.response_mask).detach()
         lengths = batch.response_mask.sum(-1)
         mean_chosen_length = None
-        if "sft" in types:
+        if any(entry.chosen_length for entry in p.loss_entries):
             if CHOSEN_LENGTH not in batch.columns:
                 raise UserError(
-                    "DPO loss_type 'sft': batch.columns['dpo/chosen_length'] is missing; "
-                    "compute_advantages sets it"
+                    f"DPO loss_type {p.loss_type!r}: batch.columns['dpo/chosen_length'] is "
+                    "missing; compute_advantages sets it"
                 )
             mean_chosen_length = batch.columns[CHOSEN_LENGTH][chosen].to(logps.dtype)
         per_type: dict[str, torch.Tensor] = {}
-        for loss_type in types:
-            per_type[loss_type], chosen_rewards, rejected_rewards = dpo_loss(
+        for name in p.loss_types:  # each loss reads pairs of its own: its own autograd graph
+            pairs = Pairs(
                 logps[chosen],
                 logps[rejected],
                 ref_logps[chosen],
                 ref_logps[rejected],
-                beta=p.beta,
-                loss_type=loss_type,
-                label_smoothing=p.label_smoothing,
-                chosen_lengths=lengths[chosen],
-                rejected_lengths=lengths[rejected],
-                mean_chosen_length=mean_chosen_length,
-                discopop_tau=p.discopop_tau,
+                lengths[chosen],
+                lengths[rejected],
+                mean_chosen_length,
             )
+            per_type[name] = LOSS_TYPES[name].loss(pairs, p)
         # Σ_j λ_j L_j: each L_j is a mean over the pairs, so the pair losses combine pair-wise
-        losses = torch.zeros_like(logps[chosen])
-        for loss_type, loss_weight in zip(types, p.weights_of_losses, strict=True):
-            losses = losses + loss_weight * per_type[loss_type]
+        losses = torch.zeros_like(pairs.chosen_logps)
+        for name, loss_weight in zip(p.loss_types, p.weights_of_losses, strict=True):
+            losses = losses + loss_weight * per_type[name]
         weights = self._pair_weights(batch, chosen, rejected, context)
         loss = mean_over_pairs(losses, weights, context)  # E over the step's pairs
+        chosen_rewards, rejected_rewards = pairs.rewards(p.beta)  # β ρ_w, β ρ_l
         metrics = preference_metrics(
             "dpo",
             mean_over_pairs(losses.detach(), weights, None),
             chosen_rewards,
             rejected_rewards,
-            logps[chosen],
-            logps[rejected],
+            pairs.chosen_logps,
+            pairs.rejected_logps,
         )
-        if len(types) > 1:  # each term of the combination, e.g. dpo/loss/sft
-            for loss_type, term in per_type.items():
-                metrics[f"dpo/loss/{loss_type}"] = float(
-                    mean_over_pairs(term.detach(), weights, None)
-                )
+        if len(per_type) > 1:  # each term of the combination, e.g. dpo/loss/sft
+            for name, term in per_type.items():
+                metrics[f"dpo/loss/{name}"] = float(mean_over_pairs(term.detach(), weights, None))
         return LossOutput(loss=loss, metrics=metrics)
 
     def _pair_weights(
@@ -449,21 +554,23 @@ class DPO(Algorithm):
         rejected: torch.Tensor,
         context: LossContext,
     ) -> torch.Tensor | None:
-        """The pairs' weights; none for the sorting losses (aot, aot_unpaired), which say once
+        """The pairs' weights; none for the losses that sort (aot, aot_unpaired), which say once
         that they ignore ``batch.weights`` and sort each micro-batch on its own."""
-        if not self._sorts:
+        sorting = self._sorting
+        if not sorting:
             return pair_weights(batch.weights, chosen, rejected)
+        names = " / ".join(sorting)
         if batch.weights is not None and not self._warned_weights:
             self._warned_weights = True
             warnings.warn(
-                "DPO loss_type aot / aot_unpaired ignores batch.weights: after AOT's sort a loss "
-                "term belongs to no one pair (AlgorithmRequirements.weights is False)",
+                f"DPO loss_type {names} ignores batch.weights: after the sort a loss term "
+                "belongs to no one pair (AlgorithmRequirements.weights is False)",
                 stacklevel=2,
             )
         if context.micro_batches > 1 and not self._warned_micro_batches:
             self._warned_micro_batches = True
             warnings.warn(
-                f"DPO loss_type aot / aot_unpaired sorts the pairs of each of the step's "
+                f"DPO loss_type {names} sorts the pairs of each of the step's "
                 f"{context.micro_batches} micro-batches on its own (as TRL sorts each device "
                 "batch); set training.micro_batch_size to the step's size to sort them all",
                 stacklevel=2,

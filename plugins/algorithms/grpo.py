@@ -223,12 +223,11 @@ def policy_log_ratio(
     GSPO's importance ratio ``s_i = (pi(y_i|x) / pi_old(y_i|x)) ** (1 / |y_i|)`` (Zheng et al. 2025),
     so its gradient reaches every token of the sequence.
     """
-    mask_b = mask.bool()
-    token = torch.where(mask_b, logprobs, 0.0) - torch.where(mask_b, old_logprobs, 0.0)
+    token = ops.token_log_ratio(logprobs, old_logprobs, mask)  # log r_t = log pi / pi_old
     if level == "token":
         return token
     sequence = ops.masked_mean(token, mask, dim=-1)  # log s_i, the GSPO sequence importance ratio
-    return torch.where(mask_b, sequence.unsqueeze(-1).expand_as(token), 0.0)
+    return torch.where(mask.bool(), sequence.unsqueeze(-1).expand_as(token), 0.0)
 
 
 def cispo_surrogate(

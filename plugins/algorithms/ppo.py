@@ -284,17 +284,21 @@ def ppo_loss(
             weighted, mask, params.loss_aggregation, params.norm_constant, ctx
         )
 
-    logprobs = torch.where(mask_b, outputs.logprobs, 0.0)
-    log_ratio = logprobs - torch.where(mask_b, batch.old_logprobs, 0.0)
-    advantages = torch.where(mask_b, batch.advantages, 0.0)
-    pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
-        log_ratio, advantages, params.clip_eps, params.clip_eps, params.dual_clip
-    )  # L_clip  (Schulman 2017, eq. 7; dual clip: Ye et al. 2020)
-    pg_mat = ops.weight_tokens(pg_mat, batch.rollout_is_weights)  # TIS (rollout_correction)
-    loss = aggregate(pg_mat)
-    metrics: dict[str, Any] = {"actor/pg_loss": aggregate(pg_mat.detach(), None)}
-    metrics.update(ops.clip_fractions(clipped_low, clipped_high, mask))
-    metrics["actor/approx_kl"] = ops.approx_kl(outputs.logprobs, batch.old_logprobs, mask)
+    loss, pg_metrics = ops.clipped_policy_loss(
+        outputs.logprobs,
+        batch.old_logprobs,
+        batch.advantages,
+        mask,
+        params.clip_eps,
+        params.clip_eps,
+        dual_clip=params.dual_clip,
+        aggregation=params.loss_aggregation,
+        norm_constant=params.norm_constant,
+        weights=batch.weights,
+        token_weights=batch.rollout_is_weights,  # TIS (rollout_correction)
+        context=context,
+    )  # L_clip = -min(r A, clip(r, 1 - eps, 1 + eps) A)  (Schulman 2017, eq. 7; dual clip: Ye 2020)
+    metrics: dict[str, Any] = dict(pg_metrics)
 
     if outputs.values is None or batch.returns is None or batch.values is None:
         raise UserError(

@@ -8,7 +8,9 @@ batch:
     G_t   = sum_{s >= t} gamma^(s - t) r_s                          (return-to-go)
     A_t   = (G_t - mean_batch(G)) / std_batch(G)                    (global batch normalisation)
 
-The loss is PPO's clipped surrogate on these advantages.
+The loss is PPO's clipped surrogate on these advantages, as in RLOO: the two differ only in
+their advantages and share the rest
+(:class:`~alignzoo.plugins.algorithms._reinforce.KLPenalisedReinforce`).
 """
 
 from __future__ import annotations
@@ -18,20 +20,14 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
-from alignzoo.errors import UserError
-from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.types import (
-    AggregationParams,
-    AlgorithmRequirements,
-    LossAggregation,
-    LossContext,
-    LossOutput,
-)
+from alignzoo.plugin import hookimpl
+from alignzoo.plugins.algorithms._reinforce import KLPenalisedReinforce
+from alignzoo.types import AggregationParams, LossAggregation
 
 if TYPE_CHECKING:
     import torch
 
-    from alignzoo.batch import PolicyOutputs, RolloutBatch
+    from alignzoo.batch import RolloutBatch
 
 torch = lazy_import("torch")
 ops = lazy_import("alignzoo.ops")
@@ -75,74 +71,18 @@ def reinforce_pp_advantages(
 # --------------------------------------------------------------------------- plugin
 
 
-class ReinforcePlusPlus(Algorithm):
+class ReinforcePlusPlus(KLPenalisedReinforce):
     """REINFORCE++ (Hu et al. 2025): token-level KL in the reward, batch-normalised returns, no critic."""
 
+    namespace = "reinforce_pp"
     Params = ReinforcePlusPlusParams
     params: ReinforcePlusPlusParams
-    watched_metrics = ("actor/clipfrac",)
-
-    @hookimpl
-    def algorithm_requirements(self) -> AlgorithmRequirements:
-        kl = self.params.kl_coef > 0  # the KL penalty in the reward reads old_logprobs
-        return AlgorithmRequirements(
-            reference=kl,
-            critic=False,
-            old_logprobs_in_advantages=kl,
-            rollout_correction=True,
-            weights=True,
-        )
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
-        if batch.scores is None:
-            raise UserError(
-                "reinforce_pp: batch.scores is missing; the labeler must score every sample"
-            )
-        mask = batch.response_mask
-        kl = None
-        if self.params.kl_coef > 0:
-            if batch.ref_logprobs is None or batch.old_logprobs is None:
-                raise UserError(
-                    "reinforce_pp: kl_coef > 0 needs batch.old_logprobs and batch.ref_logprobs"
-                )
-            kl = ops.masked_kl_penalty(
-                batch.old_logprobs, batch.ref_logprobs, mask, self.params.kl_estimator
-            )
+        scores, kl = self.reward_terms(batch)
         rewards, returns, advantages = reinforce_pp_advantages(
-            batch.scores, mask, kl, self.params.kl_coef, self.params.gamma
+            scores, batch.response_mask, kl, self.params.kl_coef, self.params.gamma
         )
         batch.token_rewards, batch.returns, batch.advantages = rewards, returns, advantages
         return batch
-
-    @hookimpl
-    def compute_loss(
-        self, batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext
-    ) -> LossOutput:
-        if batch.advantages is None or batch.old_logprobs is None:
-            raise UserError(
-                "reinforce_pp: compute_loss needs batch.advantages and batch.old_logprobs"
-            )
-        params = self.params
-        loss, metrics = ops.clipped_policy_loss(
-            outputs.logprobs,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.response_mask,
-            params.clip_eps,
-            params.clip_eps,
-            params.loss_aggregation,
-            params.norm_constant,
-            batch.weights,
-            context,
-            token_weights=batch.rollout_is_weights,  # TIS, when training.rollout_correction is on
-        )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated over the optimizer step
-        if batch.ref_logprobs is not None:  # the estimator of the reward's KL penalty, now
-            kl = ops.masked_kl_penalty(
-                outputs.logprobs.detach(),
-                batch.ref_logprobs,
-                batch.response_mask,
-                params.kl_estimator,
-            )
-            metrics["reinforce_pp/kl_penalty"] = ops.masked_mean(kl, batch.response_mask)
-        return LossOutput(loss, {name: float(value) for name, value in metrics.items()})

@@ -8,7 +8,10 @@ samples of its group, so the advantage is unbiased and needs no critic:
 The whole response is one action: the sequence reward may carry a KL penalty to the reference,
 ``r_i = score_i - beta * sum_t KL_t``. Every token of a response gets its sequence's
 advantage, and the loss is PPO's clipped surrogate without a critic (at ratio 1, after one
-update per batch, it is exactly REINFORCE). A sample alone in its group gets advantage 0.
+update per batch, it is exactly REINFORCE), as in REINFORCE++: the two differ only in
+their advantages and share the rest
+(:class:`~alignzoo.plugins.algorithms._reinforce.KLPenalisedReinforce`). A sample alone in
+its group gets advantage 0.
 """
 
 from __future__ import annotations
@@ -18,20 +21,14 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
-from alignzoo.errors import UserError
-from alignzoo.plugin import Algorithm, hookimpl
-from alignzoo.types import (
-    AggregationParams,
-    AlgorithmRequirements,
-    LossAggregation,
-    LossContext,
-    LossOutput,
-)
+from alignzoo.plugin import hookimpl
+from alignzoo.plugins.algorithms._reinforce import KLPenalisedReinforce
+from alignzoo.types import AggregationParams, LossAggregation
 
 if TYPE_CHECKING:
     import torch
 
-    from alignzoo.batch import PolicyOutputs, RolloutBatch
+    from alignzoo.batch import RolloutBatch
 
 torch = lazy_import("torch")
 ops = lazy_import("alignzoo.ops")
@@ -83,68 +80,19 @@ def leave_one_out_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> 
 # --------------------------------------------------------------------------- plugin
 
 
-class RLOO(Algorithm):
+class RLOO(KLPenalisedReinforce):
     """RLOO (Ahmadian et al. 2024): REINFORCE with a leave-one-out group baseline, no critic."""
 
+    namespace = "rloo"
     Params = RLOOParams
     params: RLOOParams
-    watched_metrics = ("actor/clipfrac",)
-
-    @hookimpl
-    def algorithm_requirements(self) -> AlgorithmRequirements:
-        kl = self.params.kl_coef > 0  # the KL penalty in the reward reads old_logprobs
-        return AlgorithmRequirements(
-            reference=kl,
-            critic=False,
-            old_logprobs_in_advantages=kl,
-            rollout_correction=True,
-            weights=True,
-        )
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
-        if batch.scores is None:
-            raise UserError("rloo: batch.scores is missing; the labeler must score every sample")
+        scores, kl = self.reward_terms(batch)
         mask = batch.response_mask
-        kl = None
-        if self.params.kl_coef > 0:
-            if batch.ref_logprobs is None or batch.old_logprobs is None:
-                raise UserError("rloo: kl_coef > 0 needs batch.old_logprobs and batch.ref_logprobs")
-            kl = ops.masked_kl_penalty(
-                batch.old_logprobs, batch.ref_logprobs, mask, self.params.kl_estimator
-            )
-        rewards = sequence_rewards(batch.scores, mask, kl, self.params.kl_coef)
-        advantages = leave_one_out_advantages(rewards, batch.group_ids)
+        rewards = sequence_rewards(scores, mask, kl, self.params.kl_coef)  # score - beta sum KL_t
+        advantages = leave_one_out_advantages(rewards, batch.group_ids)  # r_i - mean_{j != i} r_j
         batch.token_rewards = ops.last_token_scores(rewards, mask)
         batch.advantages = torch.where(mask.bool(), advantages.unsqueeze(-1), 0.0)
         return batch
-
-    @hookimpl
-    def compute_loss(
-        self, batch: RolloutBatch, outputs: PolicyOutputs, context: LossContext
-    ) -> LossOutput:
-        if batch.advantages is None or batch.old_logprobs is None:
-            raise UserError("rloo: compute_loss needs batch.advantages and batch.old_logprobs")
-        params = self.params
-        loss, metrics = ops.clipped_policy_loss(
-            outputs.logprobs,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.response_mask,
-            params.clip_eps,
-            params.clip_eps,
-            params.loss_aggregation,
-            params.norm_constant,
-            batch.weights,
-            context,
-            token_weights=batch.rollout_is_weights,  # TIS, when training.rollout_correction is on
-        )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated over the optimizer step
-        if batch.ref_logprobs is not None:  # the estimator of the reward's KL penalty, now
-            kl = ops.masked_kl_penalty(
-                outputs.logprobs.detach(),
-                batch.ref_logprobs,
-                batch.response_mask,
-                params.kl_estimator,
-            )
-            metrics["rloo/kl_penalty"] = ops.masked_mean(kl, batch.response_mask)
-        return LossOutput(loss, {name: float(value) for name, value in metrics.items()})

@@ -61,16 +61,17 @@ import sys
 import tempfile
 import threading
 import time
+from importlib import resources
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo import Labeler, LabelRequest, Score
+from alignzoo.plugins.labelers._code_harness import RESULT_MARK
 
 log = logging.getLogger(__name__)
 
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
-_MARK = "__ALIGNZOO_CODE_RESULT__"
 CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID = 0x10000000, 0x40000000, 0x20000000
 PR_SET_PDEATHSIG, PR_GET_CHILD_SUBREAPER = 1, 37
 MECHANISMS = ("pid_namespace", "subreaper")
@@ -88,242 +89,12 @@ _UNSHARE = {  # the namespaces the child tries to enter, in order; the first the
 _SUPERVISORS = 2  # the harness and, in a PID namespace, the namespace's init
 _GRACE_S = 3.0  # how long a stopped supervisor may take to clean up before its group is killed
 
-# The harness: its first process is the supervisor and never runs the sample's code. It forks
-# the sample's process (under a fresh PID namespace's init where the labeler unshared one),
-# waits for it, kills whatever the sample left and exits with the sample's status (128 + the
-# signal when one killed it). SIGTERM (the labeler's timeout or close, or the labeler's death
-# through PR_SET_PDEATHSIG) makes it kill everything and exit at once.
-_HARNESS = r"""
-import ctypes, json, os, signal, socket, sys, time
-_libc = ctypes.CDLL(None, use_errno=True)
-_prctl = getattr(_libc, "prctl", None)
-try:
-    _interfaces = [name for _, name in socket.if_nameindex()]
-except OSError:
-    _interfaces = []
-_isolated = all(name == "lo" for name in _interfaces)
-# PR_SET_CHILD_SUBREAPER: every orphan of the sample is ours (unless a PID namespace's init,
-# the sample's parent where the labeler unshared one, adopts it first)
-if _prctl is not None and os.path.isdir("/proc/self/task") and _prctl(36, 1, 0, 0, 0) == 0:
-    _containment = "subreaper"
-else:
-    _containment = "process_group"
-
-
-def _status(wait_status):
-    code = os.waitstatus_to_exitcode(wait_status)
-    return code if code >= 0 else 128 - code
-
-
-def _children(pid, table):
-    if table is not None:
-        return table.get(pid, [])
-    kids = []
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return kids
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as fh:
-                kids += [int(k) for k in fh.read().split()]
-        except (OSError, ValueError):
-            pass
-    return kids
-
-
-def _ppid_table():  # for kernels without /proc/PID/task/TID/children: parent -> children
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            table.setdefault(ppid, []).append(int(entry))
-    return table
-
-
-_PROC_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
-
-
-def _kill_descendants():
-    # SIGKILL each descendant before reading its children: a killed process forks no more
-    table = None if _PROC_CHILDREN else _ppid_table()
-    todo = _children(os.getpid(), table)
-    while todo:
-        pid = todo.pop()
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        todo += _children(pid, table)
-
-
-def _reap_all():
-    # until we have no child left: reap, kill every descendant (adopted ones come to us)
-    while True:
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            return
-        _kill_descendants()
-        time.sleep(0.001)
-
-
-def _stop(signum, frame):
-    _reap_all()
-    os._exit(128 + signum)
-
-
-# The process filter of the subreaper's sample (seccomp, installed by the sample on itself):
-# no new process (fork, vfork, clone without CLONE_THREAD; clone3 answers ENOSYS so threads
-# fall back to clone), no signal but to itself, no ptrace, no reading or writing another
-# process's memory, no limits set on another process. A sample could otherwise kill its
-# supervisor (same user) and leave a detached child behind, or signal the run itself.
-_PROCESS_FILTER = True
-_SYSCALLS = {  # name: number, per architecture; AUDIT_ARCH value under "arch"
-    "x86_64": {"arch": 0xC000003E, "fork": 57, "vfork": 58, "clone": 56, "clone3": 435,
-               "kill": 62, "tkill": 200, "tgkill": 234, "pidfd_open": 434,
-               "pidfd_send_signal": 424, "ptrace": 101, "process_vm_readv": 310,
-               "process_vm_writev": 311, "prlimit64": 302},
-    "aarch64": {"arch": 0xC00000B7, "clone": 220, "clone3": 435, "kill": 129, "tkill": 130,
-                "tgkill": 131, "pidfd_open": 434, "pidfd_send_signal": 424, "ptrace": 117,
-                "process_vm_readv": 270, "process_vm_writev": 271, "prlimit64": 261},
-}
-
-
-def _install_process_filter():
-    nr = _SYSCALLS.get(os.uname().machine)
-    if nr is None or _prctl is None:
-        return False
-    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
-    ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    me = os.getpid()
-    prog = [(LD, 0, 0, 4), (JEQ, 1, 0, nr["arch"]), (RET, 0, 0, EPERM), (LD, 0, 0, 0)]
-    if os.uname().machine == "x86_64":  # the x32 ABI's numbers: refused
-        prog += [(JGE, 0, 1, 0x40000000), (RET, 0, 0, EPERM)]
-    for name in ("fork", "vfork", "tkill", "pidfd_open", "pidfd_send_signal", "ptrace",
-                 "process_vm_readv", "process_vm_writev"):
-        if name in nr:
-            prog += [(JEQ, 0, 1, nr[name]), (RET, 0, 0, EPERM)]
-    prog += [(JEQ, 0, 1, nr["clone3"]), (RET, 0, 0, ENOSYS)]
-    prog += [(JEQ, 0, 4, nr["clone"]), (LD, 0, 0, 16), (JSET, 1, 0, 0x10000),  # CLONE_THREAD
-             (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)]
-    for name, allowed in (("kill", (me,)), ("tgkill", (me,)), ("prlimit64", (0, me))):
-        checks = [(JEQ, len(allowed) - i, 0, pid) for i, pid in enumerate(allowed)]
-        prog += [(JEQ, 0, len(checks) + 3, nr[name]), (LD, 0, 0, 16), *checks,
-                 (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)]
-    prog += [(RET, 0, 0, ALLOW)]
-
-    class Instruction(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
-                    ("k", ctypes.c_uint32)]
-
-    class Program(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Instruction))]
-
-    table = (Instruction * len(prog))(*[Instruction(*i) for i in prog])
-    program = Program(len(prog), table)
-    if _prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, which a filter needs
-        return False
-    return _prctl(22, 2, ctypes.byref(program), 0, 0) == 0  # PR_SET_SECCOMP, MODE_FILTER
-
-
-if _containment != "process_group":
-    if _prctl is not None:
-        _prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the sample may not ptrace its supervisors
-    signal.signal(signal.SIGTERM, _stop)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    _main = os.fork()
-    if _main:  # the supervisor
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        _, _wait_status = os.waitpid(_main, 0)
-        _reap_all()
-        os._exit(_status(_wait_status))
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if os.getpid() == 1:  # the namespace's init: it ends with the sample, and so does the rest
-        _containment = "pid_namespace"
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # no handler a sample could trigger
-        _prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: dies with its supervisor
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        _sample = os.fork()
-        if _sample:
-            while True:
-                _pid, _wait_status = os.wait()
-                if _pid == _sample:
-                    os._exit(_status(_wait_status))
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    else:
-        _prctl(1, int(signal.SIGKILL), 0, 0, 0)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        _filtered = _PROCESS_FILTER and _install_process_filter()
-
-# the sample's process
-_filtered = globals().get("_filtered", False)
-if _prctl is not None:
-    _prctl(4, 1, 0, 0, 0)  # dumpable again, as an ordinary process (its supervisors stay not)
-def _no_network(*a, **k):
-    raise OSError("network access is disabled in the code labeler's sandbox")
-socket.socket = _no_network
-socket.create_connection = _no_network
-import subprocess
-def _no_processes(*a, **k):
-    raise OSError("starting processes is disabled in the code labeler's sandbox")
-for _name in ("fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "execv",
-              "execve", "execl", "execle", "execlp", "execvp", "execvpe", "spawnv", "spawnve",
-              "spawnl", "spawnle", "spawnlp", "spawnvp"):
-    if hasattr(os, _name):
-        setattr(os, _name, _no_processes)
-subprocess.Popen = _no_processes
-source = open("solution.py", encoding="utf-8").read()
-tests = json.load(open("tests.json", encoding="utf-8"))
-result = {"verdict": None, "passed": 0, "total": len(tests), "error": "",
-          "network_isolated": _isolated, "containment": _containment,
-          "process_filter": _filtered}
-env = {"__name__": "__main__"}
-try:
-    code = compile(source, "solution.py", "exec")
-except SyntaxError as exc:
-    result.update(verdict="compile_error", error=f"{exc.msg} (line {exc.lineno})")
-else:
-    try:
-        exec(code, env)
-    except MemoryError:
-        result.update(verdict="memory", error="MemoryError")
-    except BaseException as exc:
-        result.update(verdict="runtime_error", error=f"{type(exc).__name__}: {exc}"[:300])
-    else:
-        for test in tests:
-            try:
-                exec(test, env)
-                result["passed"] += 1
-            except AssertionError:
-                pass
-            except MemoryError:
-                result.update(verdict="memory", error="MemoryError")
-                break
-            except BaseException as exc:
-                result.update(verdict="runtime_error", error=f"{type(exc).__name__}: {exc}"[:300])
-                break
-        if result["verdict"] is None:
-            result["verdict"] = "passed" if result["passed"] == result["total"] else "wrong_answer"
-sys.stdout.flush()
-print("\n__ALIGNZOO_CODE_RESULT__" + json.dumps(result), flush=True)
-# end as the interpreter would (the sample's threads joined, its atexit functions run) but
-# without tearing it down: freeing the heap of a forked process copies every page of it
-import atexit, threading
-getattr(threading, "_shutdown", lambda: None)()
-atexit._run_exitfuncs()
-for _stream in (sys.stdout, sys.stderr):
-    try:
-        _stream.flush()
-    except BaseException:
-        pass
-os._exit(0)
-"""
+_HARNESS = (
+    resources.files("alignzoo.plugins.labelers").joinpath("_code_harness.py").read_text("utf-8")
+)
+"""The sandbox's program (:mod:`alignzoo.plugins.labelers._code_harness`), read once: each run
+writes it into its scratch directory, so a sample that rewrites the installed file changes no
+later run of this process."""
 
 # Run under the namespaces a mechanism needs: prints 1 when a forked child is a PID 1.
 _PROBE = (
@@ -512,14 +283,14 @@ class CodeLabeler(Labeler):
             if closed:
                 return {"verdict": "runtime_error", "closed": True, **failed}
         text = out.decode("utf-8", "replace")
-        if _MARK not in text:
+        if RESULT_MARK not in text:
             stderr = err.decode("utf-8", "replace")
             kind = "memory" if "MemoryError" in stderr else "runtime_error"
             code = proc.returncode or 0
             signum = -code if code < 0 else code - 128 if code > 128 else 0
             kind = "timeout" if signum == signal.SIGXCPU else kind
             return {"verdict": kind, **failed, "error": stderr[-300:]}
-        result = json.loads(text.rsplit(_MARK, 1)[1].strip().splitlines()[0])
+        result = json.loads(text.rsplit(RESULT_MARK, 1)[1].strip().splitlines()[0])
         return dict(result)
 
     def _stop(self, proc: subprocess.Popen[bytes]) -> None:

@@ -238,6 +238,53 @@ def test_clipped_surrogate_is_finite_for_extreme_log_ratios():
     assert torch.isfinite(loss).all() and torch.isfinite(log_ratio.grad).all()
 
 
+@st.composite
+def surrogate_cases(draw):
+    """Log-ratios (some beyond the [-20, 20] clamp), advantages of either sign or 0, asymmetric
+    clip ranges and, half the time, a dual-clip constant; float64."""
+    n = draw(st.integers(1, 12))
+    log_ratios = st.one_of(st.floats(-1.0, 1.0), st.floats(-30.0, 30.0))
+    log_ratio = torch.tensor(
+        draw(st.lists(log_ratios, min_size=n, max_size=n)), dtype=torch.float64
+    )
+    advantage = st.one_of(st.just(0.0), st.floats(-10.0, 10.0))
+    advantages = torch.tensor(
+        draw(st.lists(advantage, min_size=n, max_size=n)), dtype=torch.float64
+    )
+    clip_low = draw(st.floats(0.01, 0.99))
+    clip_high = draw(st.floats(0.01, 5.0))
+    dual_clip = draw(st.one_of(st.none(), st.floats(1.01, 10.0)))
+    return log_ratio, advantages, clip_low, clip_high, dual_clip
+
+
+@FAST
+@given(surrogate_cases())
+def test_clipped_surrogate_is_the_textbook_formula(case):
+    """-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) per token (PPO eq. 7), with the dual clip
+    min(that, -c A) for A < 0 (Ye et al. 2020), written out with Python floats; the masks mark
+    exactly the tokens whose gradient the clip removes."""
+    log_ratio, advantages, clip_low, clip_high, dual_clip = case
+    leaf = log_ratio.clone().requires_grad_(True)
+    loss, clipped_low, clipped_high = ops.clipped_surrogate(
+        leaf, advantages, clip_low, clip_high, dual_clip
+    )
+    loss.sum().backward()
+    for i, (lr, a) in enumerate(zip(log_ratio.tolist(), advantages.tolist(), strict=True)):
+        r = math.exp(min(max(lr, -20.0), 20.0))
+        expected = -min(r * a, min(max(r, 1.0 - clip_low), 1.0 + clip_high) * a)
+        if dual_clip is not None and a < 0:
+            expected = min(expected, -dual_clip * a)
+        assert loss[i].item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        low = r < 1.0 - clip_low and a < 0
+        high = r > 1.0 + clip_high and a > 0
+        dual = dual_clip is not None and a < 0 and -r * a > -dual_clip * a
+        assert bool(clipped_low[i]) == low
+        assert bool(clipped_high[i]) == (high or dual)
+        # d/d log r of -r A is -r A where no clip binds (and the clamp does not), else 0
+        inside = -20.0 <= lr <= 20.0 and not (low or high or dual)
+        assert leaf.grad[i].item() == pytest.approx(-r * a if inside else 0.0, rel=1e-12, abs=1e-12)
+
+
 def test_approx_kl_and_clip_fractions_golden():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     new, old = torch.tensor([[-1.0, -2.0, 50.0]]), torch.tensor([[-1.5, -2.0, 0.0]])

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from alignzoo.errors import UserError
-from alignzoo.plugins.algorithms.dpo import DPO, dpo_loss, pair_indices
+from alignzoo.plugins.algorithms import dpo
+from alignzoo.plugins.algorithms.dpo import DPO, DPOParams, Pairs, pair_indices
 from alignzoo.registry import build_plugin_manager
 from alignzoo.testing import make_batch
 
@@ -220,13 +221,16 @@ def test_float32_matches_the_golden_value():
 
 
 def test_pure_function_matches_the_plugin():
-    losses, chosen_r, rejected_r = dpo_loss(
+    pairs = Pairs(
         torch.tensor([-1.5, -3.0]),
         torch.tensor([-3.75, -1.0]),
         torch.tensor([-2.0, -2.0]),
         torch.tensor([-3.0, -1.5]),
-        beta=0.1,
+        chosen_lengths=torch.ones(2),
+        rejected_lengths=torch.ones(2),
     )
+    losses = dpo.LOSS_TYPES["sigmoid"].loss(pairs, DPOParams(beta=0.1))
+    chosen_r, rejected_r = pairs.rewards(0.1)
     assert losses.tolist() == pytest.approx(
         [neg_log_sigmoid(0.125), neg_log_sigmoid(-0.15)], abs=1e-6
     )

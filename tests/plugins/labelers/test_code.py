@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from alignzoo import LabelRequest
+from alignzoo.plugins.labelers import code as code_labeler
 from alignzoo.plugins.labelers.code import CodeLabeler, extract_code
 from alignzoo.types import Outcome
 
@@ -96,3 +100,25 @@ def test_extract_code() -> None:
 def test_params_are_checked(timeout_s) -> None:
     with pytest.raises(ValueError):
         CodeLabeler.Params(timeout_s=timeout_s)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads prctl's subreaper flag")
+def test_the_sandbox_runs_the_harness_module_as_read_when_the_labeler_was_imported(
+    tmp_path,
+) -> None:
+    """The harness is a module of its own (ruff checks it): the labeler runs its text, read
+    once, and importing it (as the labeler does, for its result mark) starts nothing."""
+    harness = Path(code_labeler.__file__).with_name("_code_harness.py")
+    assert harness.read_text(encoding="utf-8") == code_labeler._HARNESS
+    probe = (  # the harness's import would make this process a subreaper, or fork, or print
+        "import ctypes, os\n"
+        "import alignzoo.plugins.labelers._code_harness\n"
+        "flag = ctypes.c_int(-1)\n"
+        "libc = ctypes.CDLL(None)\n"
+        "assert libc.prctl(37, ctypes.byref(flag), 0, 0, 0) == 0 and flag.value == 0\n"
+        "print(os.getpid())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
+    assert out.stdout.split() == [out.stdout.strip()] and out.stderr == ""  # one process, quiet
