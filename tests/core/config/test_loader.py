@@ -222,7 +222,7 @@ def test_the_labeling_on_key_loads_as_written_yaml_1_1_booleans_stay_keys(tmp_pa
     labeling = loaded.spec.arms["ppo"].labeling
     assert labeling.on.abstain == "drop_sample" and labeling.on.exhausted == "fail"
     assert labeling.overlap is True
-    from alignzoo.config.loader import safe_load
+    from alignzoo.config.yamlfile import safe_load
 
     assert safe_load("on: 1\noff: [yes, no]\n") == {"on": 1, "off": [True, False]}
 
