@@ -2,20 +2,22 @@
 
 Every problem is reported with the file, the line, the dotted path, what was found and what
 was expected, before any model is loaded. Validation has two phases: the schema (pydantic),
-then each component's own ``Params`` model, looked up in the registry by name.
+then each component's own ``Params`` model, looked up in the registry by name. A
+:class:`~alignzoo.config.locate.Locator`, built once per file, places every problem where the
+file writes it.
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from alignzoo.config.locate import Locator
 from alignzoo.config.overrides import apply_overrides, at_override, expand_sweeps, resolve_arms
 from alignzoo.config.schema import ArmSpec, ComponentRef, ExperimentSpec
 from alignzoo.config.yamlfile import FieldPath, LineIndex, non_finite_paths, read_yaml
@@ -32,141 +34,14 @@ class LoadedExperiment:
     source: str
     components: dict[str, dict[str, Component]] = field(default_factory=dict)
     """arm name -> {"algorithm": ..., "labeler": ..., "backend": ..., "devices": ..., "modifiers.0": ...}"""
-    locate: Callable[[FieldPath, str], ConfigIssue] | None = None
-    """``locate(path, message)``: an issue about the resolved field ``path`` (("arms", "a",
-    "labeler")), placed where the file writes it (the arm, ``defaults``, ``training``)."""
+    locator: Locator | None = None
+    """Places an issue about a resolved field (("arms", "a", "labeler")) where the file writes
+    it (the arm, ``defaults``, ``training``); None for an experiment not read from a file."""
 
     def issue(self, path: FieldPath, message: str) -> ConfigIssue:
-        """A located issue about the resolved field ``path`` (see :attr:`locate`)."""
-        if self.locate is None:
-            return ConfigIssue(self.source, None, ".".join(map(str, path)), message)
-        return self.locate(path, message)
-
-
-# ---------------------------------------------------------------------- error reporting
-
-
-def _fields_at(model: type[BaseModel], loc: FieldPath) -> list[str]:
-    """Field names of the pydantic model reached by walking ``loc`` (list indexes skipped)."""
-    current: Any = model
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
-            return []
-        if part not in current.model_fields:
-            return []
-        current = _unwrap(current.model_fields[part].annotation)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return list(current.model_fields)
-    return []
-
-
-def _unwrap(annotation: Any) -> Any:
-    """The pydantic model inside ``X | None``, ``list[X]`` or ``dict[str, X]``, else the annotation."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation) or ():
-        inner = _unwrap(arg)
-        if isinstance(inner, type) and issubclass(inner, BaseModel):
-            return inner
-    return annotation
-
-
-def _strip_dict_keys(model: type[BaseModel], loc: FieldPath) -> FieldPath:
-    """Drop the arm-name part when walking fields: arms.<name>.x -> arms.x for field lookup."""
-    if len(loc) >= 2 and loc[0] == "arms":
-        return ("arms", *loc[2:])
-    return loc
-
-
-def _describe_error(err: Any, known_fields: list[str]) -> str:
-    kind = err["type"]
-    loc = err["loc"]
-    if kind == "extra_forbidden":
-        key = str(loc[-1]) if loc else "?"
-        message = f"unknown field {key!r}"
-        close = difflib.get_close_matches(key, known_fields, n=1, cutoff=0.6)
-        if close:
-            message += f"; did you mean {close[0]!r}?"
-        elif known_fields:
-            message += f"; expected one of: {', '.join(known_fields)}"
-        return message
-    if kind == "missing":
-        return "required field is missing"
-    message = err["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
-    if "input" in err and kind not in ("missing",) and not isinstance(err["input"], dict):
-        message += f" (found {err['input']!r})"
-    return message
-
-
-def written_at(
-    full: FieldPath, index: LineIndex, fallbacks: dict[FieldPath, FieldPath] | None
-) -> tuple[FieldPath, int | None]:
-    """Where the value at resolved path ``full`` is written, and its line: an arm's field that
-    the arm leaves to ``defaults`` (or to the shared ``training`` / ``model``, or to the arm a
-    sweep came from) is written there, so a problem in it is reported once, at its own place,
-    rather than at every arm that inherits it."""
-
-    def unwritten(path: FieldPath) -> int:  # levels of ``path`` below its deepest written prefix
-        return next(
-            (len(path) - cut for cut in range(len(path), 0, -1) if path[:cut] in index.lines),
-            len(path),
-        )
-
-    def scalar_above(path: FieldPath) -> bool:  # a shorthand (``labeler: name``) replaces it all
-        cut = len(path) - unwritten(path)
-        return 0 < cut < len(path) and not any(
-            len(key) > cut and key[:cut] == path[:cut] for key in index.lines
-        )
-
-    # The arm's own path first, then defaults, then the shared sections: what the merge lets
-    # win when two write the value equally deep.
-    best, best_unwritten = full, unwritten(full)
-    if best_unwritten == 0 or scalar_above(full):
-        return full, index.line_of(full)
-    for src, dst in sorted((fallbacks or {}).items(), key=lambda item: len(item[0])):
-        if full[: len(src)] == src:
-            written = (*dst, *full[len(src) :])
-            if unwritten(written) < best_unwritten:
-                best, best_unwritten = written, unwritten(written)
-    line = index.lines.get(best)
-    return best, line if line is not None else index.line_of(best)
-
-
-def issue_at(
-    file: str,
-    index: LineIndex,
-    fallbacks: dict[FieldPath, FieldPath] | None,
-    path: FieldPath,
-    message: str,
-) -> ConfigIssue:
-    """A :class:`ConfigIssue` about the value at resolved ``path``, placed where it is written
-    (:func:`written_at`)."""
-    written, line = written_at(path, index, fallbacks)
-    return ConfigIssue(file, line, ".".join(map(str, written)), message)
-
-
-def issues_from_validation(
-    exc: ValidationError,
-    model: type[BaseModel],
-    file: str,
-    index: LineIndex,
-    prefix: FieldPath = (),
-    fallback_prefixes: dict[FieldPath, FieldPath] | None = None,
-) -> list[ConfigIssue]:
-    """Convert a pydantic ValidationError into located ConfigIssues."""
-    issues: list[ConfigIssue] = []
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        full = (*prefix, *loc)
-        known = _fields_at(model, _strip_dict_keys(model, loc[:-1])) if loc else []
-        # A value merged from `training:` / `defaults:` is reported where it is written.
-        issues.append(issue_at(file, index, fallback_prefixes, full, _describe_error(err, known)))
-    # One wrong shared value is inherited by every arm: report it once.
-    return list(dict.fromkeys(issues))
+        """A located issue about the resolved field ``path`` (see :attr:`locator`); without a
+        locator, one naming :attr:`source` and the field, with no line."""
+        return (self.locator or Locator(self.source)).issue(path, message)
 
 
 # ---------------------------------------------------------------------- loading
@@ -208,21 +83,14 @@ def _load(
     resolved = resolve_arms(raw)
     if overrides:
         resolved["overrides"] = overrides
-    fallbacks: dict[FieldPath, FieldPath] = {}
-    for arm_name in resolved.get("arms", {}) if isinstance(resolved.get("arms"), dict) else {}:
-        for section in ("training", "model"):
-            fallbacks[("arms", arm_name, section)] = (section,)
-        fallbacks[("arms", arm_name)] = ("defaults",)
-        if arm_name in swept:  # a problem in a swept arm is reported at the arm it came from
-            fallbacks[("arms", arm_name)] = ("arms", swept[arm_name])
-            for section in ("training", "model"):
-                fallbacks[("arms", arm_name, section)] = ("arms", swept[arm_name], section)
+    resolved_arms = resolved.get("arms")
+    locator = Locator.for_experiment(
+        file, index, resolved_arms if isinstance(resolved_arms, dict) else (), swept
+    )
     try:
         spec = ExperimentSpec.model_validate(resolved)
     except ValidationError as exc:
-        raise ConfigError(
-            issues_from_validation(exc, ExperimentSpec, file, index, fallback_prefixes=fallbacks)
-        ) from None
+        raise ConfigError(locator.validation_issues(exc, ExperimentSpec)) from None
 
     if arms:
         unknown = [a for a in arms if a not in spec.arms]
@@ -240,25 +108,19 @@ def _load(
     issues: list[ConfigIssue] = []
     for arm_name, arm in spec.arms.items():
         components[arm_name], arm_issues = _build_components(
-            arm_name, arm, registry, file, index, fallbacks, spec.evaluation.labeler,
-            spec.data.online,
-        )  # fmt: skip
+            arm_name, arm, registry, locator, spec.evaluation.labeler, spec.data.online
+        )
         # The evaluation labeler's problems are the same for every arm: said once.
         issues += [i for i in arm_issues if i not in issues]
     if spec.evaluation.metric is None:
         spec = spec.model_copy(
             update={"evaluation": spec.evaluation.model_copy(update=default_metric(components))}
         )
-    issues += _check_eval_metric(spec, components, file, index)
-    issues += _check_model_paths(spec, file, index, fallbacks)
+    issues += _check_eval_metric(spec, components, locator)
+    issues += _check_model_paths(spec, locator)
     if issues:
         raise ConfigError(issues)
-    return LoadedExperiment(
-        spec=spec,
-        source=file,
-        components=components,
-        locate=functools.partial(issue_at, file, index, fallbacks),
-    )
+    return LoadedExperiment(spec=spec, source=file, components=components, locator=locator)
 
 
 def default_metric(components: dict[str, dict[str, Component]]) -> dict[str, str]:
@@ -277,11 +139,11 @@ def _looks_local(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~", ".\\")) or value.count("/") > 1
 
 
-def _check_model_paths(
-    spec: ExperimentSpec, file: str, index: LineIndex, fallbacks: dict[FieldPath, FieldPath]
-) -> list[ConfigIssue]:
+def _check_model_paths(spec: ExperimentSpec, locator: Locator) -> list[ConfigIssue]:
     """Every local model folder an arm names exists (hub ids cannot be checked offline), and
-    so does every data file or folder."""
+    so does every data file or folder. A model an arm inherits is one problem, reported at
+    ``model.<field>`` on the line where the arm or the shared ``model`` section writes it."""
+    lines = locator.index.lines
     issues: dict[str, ConfigIssue] = {}
     for arm_name, arm in spec.arms.items():
         for field_name in ("policy", "reward_model"):
@@ -292,13 +154,13 @@ def _check_model_paths(
             if folder.is_dir():
                 continue
             at: FieldPath = ("arms", arm_name, "model", field_name)
-            line = index.lines.get(at) or index.lines.get(("model", field_name))
+            line = lines.get(at) or lines.get(("model", field_name))
             state = "is a file, not a model folder" if folder.exists() else "does not exist"
             issues.setdefault(
                 f"{field_name}:{value}",
                 ConfigIssue(
-                    file,
-                    line or index.line_of(at),
+                    locator.file,
+                    line or locator.index.line_of(at),
                     f"model.{field_name}",
                     f"{value!r} {state} (a folder written by save_pretrained is expected)",
                 ),
@@ -311,10 +173,8 @@ def _check_model_paths(
             continue
         if value == "embedded" or Path(value).expanduser().exists():
             continue
-        issues[f"data:{field_name}"] = ConfigIssue(
-            file,
-            index.line_of(("data", field_name)),
-            f"data.{field_name}",
+        issues[f"data:{field_name}"] = locator.issue(
+            ("data", field_name),
             f"{value!r} does not exist (give 'embedded', a jsonl / parquet file or a dataset "
             "folder written by save_to_disk)"
             + (
@@ -329,10 +189,7 @@ def _check_model_paths(
 
 
 def _check_eval_metric(
-    spec: ExperimentSpec,
-    components: dict[str, dict[str, Component]],
-    file: str,
-    index: LineIndex,
+    spec: ExperimentSpec, components: dict[str, dict[str, Component]], locator: Locator
 ) -> list[ConfigIssue]:
     """``evaluation.metric`` is one that evaluation produces for every arm's labeler."""
     from alignzoo import metrics as canonical
@@ -340,16 +197,13 @@ def _check_eval_metric(
     ev = spec.evaluation
     metric = ev.metric if "/" in ev.metric else f"eval/{ev.metric}"
     where: FieldPath = ("evaluation", "metric")
-    line = index.line_of(where)
     counted = [canonical.EVAL_EXACT_MATCH] + ([f"eval/pass@{ev.pass_at_k}"] if ev.pass_at_k else [])
     known = [canonical.EVAL_SCORE, canonical.EVAL_RESPONSE_LENGTH, *counted]
     if metric not in known:
         hint = difflib.get_close_matches(metric, known, n=1, cutoff=0.6)
         return [
-            ConfigIssue(
-                file,
-                line,
-                "evaluation.metric",
+            locator.issue(
+                where,
                 f"evaluation produces no metric {ev.metric!r}"
                 + (f"; did you mean {hint[0]!r}?" if hint else "")
                 + f" (it produces {', '.join(known)}"
@@ -367,10 +221,8 @@ def _check_eval_metric(
     if not scorers:
         return []
     return [
-        ConfigIssue(
-            file,
-            line,
-            "evaluation.metric",
+        locator.issue(
+            where,
             f"exact_match counts the responses a labeler marks correct, and the labeler of "
             f"arm(s) {', '.join(scorers)} only scores; compare on 'score' instead",
         )
@@ -389,9 +241,7 @@ def _build_components(
     arm_name: str,
     arm: ArmSpec,
     registry: Registry,
-    file: str,
-    index: LineIndex,
-    fallbacks: dict[FieldPath, FieldPath],
+    locator: Locator,
     evaluation_labeler: ComponentRef | None = None,
     spec_online: bool = True,
 ) -> tuple[dict[str, Component], list[ConfigIssue]]:
@@ -407,7 +257,7 @@ def _build_components(
         try:
             cls = registry.get(kind, ref.name)
         except UserError as exc:
-            issues.append(issue_at(file, index, fallbacks, (*base, "name"), str(exc)))
+            issues.append(locator.issue((*base, "name"), str(exc)))
             continue
         try:
             given = dict(ref.params)
@@ -416,18 +266,13 @@ def _build_components(
             params = cls.Params.model_validate(given)
         except ValidationError as exc:
             # Suggestions for misspelled params come from the component's own model.
-            issues += issues_from_validation(
-                exc, cls.Params, file, index, (*base, "params"), fallbacks
-            )
+            issues += locator.validation_issues(exc, cls.Params, (*base, "params"))
             continue
         bad = non_finite_paths(params.model_dump(mode="python"))
         if bad:
             for inner in bad:
                 issues.append(
-                    issue_at(
-                        file,
-                        index,
-                        fallbacks,
+                    locator.issue(
                         (*base, "params", *inner),
                         "not a finite number (.inf and .nan make a run meaningless)",
                     )
@@ -439,10 +284,7 @@ def _build_components(
             raise
         except BaseException as exc:  # a plugin's constructor, even sys.exit
             issues.append(
-                issue_at(
-                    file,
-                    index,
-                    fallbacks,
+                locator.issue(
                     base,
                     f"constructing {registry.describe(kind, ref.name)} raised "
                     f"{type(exc).__name__}: {exc}",
@@ -456,16 +298,13 @@ def _build_components(
         if requirements.data == "online":
             base_path: FieldPath = ("arms", arm_name, "online")
             issues.append(
-                issue_at(
-                    file,
-                    index,
-                    fallbacks,
+                locator.issue(
                     base_path,
                     f"{arm.algorithm.name} learns from sampled rollouts; 'online: false' applies "
                     "only to preference or unpaired-feedback algorithms (dpo, simpo, kto, ...)",
                 )
             )
-    issues += _environment_issues(file, index, fallbacks, arm_name, arm, built)
+    issues += _environment_issues(locator, arm_name, arm, built)
     if arm.training.sampling.temperature == 0 and algorithm is not None:
         from alignzoo.engine.hooks import Hooks
 
@@ -474,10 +313,7 @@ def _build_components(
         if requirements.data == "online" or online:
             greedy_path: FieldPath = ("arms", arm_name, "training", "sampling", "temperature")
             issues.append(
-                issue_at(
-                    file,
-                    index,
-                    fallbacks,
+                locator.issue(
                     greedy_path,
                     f"0 samples greedily, and {arm.algorithm.name} trains on the log-probs of "
                     "what it sampled: a greedy policy gives every sample of a prompt the same "
@@ -493,10 +329,7 @@ def _build_components(
         if not requirements.rollout_correction:
             level_path: FieldPath = ("arms", arm_name, "training", "rollout_correction", "level")
             issues.append(
-                issue_at(
-                    file,
-                    index,
-                    fallbacks,
+                locator.issue(
                     level_path,
                     f"{correction!r} needs an online policy-gradient algorithm (grpo, ppo, rloo, "
                     f"reinforce_pp); {arm.algorithm.name} applies no importance weights to a "
@@ -506,10 +339,7 @@ def _build_components(
     if arm.training.parallel == "fsdp2" and arm.model.lora is not None:
         parallel_path: FieldPath = ("arms", arm_name, "training", "parallel")
         issues.append(
-            issue_at(
-                file,
-                index,
-                fallbacks,
+            locator.issue(
                 parallel_path,
                 "fsdp2 does not shard LoRA adapters yet; use parallel: ddp for a LoRA arm "
                 "(its adapters are small), or drop model.lora",
@@ -533,15 +363,13 @@ def _build_components(
                 arm_name,
                 *(int(p) if p.isdigit() else p for p in slot.split(".")),
             )
-            issues.append(issue_at(file, index, fallbacks, where, str(exc)))
-    issues += _weights_without_a_taker(file, index, fallbacks, arm_name, arm, built)
+            issues.append(locator.issue(where, str(exc)))
+    issues += _weights_without_a_taker(locator, arm_name, arm, built)
     return built, issues
 
 
 def _environment_issues(
-    file: str,
-    index: LineIndex,
-    fallbacks: dict[FieldPath, FieldPath],
+    locator: Locator,
     arm_name: str,
     arm: ArmSpec,
     built: dict[str, Any],
@@ -558,10 +386,7 @@ def _environment_issues(
             data = build_plugin_manager([algorithm]).hook.algorithm_requirements().data
             if data != "online":
                 out.append(
-                    issue_at(
-                        file,
-                        index,
-                        fallbacks,
+                    locator.issue(
                         where,
                         f"algorithm {arm.algorithm.name!r} learns from {data} data; an "
                         "environment's episodes train an online algorithm (grpo, rloo, "
@@ -573,10 +398,7 @@ def _environment_issues(
             and not build_plugin_manager([backend]).hook.generate_ids.get_hookimpls()
         ):
             out.append(
-                issue_at(
-                    file,
-                    index,
-                    fallbacks,
+                locator.issue(
                     where,
                     f"backend {arm.backend.name!r} does not implement generate_ids (sampling "
                     "a turn from token ids), which episodes need; use the hf or vllm backend",
@@ -588,9 +410,7 @@ def _environment_issues(
 
 
 def _weights_without_a_taker(
-    file: str,
-    index: LineIndex,
-    fallbacks: dict[FieldPath, FieldPath],
+    locator: Locator,
     arm_name: str,
     arm: ArmSpec,
     built: dict[str, Any],
@@ -615,10 +435,7 @@ def _weights_without_a_taker(
     for i, name in setters:
         where: FieldPath = ("arms", arm_name, "modifiers", i)
         out.append(
-            issue_at(
-                file,
-                index,
-                fallbacks,
+            locator.issue(
                 where,
                 f"modifier {name!r} sets sample weights, but algorithm {arm.algorithm.name!r} "
                 "does not declare that its loss multiplies them in (AlgorithmRequirements"

@@ -3,8 +3,8 @@ YAML files validated by a model.
 
 :func:`read_yaml` refuses a file above 1 MiB, an alias bomb or deep nesting before anything
 walks the document, then a duplicate key, ``.inf`` or ``.nan``, and indexes the line of every
-field, which the loader uses to place an error. Every YAML file alignzoo reads goes through
-:func:`safe_load`.
+field, which :mod:`alignzoo.config.locate` uses to place an error. Every YAML file alignzoo
+reads goes through :func:`safe_load`.
 """
 
 from __future__ import annotations
