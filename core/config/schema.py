@@ -3,7 +3,8 @@
 An experiment names arms; each arm picks an algorithm, labeler, backend, device mapper and
 modifiers (components, each with its own ``params`` validated by the component's ``Params``
 model) and may override the shared ``training`` and ``model`` sections. ``defaults`` holds arm
-fields shared by every arm. Loading and error reporting live in :mod:`alignzoo.config.loader`.
+fields shared by every arm. Loading lives in :mod:`alignzoo.config.loader`, error locating in
+:mod:`alignzoo.config.locate`.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def read_simulation(path: str | Path, what: str = "") -> Simulation:
     import yaml
     from pydantic import ValidationError
 
-    from alignzoo.config.loader import safe_load
+    from alignzoo.config.yamlfile import safe_load
 
     try:
         return Simulation.model_validate(safe_load(Path(path).read_text(encoding="utf-8")))

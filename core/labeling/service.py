@@ -84,7 +84,7 @@ class ServeConfig(BaseModel):
 
 def load_config(path: Path) -> ServeConfig:
     """The server's YAML, validated."""
-    from alignzoo.config.loader import load_yaml_model
+    from alignzoo.config.yamlfile import load_yaml_model
 
     cfg: ServeConfig = load_yaml_model(path, ServeConfig, "labeler server")
     return cfg

@@ -63,7 +63,7 @@ def build_labeler(ref: ComponentRef) -> Any:
 
 def read_ref(path: Path) -> ComponentRef:
     """A labeler spec file: ``{name: <labeler>, params: {...}}``."""
-    from alignzoo.config.loader import load_yaml_model
+    from alignzoo.config.yamlfile import load_yaml_model
 
     ref: ComponentRef = load_yaml_model(path, ComponentRef, "labeler spec")
     return ref

@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from alignzoo.config.loader import deep_merge, resolve_arms, safe_load
+from alignzoo.config.overrides import deep_merge, resolve_arms
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
+from alignzoo.config.yamlfile import safe_load
 from alignzoo.labeling import LabelRequest
 from alignzoo.registry import get_registry
 

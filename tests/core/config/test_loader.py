@@ -222,7 +222,7 @@ def test_the_labeling_on_key_loads_as_written_yaml_1_1_booleans_stay_keys(tmp_pa
     labeling = loaded.spec.arms["ppo"].labeling
     assert labeling.on.abstain == "drop_sample" and labeling.on.exhausted == "fail"
     assert labeling.overlap is True
-    from alignzoo.config.loader import safe_load
+    from alignzoo.config.yamlfile import safe_load
 
     assert safe_load("on: 1\noff: [yes, no]\n") == {"on": 1, "off": [True, False]}
 
@@ -297,3 +297,38 @@ def test_an_environment_needs_an_online_algorithm_and_a_token_backend(tmp_path):
     assert sorted(issues) == ["arms.pairs.environment", "arms.texts.environment"], issues
     assert "learns from preference data" in issues["arms.pairs.environment"]
     assert "does not implement generate_ids" in issues["arms.texts.environment"]
+
+
+def test_each_arms_algorithm_is_asked_its_requirements_once(tmp_path, monkeypatch):
+    # Every check that reads them runs here: online: false, the environment, a greedy
+    # temperature, rollout correction, a weight-setting modifier (grpo multiplies weights in).
+    from alignzoo.config import components
+
+    asked = []
+    ask = components.algorithm_requirements
+
+    def counted(algorithm):
+        asked.append(type(algorithm).__name__)
+        return ask(algorithm)
+
+    monkeypatch.setattr(components, "algorithm_requirements", counted)
+    text = """\
+    name: demo
+    seeds: [0]
+    budget: {steps: 1}
+    training:
+      sampling: {temperature: 0}
+      rollout_correction: {level: token}
+    arms:
+      offline: {algorithm: grpo, online: false, modifiers: [reweight]}
+      pairs: {algorithm: dpo, environment: calculator}
+    """
+    with pytest.raises(ConfigError) as info:
+        load_experiment(write(tmp_path, text))
+    assert sorted(asked) == ["DPO", "GRPO"]
+    assert {issue.path for issue in info.value.issues} >= {
+        "arms.offline.online",
+        "arms.pairs.environment",
+        "training.sampling.temperature",
+        "training.rollout_correction.level",
+    }

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from alignzoo.config.loader import deep_merge
+from alignzoo.config.overrides import deep_merge
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -1,0 +1,237 @@
+"""The checks across an experiment's fields and built components, made before anything runs.
+
+Each field may be valid on its own and the combination still unable to run: ``online: false``
+for an algorithm that learns from sampled rollouts, a greedy temperature for one that trains
+on the log-probs of what it sampled, a modifier whose sample weights the algorithm ignores, an
+``evaluation.metric`` the arms' labelers cannot produce, a model folder that does not exist.
+Every problem is a located issue.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from alignzoo import metrics as canonical
+from alignzoo.config.components import EVAL_LABELER, BuiltArm, slot_field
+from alignzoo.config.locate import Locator
+from alignzoo.config.schema import ExperimentSpec
+from alignzoo.config.yamlfile import FieldPath
+from alignzoo.errors import ConfigIssue, PluginLoadError
+from alignzoo.plugin import Component
+from alignzoo.registry import build_plugin_manager
+
+
+def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
+    """What keeps ``arm``'s components and settings from running together: its data (online
+    or offline, an environment), its sampling temperature, rollout correction and
+    parallelism, each component's hook implementations against the hookspecs, and sample
+    weights nothing multiplies in."""
+    spec, algorithm = arm.spec, arm.components.get("algorithm")
+    at = ("arms", arm.name)
+    issues: list[ConfigIssue] = []
+    if spec.online is False and algorithm is not None and arm.requirements.data == "online":
+        issues.append(
+            locator.issue(
+                (*at, "online"),
+                f"{spec.algorithm.name} learns from sampled rollouts; 'online: false' applies "
+                "only to preference or unpaired-feedback algorithms (dpo, simpo, kto, ...)",
+            )
+        )
+    issues += _environment_issues(arm, locator)
+    greedy = spec.training.sampling.temperature == 0 and algorithm is not None
+    if greedy and (arm.requirements.data == "online" or arm.online):
+        issues.append(
+            locator.issue(
+                (*at, "training", "sampling", "temperature"),
+                f"0 samples greedily, and {spec.algorithm.name} trains on the log-probs of "
+                "what it sampled: a greedy policy gives every sample of a prompt the same "
+                "response and no distribution to learn from; give a temperature above 0 "
+                "(evaluation decodes greedily on its own)",
+            )
+        )
+    correction = spec.training.rollout_correction.level
+    if correction != "off" and algorithm is not None and not arm.requirements.rollout_correction:
+        issues.append(
+            locator.issue(
+                (*at, "training", "rollout_correction", "level"),
+                f"{correction!r} needs an online policy-gradient algorithm (grpo, ppo, rloo, "
+                f"reinforce_pp); {spec.algorithm.name} applies no importance weights to a "
+                "sampled surrogate; set level off",
+            )
+        )
+    if spec.training.parallel == "fsdp2" and spec.model.lora is not None:
+        issues.append(
+            locator.issue(
+                (*at, "training", "parallel"),
+                "fsdp2 does not shard LoRA adapters yet; use parallel: ddp for a LoRA arm "
+                "(its adapters are small), or drop model.lora",
+            )
+        )
+    # Each component's hook implementations must match the hookspecs (a misspelled hook or
+    # argument): found here, by `alignzoo validate`, rather than when the run is assembled.
+    for slot, component in arm.components.items():
+        try:
+            build_plugin_manager([component])
+        except PluginLoadError as exc:
+            issues.append(locator.issue(slot_field(arm.name, slot), str(exc)))
+    issues += _weights_without_a_taker(arm, locator)
+    return issues
+
+
+def _environment_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
+    """An arm with an environment samples episodes: its algorithm must learn from sampled
+    rollouts and its backend must sample from token ids (``generate_ids``)."""
+    if arm.spec.environment is None:
+        return []
+    out = []
+    where: FieldPath = ("arms", arm.name, "environment")
+    algorithm, backend = arm.components.get("algorithm"), arm.components.get("backend")
+    try:
+        if algorithm is not None:
+            data = arm.requirements.data
+            if data != "online":
+                out.append(
+                    locator.issue(
+                        where,
+                        f"algorithm {arm.spec.algorithm.name!r} learns from {data} data; an "
+                        "environment's episodes train an online algorithm (grpo, rloo, "
+                        "reinforce_pp, ppo)",
+                    )
+                )
+        if (
+            backend is not None
+            and not build_plugin_manager([backend]).hook.generate_ids.get_hookimpls()
+        ):
+            out.append(
+                locator.issue(
+                    where,
+                    f"backend {arm.spec.backend.name!r} does not implement generate_ids "
+                    "(sampling a turn from token ids), which episodes need; use the hf or "
+                    "vllm backend",
+                )
+            )
+    except Exception:  # a component's own problem: reported by the checks above
+        return out
+    return out
+
+
+def _weights_without_a_taker(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
+    """A modifier that sets sample weights around an algorithm that does not declare it
+    multiplies them in (``AlgorithmRequirements.weights``): the weights would change nothing."""
+    setters = [
+        (i, ref.name)
+        for i, ref in enumerate(arm.spec.modifiers)
+        if getattr(arm.components.get(f"modifiers.{i}"), "sets_weights", False)
+    ]
+    if "algorithm" not in arm.components or not setters:
+        return []
+    try:
+        if arm.requirements.weights:
+            return []
+    except Exception:  # reported by the checks above, or when the run is assembled
+        return []
+    return [
+        locator.issue(
+            ("arms", arm.name, "modifiers", i),
+            f"modifier {name!r} sets sample weights, but algorithm {arm.spec.algorithm.name!r} "
+            "does not declare that its loss multiplies them in (AlgorithmRequirements"
+            "(weights=True)): the weights would apply to nothing; drop the modifier or make "
+            "the algorithm honour batch.weights",
+        )
+        for i, name in setters
+    ]
+
+
+def eval_metric_issues(
+    spec: ExperimentSpec, components: dict[str, dict[str, Component]], locator: Locator
+) -> list[ConfigIssue]:
+    """``evaluation.metric`` is one that evaluation produces for every arm's labeler."""
+    ev = spec.evaluation
+    metric = ev.metric if "/" in ev.metric else f"eval/{ev.metric}"
+    where: FieldPath = ("evaluation", "metric")
+    counted = [canonical.EVAL_EXACT_MATCH] + ([f"eval/pass@{ev.pass_at_k}"] if ev.pass_at_k else [])
+    known = [canonical.EVAL_SCORE, canonical.EVAL_RESPONSE_LENGTH, *counted]
+    if metric not in known:
+        hint = difflib.get_close_matches(metric, known, n=1, cutoff=0.6)
+        return [
+            locator.issue(
+                where,
+                f"evaluation produces no metric {ev.metric!r}"
+                + (f"; did you mean {hint[0]!r}?" if hint else "")
+                + f" (it produces {', '.join(known)}"
+                + ("" if ev.pass_at_k else "; eval/pass@k with evaluation.pass_at_k set")
+                + ")",
+            )
+        ]
+    if metric != canonical.EVAL_EXACT_MATCH:
+        return []
+    scorers = [
+        arm
+        for arm, built in components.items()
+        if getattr(built.get(EVAL_LABELER, built.get("labeler")), "marks_correct", None) is False
+    ]
+    if not scorers:
+        return []
+    return [
+        locator.issue(
+            where,
+            f"exact_match counts the responses a labeler marks correct, and the labeler of "
+            f"arm(s) {', '.join(scorers)} only scores; compare on 'score' instead",
+        )
+    ]
+
+
+def _looks_local(value: str) -> bool:
+    """A path rather than a hub id ('org/name'): absolute, relative with ./ or ../, ~, or
+    more than one '/'."""
+    return value.startswith(("/", "./", "../", "~", ".\\")) or value.count("/") > 1
+
+
+def model_path_issues(spec: ExperimentSpec, locator: Locator) -> list[ConfigIssue]:
+    """Every local model folder an arm names exists (hub ids cannot be checked offline), and
+    so does every data file or folder. A model an arm inherits is one problem, reported at
+    ``model.<field>`` on the line where the arm or the shared ``model`` section writes it."""
+    lines = locator.index.lines
+    issues: dict[str, ConfigIssue] = {}
+    for arm_name, arm in spec.arms.items():
+        for field_name in ("policy", "reward_model"):
+            value = getattr(arm.model, field_name)
+            if not value or value == "embedded" or not _looks_local(value):
+                continue
+            folder = Path(value).expanduser()
+            if folder.is_dir():
+                continue
+            at: FieldPath = ("arms", arm_name, "model", field_name)
+            line = lines.get(at) or lines.get(("model", field_name))
+            state = "is a file, not a model folder" if folder.exists() else "does not exist"
+            issues.setdefault(
+                f"{field_name}:{value}",
+                ConfigIssue(
+                    locator.file,
+                    line or locator.index.line_of(at),
+                    f"model.{field_name}",
+                    f"{value!r} {state} (a folder written by save_pretrained is expected)",
+                ),
+            )
+    for field_name in ("train", "eval"):
+        value = getattr(spec.data, field_name)
+        if not isinstance(
+            value, str
+        ):  # a generator (reasoning_gym, verifiers): checked when opened
+            continue
+        if value == "embedded" or Path(value).expanduser().exists():
+            continue
+        issues[f"data:{field_name}"] = locator.issue(
+            ("data", field_name),
+            f"{value!r} does not exist (give 'embedded', a jsonl / parquet file or a dataset "
+            "folder written by save_to_disk)"
+            + (
+                "; it looks like a Hugging Face Hub dataset id, which alignzoo does not "
+                f"download: save it once with datasets.load_dataset({value!r}).save_to_disk(DIR)"
+                " and give DIR"
+                if value.count("/") == 1 and not value.startswith((".", "/", "~"))
+                else ""
+            ),
+        )
+    return list(issues.values())
