@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import alignzoo
+from tests.core.engine.conftest import assert_same_run_files
 
 tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml takes Python 3.11+")
 
@@ -190,6 +191,22 @@ def test_the_wheel_installed_in_a_fresh_venv_trains_lists_and_checks(tmp_path):
     assert report.is_file() and "grpo" in report.read_text()
     metrics = (work / "runs" / "smoke" / "grpo" / "seed-0" / "metrics.jsonl").read_text()
     assert max(json.loads(line).get("step", 0) for line in metrics.splitlines()) == 2
+
+    # Same machine, same numbers: this checkout's environment (built from the lock), with a
+    # warm-start cache of its own, trains the same run to the last digit as the wheel's (its
+    # dependencies resolved by pip) when both hold the same torch and transformers.
+    versions = "import torch, transformers; print(torch.__version__, transformers.__version__)"
+    ours = sh(sys.executable, "-c", versions).stdout.strip()
+    theirs = sh(python, "-c", versions, env=env, cwd=work).stdout.strip()
+    dev_env = {**env, "ALIGNZOO_CACHE": str(tmp_path / "dev-cache")}
+    sh(sys.executable, "-m", "alignzoo.cli", "run", "smoke", *TINY, "--out", tmp_path / "dev",
+       env=dev_env, cwd=work)  # fmt: skip
+    if ours == theirs:
+        assert_same_run_files(
+            work / "runs" / "smoke" / "grpo" / "seed-0",
+            tmp_path / "dev" / "grpo" / "seed-0",
+            "the checkout's environment against the wheel's",
+        )
 
     # --executor ray: a local Ray's workers import alignzoo from the installed wheel too. The
     # reward function runs inside the worker and says where alignzoo came from.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,58 @@ def test_an_installed_wheel_is_not_given_the_enclosing_checkouts_commit(tmp_path
     here = tmp_path / "plugin.py"
     here.write_text("")
     assert "git" in provenance.source_fields(here)
+
+
+def test_the_lock_an_environment_matches_is_named_with_its_hash(tmp_path: Path) -> None:
+    from importlib import metadata
+
+    torch_version = metadata.version("torch")
+    pydantic_version = metadata.version("pydantic")
+    checkout = tmp_path / "checkout"
+    (checkout / "requirements").mkdir(parents=True)
+    assert provenance.lock_fields(tmp_path) == {"lock": None}  # no locks: an installed wheel
+
+    other = checkout / "requirements" / "a-other.txt"
+    other.write_text(f"torch=={torch_version} \\\n    --hash=sha256:00\npydantic==0.0.1\n")
+    ours = checkout / "requirements" / "b-ours.txt"
+    ours.write_text(
+        "# a comment\n"
+        f"torch=={torch_version} \\\n    --hash=sha256:00\n"
+        f"Pydantic=={pydantic_version} ; python_version >= '3.8'\n"
+    )
+    fields = provenance.lock_fields(checkout)
+    assert fields == {
+        "lock": "requirements/b-ours.txt",
+        "lock_sha256": provenance.file_sha256(ours),
+    }
+
+    ours.write_text(f"torch=={torch_version}\npydantic==0.0.2\n")
+    fields = provenance.lock_fields(checkout)
+    assert fields["lock"] is None
+    assert fields["lock_differs"] == [f"pydantic==0.0.1 (installed: {pydantic_version})"]
+
+
+def test_the_kernels_torch_may_use_and_their_limits_are_recorded(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    isa = provenance.cpu_isa()
+    assert isa["capability"] == torch.backends.cpu.get_cpu_capability()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert provenance.cpu_isa()["limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert set(isa["flags"]) <= set(provenance.ISA_FLAGS)
+    assert provenance.collect()["cpu_isa"]["limits"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
+def test_a_process_limited_to_avx2_says_so_in_its_kernels() -> None:
+    script = "import json; from alignzoo import provenance; print(json.dumps(provenance.cpu_isa()))"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env
+    )
+    isa = json.loads(out.stdout)
+    flags = set(isa["flags"])
+    if "avx2" in flags:  # an AVX2-capable CPU runs torch's AVX2 kernels when told to
+        assert isa["capability"] == "AVX2"
+    assert isa["limits"]["ATEN_CPU_CAPABILITY"] == "avx2"
