@@ -18,6 +18,7 @@ from alignzoo import distributed
 from alignzoo.config.loader import EVAL_LABELER, LoadedExperiment, at_override
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
 from alignzoo.engine import models as model_loading
+from alignzoo.engine.behaviour import Behaviour, choose_behaviour
 from alignzoo.engine.collect import Collector, LabelAhead, build_collector
 from alignzoo.engine.context import RunContext
 from alignzoo.engine.evaluate import eval_rows
@@ -27,7 +28,7 @@ from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
 from alignzoo.engine.policy import policy_path
 from alignzoo.engine.sampler import PromptSampler
-from alignzoo.engine.update import fuses_behaviour
+from alignzoo.engine.scoring import Scorer
 from alignzoo.errors import ConfigError, ConfigIssue, UserError
 from alignzoo.labeling import LabelingStage
 from alignzoo.labeling.store import STORE_FILE, LabelStore
@@ -42,7 +43,8 @@ AHEAD_SLOT = "labeling.overlap"
 @dataclass
 class Run:
     """Everything an assembled run holds: its context (models included), the hooks of its
-    components, its data mode, learner, prompt sampler and evaluation rows."""
+    components, its data mode, learner, prompt sampler, evaluation rows, the collector of its
+    batches and its behaviour policy."""
 
     context: RunContext
     hooks: Hooks
@@ -52,8 +54,9 @@ class Run:
     learner: Learner
     sampler: PromptSampler
     eval_rows: list[dict[str, Any]]
+    scorer: Scorer  # no-grad passes of the run's models
+    behaviour: Behaviour  # fills each batch's behaviour snapshot
     collector: Collector  # generate and label (or read) each step's batch
-    fused_behaviour: bool = False  # the update's forward passes are the behaviour snapshot
     eval_labeling: LabelingStage | None = None  # evaluation.labeler (else the arm's labeling)
 
     @property
@@ -70,9 +73,8 @@ class Run:
         return {**self.components, AHEAD_SLOT: self.ahead}
 
     def sync_weights(self) -> None:
-        """Stream the actor's current weights to the backend, versioned by optimizer steps."""
-        version = int(getattr(self.learner.scheduler, "last_epoch", 0))
-        self.hooks.sync_weights(PolicyWeights(self.models.actor, version))
+        """Stream the actor's current weights to the backend, with their policy version."""
+        self.hooks.sync_weights(PolicyWeights(self.models.actor, self.learner.version))
 
     @property
     def models(self) -> Models:
@@ -302,6 +304,20 @@ def assemble(
             f"sharded over {distributed.world_size()} processes ({units} blocks + the model)"
         )
     sampler = PromptSampler(train, seed)
+    scorer = Scorer(models, arm_spec.training.micro_batch_size)
+    overlap = arm_spec.labeling.overlap
+    behaviour = choose_behaviour(
+        scorer,
+        arm_spec.training,
+        req,
+        mode,
+        hooks,
+        dropout_off=mcfg.disable_dropout,
+        overlapping=overlap,
+    )
+    collector = build_collector(
+        hooks, models.tokenizer, arm_spec.training, sampler, mode, behaviour, learner, overlap
+    )
     run = Run(
         context=context,
         hooks=hooks,
@@ -311,17 +327,9 @@ def assemble(
         learner=learner,
         sampler=sampler,
         eval_rows=eval_rows(evaluation, spec.evaluation.num_prompts),
-        collector=build_collector(
-            hooks, models.tokenizer, arm_spec.training, sampler, mode, arm_spec.labeling.overlap
-        ),
-    )
-    run.fused_behaviour = fuses_behaviour(
-        arm_spec.training,
-        req,
-        mode,
-        hooks,
-        dropout_off=mcfg.disable_dropout,
-        overlapping=run.ahead is not None,
+        scorer=scorer,
+        behaviour=behaviour,
+        collector=collector,
     )
     hooks.on_run_start(context)
     if EVAL_LABELER in components:  # one labeler evaluates every arm (evaluation.labeler)

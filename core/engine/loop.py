@@ -315,6 +315,7 @@ def start_or_resume(
         run.stateful(),
         checked=True,  # find_resume_point read every file of it
     )
+    learner.version = state.policy_version
     run.sync_weights()  # the backend samples from the checkpoint's weights
     run.sampler.load_state_dict(state.sampler)
     run.context.state = dict(state.run_state)
@@ -429,6 +430,7 @@ class _Loop:
             return
         self.state.sampler = run.sampler.state_dict()
         self.state.run_state = dict(run.context.state)
+        self.state.policy_version = run.learner.version
         saved = save_checkpoint(
             run.context.out_dir / CHECKPOINTS,
             self.state,

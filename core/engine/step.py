@@ -2,12 +2,16 @@
 
 1. collect (:mod:`~alignzoo.engine.collect`): the step's prompts generated and labeled, or
    offline rows read; with ``labeling.overlap`` the batch labeled in the background;
-2. prepare (:mod:`~alignzoo.engine.prepare`): no-grad scoring (behaviour snapshot, reference,
-   critic), the mode's selection (pairs, desirability), batch transforms, the mode's extras;
+2. prepare (:mod:`~alignzoo.engine.prepare`): the behaviour policy's no-grad passes
+   (:mod:`~alignzoo.engine.behaviour`: behaviour snapshot, reference, critic), the mode's
+   selection (pairs, desirability), batch transforms, the mode's extras;
 3. advantages: the algorithm's ``compute_advantages``;
 4. update (:mod:`~alignzoo.engine.update`): the rollout correction, then epochs x
-   minibatches x micro-batches of ``compute_loss`` (the fused behaviour snapshot inside);
+   minibatches x micro-batches of ``compute_loss``, one policy version per optimizer step;
 5. sync: the new weights to the rollout backend.
+
+The run's behaviour policy (:class:`~alignzoo.engine.behaviour.Behaviour`, chosen at assembly)
+fills each batch's behaviour snapshot once, in stage 1, 2 or 4.
 
 Returns the step's metrics (over every rank's batch under data parallelism)."""
 
@@ -23,7 +27,6 @@ from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.prepare import prepare_step
-from alignzoo.engine.scoring import Scorer
 from alignzoo.engine.update import update
 
 if TYPE_CHECKING:
@@ -68,9 +71,7 @@ def sample_rows(batch: RolloutBatch, step: int) -> list[dict[str, Any]]:
 def train_step(run: Run, step: int) -> StepResult:
     """Run step ``step`` (1-based) end to end."""
     start = time.perf_counter()
-    cfg = run.context.arm_spec.training
-    scorer = Scorer(run.models, cfg.micro_batch_size)
-    collected = run.collector.collect(scorer, step)  # 1. generate → label (or read)
+    collected = run.collector.collect(step)  # 1. generate → label (or read)
     result = StepResult(
         metrics=collected.metrics,
         sample_rows=sample_rows(collected.batch, step),
@@ -82,21 +83,13 @@ def train_step(run: Run, step: int) -> StepResult:
         for row in collected.report.slowest:  # where labeling time went, call by call
             run.context.record(SLOWEST_STREAM, row)
     t = time.perf_counter()
-    batch = prepare_step(  # 2. no-grad scoring → select → transforms → mode extras
-        scorer, collected, run.mode, run.hooks, run.context, run.fused_behaviour, step
+    batch = prepare_step(  # 2. behaviour → select → transforms → mode extras
+        collected, run.behaviour, run.mode, run.hooks, run.context, run.scorer, step
     )
     if batch is not None:
         batch = run.hooks.compute_advantages(batch)  # 3. advantages
         m.update(  # 4. update
-            update(
-                run.learner,
-                run.hooks,
-                run.requirements,
-                run.mode,
-                batch,
-                step,
-                fused=run.fused_behaviour,
-            )
+            update(run.learner, run.hooks, run.requirements, run.mode, batch, step, run.behaviour)
         )
         run.sync_weights()  # 5. the new weights to the backend
         m["timing/update"] = time.perf_counter() - t
