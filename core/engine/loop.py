@@ -492,18 +492,18 @@ class _Loop:
             if self.rounds is not None:  # a round may request a swap of the reward model
                 self.rounds.before_step(step)
             labelswap.poll(run.hooks.labeling, run.context, self.log)  # a swap between steps
-            result = train_step(run, step)
+            report = train_step(run, step)
             self.state.step = step
-            self.state.samples += result.samples
-            self.state.tokens += result.tokens
+            self.state.samples += report.samples
+            self.state.tokens += report.tokens
             self.tick()
             row = {"step": step, "time_s": self.state.time_s, "samples": self.state.samples}
-            row.update(result.metrics)
+            row.update(report.metrics)
             if self.mirror is not None:  # copies that failed so far (the local ones stand)
                 row["checkpoint/mirror_failures"] = float(self.mirror_failures)
             run.hooks.on_step_end(run.context, step, row)
             self.sinks.step(row, step)
-            self.sinks.samples(result.sample_rows)
+            self.sinks.samples(report.sample_rows)
             stop = False
             if step % spec.evaluation.every == 0:
                 self.evaluate()

@@ -11,7 +11,9 @@
 5. sync: the new weights to the rollout backend.
 
 The run's behaviour policy (:class:`~alignzoo.engine.behaviour.Behaviour`, chosen at assembly)
-fills each batch's behaviour snapshot once, in stage 1, 2 or 4.
+fills each batch's behaviour snapshot once, in stage 1, 2 or 4. Timings: ``timing/prepare``
+(stages 2 and 3), ``timing/update`` (stage 4), ``timing/sync`` (stage 5), ``timing/step`` (all),
+beside those of collection (``timing/generate``, ``timing/label``).
 
 Returns the step's metrics (over every rank's batch under data parallelism)."""
 
@@ -38,7 +40,7 @@ SLOWEST_STREAM = "labels_slowest"
 
 
 @dataclass
-class StepResult:
+class StepReport:
     """What one step produced: metrics, a few sample rows, samples and response tokens seen."""
 
     metrics: dict[str, float] = field(default_factory=dict)
@@ -68,17 +70,17 @@ def sample_rows(batch: RolloutBatch, step: int) -> list[dict[str, Any]]:
     return rows
 
 
-def train_step(run: Run, step: int) -> StepResult:
+def train_step(run: Run, step: int) -> StepReport:
     """Run step ``step`` (1-based) end to end."""
     start = time.perf_counter()
     collected = run.collector.collect(step)  # 1. generate → label (or read)
-    result = StepResult(
+    report = StepReport(
         metrics=collected.metrics,
         sample_rows=sample_rows(collected.batch, step),
         samples=collected.samples,
         tokens=collected.tokens,
     )
-    m = result.metrics
+    m = report.metrics
     if collected.report is not None:
         for row in collected.report.slowest:  # where labeling time went, call by call
             run.context.record(SLOWEST_STREAM, row)
@@ -88,26 +90,31 @@ def train_step(run: Run, step: int) -> StepResult:
     )
     if batch is not None:
         batch = run.hooks.compute_advantages(batch)  # 3. advantages
+    m["timing/prepare"] = time.perf_counter() - t
+    if batch is not None:
+        t = time.perf_counter()
         m.update(  # 4. update
             update(run.learner, run.hooks, run.requirements, run.mode, batch, step, run.behaviour)
         )
-        run.sync_weights()  # 5. the new weights to the backend
         m["timing/update"] = time.perf_counter() - t
+        t = time.perf_counter()
+        run.sync_weights()  # 5. the new weights to the backend
+        m["timing/sync"] = time.perf_counter() - t
     m[canonical.STEP_SECONDS] = time.perf_counter() - start
-    return over_every_rank(result)
+    return over_every_rank(report)
 
 
-def over_every_rank(result: StepResult) -> StepResult:
+def over_every_rank(report: StepReport) -> StepReport:
     """Under data parallelism, the whole global batch's counts and metrics on every rank;
     ``throughput/tokens_per_s`` from them."""
-    m = result.metrics
+    m = report.metrics
     if distributed.active():
-        counts = torch.tensor([result.samples, result.tokens], dtype=torch.float64)
+        counts = torch.tensor([report.samples, report.tokens], dtype=torch.float64)
         samples, tokens = distributed.all_sum(counts).tolist()
-        result.samples, result.tokens = int(samples), int(tokens)
-        result.metrics = m = distributed.reduce_metrics(m)
-    m["throughput/tokens_per_s"] = result.tokens / max(m[canonical.STEP_SECONDS], 1e-9)
-    return result
+        report.samples, report.tokens = int(samples), int(tokens)
+        report.metrics = m = distributed.reduce_metrics(m)
+    m["throughput/tokens_per_s"] = report.tokens / max(m[canonical.STEP_SECONDS], 1e-9)
+    return report
 
 
 def peak_memory_mb(device: str) -> float:

@@ -1,16 +1,18 @@
 """The prepare stage (alignzoo.engine.prepare): the behaviour policy's passes once per collected
 batch (none for an empty one), the mode's selection, the batch transforms (a step whose batch
-they filter empty trains nothing) and the mode's extras."""
+they filter empty trains nothing) and the mode's extras; its time is ``timing/prepare``, not
+the update's."""
 
 from __future__ import annotations
 
+import time
 from importlib import metadata
 
 import torch
 
 from alignzoo.batch import RolloutBatch
 from alignzoo.config.loader import load_experiment
-from alignzoo.engine.behaviour import Behaviour
+from alignzoo.engine.behaviour import Behaviour, SeparatePass
 from alignzoo.engine.hooks import Hooks
 from alignzoo.engine.loop import run_one
 from alignzoo.engine.modes import Collected, select_mode
@@ -78,3 +80,20 @@ def test_a_step_whose_batch_is_filtered_empty_trains_nothing(write_experiment, t
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert all("loss" not in r and "reward/mean" in r for r in rows)  # sampled, not trained
+
+
+def test_the_prepare_stage_is_timed_apart_from_the_update(write_experiment, tmp_path, monkeypatch):
+    """A slow behaviour pass counts towards ``timing/prepare``, not ``timing/update``."""
+    original = SeparatePass.before_update
+
+    def slow(self, batch):
+        time.sleep(0.5)
+        return original(self, batch)
+
+    monkeypatch.setattr(SeparatePass, "before_update", slow)
+    spec = tiny_experiment(budget={"steps": 2}, training={"fuse_behaviour": False})
+    summary = run_one(load_experiment(write_experiment(spec)), "grpo", 0, tmp_path / "run")
+    assert summary.status == "finished", summary.error
+    for row in read_jsonl(tmp_path / "run" / "metrics.jsonl"):
+        assert row["timing/prepare"] >= 0.5 > row["timing/update"], row
+        assert row["timing/step"] >= row["timing/prepare"] + row["timing/update"]
