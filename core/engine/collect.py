@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from alignzoo.engine.hooks import Hooks
     from alignzoo.engine.learner import Learner
     from alignzoo.engine.sampler import PromptSampler
+    from alignzoo.labeling import LabelingStage
+    from alignzoo.rollout.multiturn import Episodes
 
 _UNLABELED = ("scores", "score_valid", "label_info")
 """Fields the labeling pass fills: a checkpoint keeps the batch without them."""
@@ -78,10 +80,20 @@ class Collector:
     mode: DataMode
     behaviour: Behaviour
     learner: Learner  # whose weights the backend samples with (their version)
+    labeling: LabelingStage
+    episodes: Episodes | None  # an arm with an environment samples episodes
 
     def source(self, seeds: list[int], step: int | None) -> StepSource:
-        version = self.learner.version
-        return StepSource(self.hooks, self.tokenizer, self.cfg, seeds, step, version)
+        return StepSource(
+            self.hooks,
+            self.tokenizer,
+            self.cfg,
+            seeds,
+            step,
+            self.learner.version,
+            self.labeling,
+            self.episodes,
+        )
 
     def collect(self, step: int | None = None) -> Collected:
         """Step ``step``'s batch, labeled."""
@@ -105,7 +117,7 @@ class LabelAhead(Collector):
 
     def _timed_label(self, batch: RolloutBatch, step: int | None) -> tuple[LabelReport, float]:
         start = time.perf_counter()
-        report = label(self.hooks, batch, step=step)
+        report = label(self.hooks, batch, self.labeling, step=step)
         return report, time.perf_counter() - start
 
     def _start(self, ahead: _Ahead) -> _Ahead:
@@ -173,8 +185,10 @@ def build_collector(
     mode: DataMode,
     behaviour: Behaviour,
     learner: Learner,
+    labeling: LabelingStage,
+    episodes: Episodes | None,
     overlap: bool,
 ) -> Collector:
     """The arm's collector: a :class:`LabelAhead` with ``labeling.overlap``, else a plain one."""
     cls = LabelAhead if overlap else Collector
-    return cls(hooks, tokenizer, cfg, sampler, mode, behaviour, learner)
+    return cls(hooks, tokenizer, cfg, sampler, mode, behaviour, learner, labeling, episodes)
