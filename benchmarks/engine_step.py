@@ -1,8 +1,10 @@
-"""Where a training step's time goes: generate, label, update, per algorithm, on this machine.
+"""Where a training step's time goes, stage by stage, per algorithm, on this machine.
 
-Runs a short experiment per algorithm on the embedded world (cached warm start) and prints the
-median of each timing metric from metrics.jsonl, plus response tokens per second. The baseline
-for the later side-by-side benchmark against TRL on the same work.
+The stages: generate, label, prepare (the behaviour policy's and the mode's no-grad passes,
+batch transforms, advantages), update (the optimizer steps alone) and sync. Runs a short
+experiment per algorithm on the embedded world (cached warm start) and prints the median of
+each timing metric from metrics.jsonl, plus response tokens per second. The baseline for the
+later side-by-side benchmark against TRL on the same work.
 
     .venv/bin/python benchmarks/engine_step.py [--steps 20] [--algorithms grpo,ppo,dpo]
 """
@@ -20,7 +22,14 @@ import yaml
 from alignzoo.config.loader import load_experiment
 from alignzoo.engine.loop import run_one
 
-TIMINGS = ("timing/generate", "timing/label", "timing/update", "timing/step")
+TIMINGS = (
+    "timing/generate",
+    "timing/label",
+    "timing/prepare",
+    "timing/update",
+    "timing/sync",
+    "timing/step",
+)
 
 
 def experiment(algorithms: list[str], steps: int) -> dict:

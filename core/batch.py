@@ -55,6 +55,9 @@ class RolloutBatch:
             (for example the unpaired mode's mismatched-pair log-probs, KTO's reference point);
             sliced, moved and concatenated with the batch like every other tensor.
         label_info: the labeler's ``Score.info`` per sample.
+        policy_version: the version of the policy that sampled the batch: the optimizer steps
+            its weights had taken (set by the engine for every sampled batch; None for dataset
+            rows). A concatenation holds the oldest version among its parts.
     """
 
     prompt_ids: torch.Tensor
@@ -82,6 +85,7 @@ class RolloutBatch:
     sampling: torch.Tensor | None = None
     columns: dict[str, torch.Tensor] = field(default_factory=dict)
     label_info: list[dict[str, Any]] = field(default_factory=list)
+    policy_version: int | None = None
 
     @property
     def size(self) -> int:
@@ -133,7 +137,9 @@ class RolloutBatch:
         out: dict[str, Any] = {}
         for f in fields(RolloutBatch):
             values = [getattr(b, f.name) for b in batches]
-            if all(v is None for v in values):
+            if f.name == "policy_version":  # replayed samples: the oldest policy among them
+                out[f.name] = min((v for v in values if v is not None), default=None)
+            elif all(v is None for v in values):
                 out[f.name] = None
             elif any(v is None for v in values):
                 raise ValueError(f"cannot concatenate batches: {f.name} is set in only some")

@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,16 +19,19 @@ from alignzoo import distributed
 from alignzoo.config.loader import EVAL_LABELER, LoadedExperiment, at_override
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
 from alignzoo.engine import models as model_loading
+from alignzoo.engine.behaviour import Behaviour, choose_behaviour
 from alignzoo.engine.collect import Collector, LabelAhead, build_collector
 from alignzoo.engine.context import RunContext
 from alignzoo.engine.evaluate import eval_rows
 from alignzoo.engine.hooks import Hooks
 from alignzoo.engine.learner import Learner, build_learner, shard_units
+from alignzoo.engine.mirror import Mirror, mirror_for
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
 from alignzoo.engine.policy import policy_path
 from alignzoo.engine.sampler import PromptSampler
-from alignzoo.engine.update import fuses_behaviour
+from alignzoo.engine.scoring import Scorer
+from alignzoo.engine.sinks import Sinks
 from alignzoo.errors import ConfigError, ConfigIssue, UserError
 from alignzoo.labeling import LabelingStage
 from alignzoo.labeling.store import STORE_FILE, LabelStore
@@ -36,13 +40,19 @@ from alignzoo.registry import build_plugin_manager
 from alignzoo.types import AlgorithmRequirements, Placement
 from alignzoo.weights import PolicyWeights
 
+if TYPE_CHECKING:
+    from alignzoo.rollout.multiturn import Episodes
+
 AHEAD_SLOT = "labeling.overlap"
 
 
 @dataclass
 class Run:
-    """Everything an assembled run holds: its context (models included), the hooks of its
-    components, its data mode, learner, prompt sampler and evaluation rows."""
+    """Everything an assembled run holds and owns: its context (models included), the hooks of
+    its components (the backend among them), its data mode, learner, prompt sampler,
+    evaluation rows, behaviour policy, the collector of its batches, its training and
+    evaluation labeling stages, its episode runner, checkpoint mirror and sinks.
+    :meth:`close` releases them, in order."""
 
     context: RunContext
     hooks: Hooks
@@ -52,9 +62,53 @@ class Run:
     learner: Learner
     sampler: PromptSampler
     eval_rows: list[dict[str, Any]]
+    scorer: Scorer  # no-grad passes of the run's models
+    behaviour: Behaviour  # fills each batch's behaviour snapshot
     collector: Collector  # generate and label (or read) each step's batch
-    fused_behaviour: bool = False  # the update's forward passes are the behaviour snapshot
+    labeling: LabelingStage  # the arm's labeler chain
+    episodes: Episodes | None = None  # an arm with an environment samples episodes
     eval_labeling: LabelingStage | None = None  # evaluation.labeler (else the arm's labeling)
+    mirror: Mirror | None = None  # training.checkpoint_mirror, on the rank that checkpoints
+    sinks: Sinks | None = None  # opened once the run folder is at its resume point
+
+    @property
+    def evaluation_labeling(self) -> LabelingStage:
+        """The stage that labels evaluations: ``evaluation.labeler``'s, else the arm's."""
+        return self.eval_labeling if self.eval_labeling is not None else self.labeling
+
+    def open_sinks(self, config: dict[str, Any]) -> Sinks:
+        """The run's sinks (``config``: what config.yaml holds, for TensorBoard and W&B), opened
+        once the run folder's streams are cut back to the resume point: rank 0 writes every
+        configured sink, the other ranks a jsonl copy into their scratch folder."""
+        main = distributed.is_main()
+        spec, context = self.spec, self.context
+        self.sinks = Sinks(
+            context.out_dir,
+            spec.logging.sinks if main else ["jsonl"],
+            context.console if main else None,
+            context.name,
+            spec.logging.wandb,
+            spec.name,
+            config,
+            watched=getattr(self.components.get("algorithm"), "watched_metrics", ()),
+        )
+        return self.sinks
+
+    def close(self, status: str) -> None:
+        """End the run, in this order: the sinks close (files flushed, W&B finished); the
+        look-ahead labeling thread stops (a pass in flight finishes and its labels reach the
+        store); the labeler worker processes of the training and evaluation stages end; then
+        the components release what they hold (``on_run_end`` with ``status``: the backend
+        among them). Every step runs even when an earlier one raises; the error is raised
+        after the last."""
+        with ExitStack() as stack:  # callbacks run last in, first out
+            stack.callback(self.hooks.on_run_end, self.context, status)
+            if self.eval_labeling is not None:
+                stack.callback(self.eval_labeling.close)
+            stack.callback(self.labeling.close)
+            stack.callback(self.collector.close)
+            if self.sinks is not None:
+                stack.callback(self.sinks.close)
 
     @property
     def ahead(self) -> LabelAhead | None:
@@ -70,9 +124,8 @@ class Run:
         return {**self.components, AHEAD_SLOT: self.ahead}
 
     def sync_weights(self) -> None:
-        """Stream the actor's current weights to the backend, versioned by optimizer steps."""
-        version = int(getattr(self.learner.scheduler, "last_epoch", 0))
-        self.hooks.sync_weights(PolicyWeights(self.models.actor, version))
+        """Stream the actor's current weights to the backend, with their policy version."""
+        self.hooks.sync_weights(PolicyWeights(self.models.actor, self.learner.version))
 
     @property
     def models(self) -> Models:
@@ -238,7 +291,7 @@ def assemble(
         if not slot.startswith("labeling.") and slot != EVAL_LABELER
     ]
     hooks = Hooks(build_plugin_manager(run_components), arm_spec.algorithm.name)
-    hooks.labeling = labeling_stage(arm_spec, components, hooks, seed, out_dir)
+    labeling = labeling_stage(arm_spec, components, hooks, seed, out_dir)
     req = hooks.algorithm_requirements()
     mode = select_mode(req, arm_is_online(spec, arm_spec))
     if mode.kind == "preference" and mode.online and arm_spec.training.samples_per_prompt < 2:
@@ -284,10 +337,11 @@ def assemble(
     if note is not None:
         log(note)
     context.models = models
+    episodes = None
     if arm_spec.environment is not None:  # each prompt becomes a multi-turn episode
         from alignzoo.rollout.multiturn import Episodes
 
-        hooks.episodes = Episodes(arm_spec.episodes, models.tokenizer)
+        episodes = Episodes(arm_spec.episodes, models.tokenizer)
 
     kind = mode.kind if not mode.online else "online"
     train = mode.tokenize(load_split(spec.data, "train", kind, models.tokenizer), models.tokenizer)
@@ -302,6 +356,29 @@ def assemble(
             f"sharded over {distributed.world_size()} processes ({units} blocks + the model)"
         )
     sampler = PromptSampler(train, seed)
+    scorer = Scorer(models, arm_spec.training.micro_batch_size)
+    overlap = arm_spec.labeling.overlap
+    behaviour = choose_behaviour(
+        scorer,
+        arm_spec.training,
+        req,
+        mode,
+        hooks,
+        dropout_off=mcfg.disable_dropout,
+        overlapping=overlap,
+    )
+    collector = build_collector(
+        hooks,
+        models.tokenizer,
+        arm_spec.training,
+        sampler,
+        mode,
+        behaviour,
+        learner,
+        labeling,
+        episodes,
+        overlap,
+    )
     run = Run(
         context=context,
         hooks=hooks,
@@ -311,24 +388,23 @@ def assemble(
         learner=learner,
         sampler=sampler,
         eval_rows=eval_rows(evaluation, spec.evaluation.num_prompts),
-        collector=build_collector(
-            hooks, models.tokenizer, arm_spec.training, sampler, mode, arm_spec.labeling.overlap
+        scorer=scorer,
+        behaviour=behaviour,
+        collector=collector,
+        labeling=labeling,
+        episodes=episodes,
+        mirror=(  # rank 0 writes checkpoints, so it mirrors them
+            mirror_for(arm_spec.training.checkpoint_mirror, spec.name, arm, seed)
+            if distributed.is_main()
+            else None
         ),
-    )
-    run.fused_behaviour = fuses_behaviour(
-        arm_spec.training,
-        req,
-        mode,
-        hooks,
-        dropout_off=mcfg.disable_dropout,
-        overlapping=run.ahead is not None,
     )
     hooks.on_run_start(context)
     if EVAL_LABELER in components:  # one labeler evaluates every arm (evaluation.labeler)
         run.eval_labeling = evaluation_stage(spec, components[EVAL_LABELER], seed)
         for slot in run.eval_labeling.slots:
             slot.call.hooks.on_run_start(_EvaluationContext(context))
-    for slot in hooks.labeling.slots[1:]:  # the fallbacks live outside the run's manager
+    for slot in labeling.slots[1:]:  # the fallbacks live outside the run's manager
         if hasattr(slot.call, "hooks"):
             slot.call.hooks.on_run_start(context)
     run.sync_weights()

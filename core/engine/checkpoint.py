@@ -6,9 +6,10 @@ Layout of ``checkpoints/step-000010/``:
     trainer.pt                              optimizer, scheduler, torch RNG, components' state
                                             (read only with ``torch.load(weights_only=True)``)
     state.json                              step, samples, time_s, sampler cursor, run.state,
-                                            python and numpy RNG states, and the thread count
+                                            python and numpy RNG states, the thread count
                                             the run trains with (kept across resumes:
-                                            :mod:`alignzoo.threads`)
+                                            :mod:`alignzoo.threads`) and the policy version
+                                            (the optimizer steps taken)
 ``checkpoints/latest`` names the newest complete folder. A folder is written under a temporary
 name and renamed into place; ``latest`` is written to a temporary file and renamed too, so a
 kill at any moment leaves the previous checkpoint readable. A kill between the two renames
@@ -53,6 +54,7 @@ class TrainingState:
     tokens: int = 0
     sampler: dict[str, int] = field(default_factory=dict)
     run_state: dict[str, Any] = field(default_factory=dict)
+    policy_version: int = 0  # the learner's optimizer steps (Learner.version)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -142,6 +144,7 @@ def save_checkpoint(
         "run_state": state.run_state,
         "rng": _rng_state(),
         "threads": torch.get_num_threads(),
+        "policy_version": state.policy_version,
     }
     (tmp / "state.json").write_text(json.dumps(meta), encoding="utf-8")
     for f in tmp.iterdir():
@@ -360,6 +363,9 @@ def load_checkpoint(
 ) -> TrainingState:
     """Restore models, optimizer, scheduler, RNGs and components; return the loop's state.
 
+    A checkpoint written before the policy version was recorded gives the optimizer steps its
+    schedule counted, which is what the version counts.
+
     Unless ``checked`` (the caller ran :func:`check_checkpoint` on it already), the files are
     checked first: a damaged checkpoint raises :class:`CheckpointError` before anything is
     changed.
@@ -390,6 +396,7 @@ def load_checkpoint(
         tokens=meta.get("tokens", 0),
         sampler=meta["sampler"],
         run_state=meta["run_state"],
+        policy_version=meta.get("policy_version", int(getattr(scheduler, "last_epoch", 0))),
     )
 
 

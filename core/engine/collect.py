@@ -2,7 +2,10 @@
 
 :class:`Collector` draws the step's prompts (this rank's share of them) and lets the data mode
 sample and label them, or read its rows. :class:`LabelAhead` is the collector of an arm with
-``labeling.overlap: true``, described below; :func:`build_collector` picks one.
+``labeling.overlap: true``, described below; :func:`build_collector` picks one. Each batch a
+collector produces goes to the run's behaviour policy
+(:meth:`~alignzoo.engine.behaviour.Behaviour.at_collection`) as it is produced, and records the
+version of the policy that sampled it (``RolloutBatch.policy_version``).
 
 Labeling that overlaps generation (``labeling.overlap: true`` on an online arm).
 
@@ -15,7 +18,8 @@ thread, then trains on the samples generated one step earlier, whose labeling ra
              wait for the labels of G(t) ──► train on G(t) ──► θ(t+1)
 
 **Staleness: one step.** G(t) was sampled by θ(t-1), one update before the weights that train
-on it. Its ``old_logprobs`` (and its entropy, reference log-probs and critic values) are taken
+on it. Its behaviour snapshot (``old_logprobs``, entropy, reference log-probs and critic values:
+the arm's behaviour policy is :class:`~alignzoo.engine.behaviour.AtGeneration`) is taken
 when it is generated, at θ(t-1), so the importance ratio of PPO/GRPO-style losses is that of
 one-step-off-policy data, which their clip bounds; an algorithm without a ratio (REINFORCE-style
 losses, DPO on online pairs) trains on one-step-old samples as if they were fresh.
@@ -40,14 +44,16 @@ from typing import TYPE_CHECKING, Any
 from alignzoo import distributed
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.modes import Collected, DataMode, StepSource, labeled, sample
-from alignzoo.engine.prepare import prepare
-from alignzoo.engine.scoring import Scorer
 from alignzoo.labeling import LabelReport, label
 
 if TYPE_CHECKING:
     from alignzoo.config.schema import TrainingConfig
+    from alignzoo.engine.behaviour import Behaviour
     from alignzoo.engine.hooks import Hooks
+    from alignzoo.engine.learner import Learner
     from alignzoo.engine.sampler import PromptSampler
+    from alignzoo.labeling import LabelingStage
+    from alignzoo.rollout.multiturn import Episodes
 
 _UNLABELED = ("scores", "score_valid", "label_info")
 """Fields the labeling pass fills: a checkpoint keeps the batch without them."""
@@ -72,15 +78,30 @@ class Collector:
     cfg: TrainingConfig
     sampler: PromptSampler
     mode: DataMode
+    behaviour: Behaviour
+    learner: Learner  # whose weights the backend samples with (their version)
+    labeling: LabelingStage
+    episodes: Episodes | None  # an arm with an environment samples episodes
 
     def source(self, seeds: list[int], step: int | None) -> StepSource:
-        return StepSource(self.hooks, self.tokenizer, self.cfg, seeds, step)
+        return StepSource(
+            self.hooks,
+            self.tokenizer,
+            self.cfg,
+            seeds,
+            step,
+            self.learner.version,
+            self.labeling,
+            self.episodes,
+        )
 
-    def collect(self, scorer: Scorer, step: int | None = None) -> Collected:
-        """Step ``step``'s batch, labeled; its behaviour snapshot is left to the scoring stage."""
+    def collect(self, step: int | None = None) -> Collected:
+        """Step ``step``'s batch, labeled."""
         rows, seeds = self.sampler.next_seeded(self.cfg.prompts_per_step)
         rows, seeds = distributed.shard(rows), distributed.shard(seeds)  # this rank's share
-        return self.mode.collect(rows, self.source(seeds, step))
+        collected = self.mode.collect(rows, self.source(seeds, step))
+        collected.metrics.update(self.behaviour.at_collection(collected.batch))
+        return collected
 
     def close(self) -> None:
         """Nothing runs in the background."""
@@ -96,30 +117,30 @@ class LabelAhead(Collector):
 
     def _timed_label(self, batch: RolloutBatch, step: int | None) -> tuple[LabelReport, float]:
         start = time.perf_counter()
-        report = label(self.hooks, batch, step=step)
+        report = label(self.hooks, batch, self.labeling, step=step)
         return report, time.perf_counter() - start
 
     def _start(self, ahead: _Ahead) -> _Ahead:
         ahead.future = self.executor.submit(self._timed_label, ahead.batch, ahead.step)
         return ahead
 
-    def _generate(self, scorer: Scorer, step: int | None) -> _Ahead:
-        """The samples of step ``step`` with the current weights, their behaviour snapshot
-        taken now (on this thread: the models are never used from the labeling thread)."""
+    def _generate(self, step: int | None) -> _Ahead:
+        """The samples of step ``step`` with the current weights, given to the behaviour policy
+        now (on this thread: the models are never used from the labeling thread)."""
         rows, seeds = self.sampler.next_seeded(self.cfg.prompts_per_step)
         batch, m = sample(rows, self.source(seeds, step))
-        m.update(prepare(scorer, batch, generated=True))
+        m.update(self.behaviour.at_collection(batch))
         return self._start(_Ahead(batch, m, step=step))
 
-    def collect(self, scorer: Scorer, step: int | None = None) -> Collected:
-        """Step ``step``'s batch: generated one step ago (or now, on the first step), labeled
-        and with its behaviour snapshot; the next step's batch is generated before returning."""
+    def collect(self, step: int | None = None) -> Collected:
+        """Step ``step``'s batch: generated one step ago (or now, on the first step) and
+        labeled; the next step's batch is generated before returning."""
         if self.pending is None:
-            self.pending = self._generate(scorer, step)
+            self.pending = self._generate(step)
         elif self.pending.future is None:  # restored from a checkpoint: label it again
             self._start(self.pending)
         current = self.pending
-        self.pending = self._generate(scorer, None if step is None else step + 1)
+        self.pending = self._generate(None if step is None else step + 1)
         assert current.future is not None
         start = time.perf_counter()
         report, seconds = current.future.result()  # a labeling failure surfaces here
@@ -127,9 +148,7 @@ class LabelAhead(Collector):
         m["timing/label_wait"] = time.perf_counter() - start
         m["timing/label"] = seconds
         m["rollout/staleness"] = 1.0
-        collected = labeled(current.batch, report, m)
-        collected.behaviour_taken = True
-        return collected
+        return labeled(current.batch, report, m)
 
     def close(self) -> None:
         """Let a pass in flight finish (its labels reach the store) and stop the thread."""
@@ -164,8 +183,12 @@ def build_collector(
     cfg: TrainingConfig,
     sampler: PromptSampler,
     mode: DataMode,
+    behaviour: Behaviour,
+    learner: Learner,
+    labeling: LabelingStage,
+    episodes: Episodes | None,
     overlap: bool,
 ) -> Collector:
     """The arm's collector: a :class:`LabelAhead` with ``labeling.overlap``, else a plain one."""
     cls = LabelAhead if overlap else Collector
-    return cls(hooks, tokenizer, cfg, sampler, mode)
+    return cls(hooks, tokenizer, cfg, sampler, mode, behaviour, learner, labeling, episodes)

@@ -32,6 +32,7 @@ from alignzoo.types import SamplingParams
 
 if TYPE_CHECKING:
     from alignzoo.engine.hooks import Hooks
+    from alignzoo.rollout.multiturn import Episodes
 
 EVAL_CHUNK = 128
 
@@ -56,6 +57,7 @@ def _sample(
     sampling: SamplingParams,
     labeling: LabelingStage | None = None,
     step: int | None = None,
+    episodes: Episodes | None = None,
 ) -> tuple[RolloutBatch, dict[str, float], list[int]]:
     """The labeled samples of ``rows``, for episodes their ``env/*`` metrics (each a mean per
     episode over the chunks that reported it), and per sample a key of the row it answers
@@ -67,7 +69,7 @@ def _sample(
     weights: dict[str, float] = {}  # the episodes of the chunks that reported each key
     for start in range(0, len(rows), EVAL_CHUNK):
         prompts, extras = split_rows(rows[start : start + EVAL_CHUNK])
-        batch, env_metrics = hooks.rollout(prompts, extras, n, sampling)
+        batch, env_metrics = hooks.rollout(prompts, extras, n, sampling, episodes=episodes)
         count = env_metrics.get("env/episodes", 0.0)
         for key, value in env_metrics.items():
             if key != "env/episodes":
@@ -106,15 +108,17 @@ def evaluate(
     labeling: LabelingStage | None = None,
     step: int | None = None,
     pass_at_k_samples: int | None = None,
+    episodes: Episodes | None = None,
 ) -> dict[str, float]:
     """Evaluate the backend's current weights on ``rows``; returns ``eval/*`` metrics.
 
-    ``labeling``: the stage that labels the responses (``evaluation.labeler``); default the
-    arm's own labeling. ``step``: the training step evaluated (the optimizer's steps so far),
+    ``labeling``: the stage that labels the responses (``evaluation.labeler``, else the arm's
+    own; without one, a plain stage over ``hooks``). ``episodes``: the arm's episode runner,
+    for an arm with an environment. ``step``: the training step evaluated (the optimizer's steps so far),
     given to labelers with each request as in training (TRL's reward functions get it).
     ``pass_at_k_samples``: the responses sampled per row for ``pass_at_k`` (n >= k; default k)."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    batch, env_metrics, _ = _sample(hooks, rows, 1, greedy, labeling, step)
+    batch, env_metrics, _ = _sample(hooks, rows, 1, greedy, labeling, step, episodes)
     env = {f"eval/{key}": value for key, value in env_metrics.items()}
     if batch.size == 0:  # nothing to score (every episode failed, no label): said, not guessed
         return {"eval/labeled_frac": 0.0, **env}
@@ -144,7 +148,7 @@ def evaluate(
                 f"evaluation.pass_at_k_samples: {n} samples per row cannot estimate "
                 f"pass@{pass_at_k}; give at least {pass_at_k}"
             )
-        sampled, _, keys = _sample(hooks, rows, n, params, labeling, step)
+        sampled, _, keys = _sample(hooks, rows, n, params, labeling, step, episodes)
         hits = correct_flags(sampled)
         if hits is None:  # the labeler does not say what is correct: a score above 0 passes
             assert sampled.scores is not None

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from alignzoo.batch import PolicyOutputs, RolloutBatch
     from alignzoo.engine.context import RunContext
+    from alignzoo.rollout.multiturn import Episodes
     from alignzoo.types import SamplingParams
     from alignzoo.weights import PolicyWeights
 
@@ -42,16 +43,11 @@ def implementers(pm: pluggy.PluginManager, hook: str) -> str:
 
 
 class Hooks:
-    """Typed, checked calls to the hooks of one run's PluginManager."""
+    """Typed, checked calls to the hooks of one run's PluginManager; it holds nothing else."""
 
     def __init__(self, pm: pluggy.PluginManager, algorithm: str = "the algorithm") -> None:
         self.pm = pm
         self.algorithm = algorithm
-        self.labeling: Any = None
-        """The arm's :class:`~alignzoo.labeling.orchestrator.LabelingStage` (set by assembly)."""
-        self.episodes: Any = None
-        """The arm's :class:`~alignzoo.rollout.multiturn.Episodes` when it has an environment
-        (set by assembly): :meth:`rollout` then runs episodes instead of ``generate``."""
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, hook: str, **kwargs: Any) -> Any:
@@ -144,14 +140,16 @@ class Hooks:
         n: int,
         sampling: SamplingParams,
         seeds: list[int] | None = None,
+        episodes: Episodes | None = None,
     ) -> tuple[RolloutBatch, dict[str, float]]:
-        """``n`` samples per prompt and their ``env/*`` metrics: multi-turn episodes for an arm
-        with an environment, else the backend's ``generate`` (no metrics); the batch records the
-        sampling parameters it was drawn with (``batch.sampling``)."""
-        if self.episodes is None:
+        """``n`` samples per prompt and their ``env/*`` metrics: multi-turn ``episodes`` (the
+        episode runner of an arm with an environment), else the backend's ``generate`` (no
+        metrics); the batch records the sampling parameters it was drawn with
+        (``batch.sampling``)."""
+        if episodes is None:
             batch, metrics = self.generate(prompts, extras, n, sampling, seeds), {}
         else:
-            batch, metrics = self.episodes.run(self.pm, prompts, extras, n, sampling, seeds)
+            batch, metrics = episodes.run(self.pm, prompts, extras, n, sampling, seeds)
         # what the trainer recomputes the sampled tokens' log-probs under
         batch.sampling = sampling_rows(sampling.temperature, sampling.top_k, sampling.top_p,
                                        batch.size)  # fmt: skip

@@ -76,6 +76,15 @@ class Learner:
     critic_wrapper: Any = None
     gradient_scale: float = 1.0  # the world size under DDP/FSDP2 (they average the gradients)
     sharded: bool = False  # the actor and critic are FSDP2-sharded (training.parallel: fsdp2)
+    version: int = 0
+    """The policy version: the optimizer steps the actor's weights have taken (checkpointed).
+    A sampled batch records the version that sampled it (``RolloutBatch.policy_version``)."""
+
+    def step(self) -> None:
+        """One optimizer step and one step of the schedule: the next policy version."""
+        self.optimizer.step()
+        self.scheduler.step()
+        self.version += 1
 
     @property
     def actor_module(self) -> Any:

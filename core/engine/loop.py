@@ -44,7 +44,7 @@ from alignzoo.engine.checkpoint import (
 )
 from alignzoo.engine.evaluate import evaluate
 from alignzoo.engine.malloc import keep_freed_memory
-from alignzoo.engine.mirror import mirror_for, restore_from_mirror
+from alignzoo.engine.mirror import restore_from_mirror
 from alignzoo.engine.mirror import upload as mirror_upload
 from alignzoo.engine.sinks import EVAL_FILE, Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
@@ -315,10 +315,11 @@ def start_or_resume(
         run.stateful(),
         checked=True,  # find_resume_point read every file of it
     )
+    learner.version = state.policy_version
     run.sync_weights()  # the backend samples from the checkpoint's weights
     run.sampler.load_state_dict(state.sampler)
     run.context.state = dict(state.run_state)
-    labelswap.restore(run.hooks.labeling, run.context)  # the labeler in use at the checkpoint
+    labelswap.restore(run.labeling, run.context)  # the labeler in use at the checkpoint
     run.context.step = state.step
     skipped = "; ".join(f"{folder.name} unusable: {why}" for folder, why in point.unusable)
     kept = keep_cut_lines(
@@ -342,8 +343,7 @@ class _Loop:
         self.clock_start = time.monotonic()
         self.last_eval = _last_step(run.context.out_dir / EVAL_FILE)
         self.last_ckpt = state.step if state.step > 0 else None
-        if run.hooks.labeling is not None:  # its normalisation state is checkpointed with the run
-            run.hooks.labeling.attach(run.context)
+        run.labeling.attach(run.context)  # its normalisation state is checkpointed with the run
         evaluation = run.spec.evaluation
         self.metric = canonical.evaluation_key(evaluation.metric)
         self.higher = (
@@ -353,13 +353,7 @@ class _Loop:
         )
         self.evaluated = _evaluated(run.context.out_dir / EVAL_FILE, self.metric)
         self.stopped_early: str | None = None
-        context = run.context
-        self.mirror = (  # rank 0 writes checkpoints, so it mirrors them
-            mirror_for(run.arm.training.checkpoint_mirror, context.experiment, context.arm,
-                       context.seed)
-            if distributed.is_main()
-            else None
-        )  # fmt: skip
+        self.mirror = run.mirror
         self.mirror_failures = 0
         self.rounds = None  # iterated RLHF (labeling.iterate)
         if run.arm.labeling.iterate is not None:
@@ -383,9 +377,10 @@ class _Loop:
             max_new,
             cfg.pass_at_k,
             sampling,
-            labeling=self.run.eval_labeling,
+            labeling=self.run.evaluation_labeling,
             step=self.state.step,
             pass_at_k_samples=cfg.pass_at_k_samples,
+            episodes=self.run.episodes,
         )
         self.tick()
         row = {"step": self.state.step, "time_s": self.state.time_s, "samples": self.state.samples}
@@ -429,6 +424,7 @@ class _Loop:
             return
         self.state.sampler = run.sampler.state_dict()
         self.state.run_state = dict(run.context.state)
+        self.state.policy_version = run.learner.version
         saved = save_checkpoint(
             run.context.out_dir / CHECKPOINTS,
             self.state,
@@ -489,19 +485,19 @@ class _Loop:
             run.context.step = step
             if self.rounds is not None:  # a round may request a swap of the reward model
                 self.rounds.before_step(step)
-            labelswap.poll(run.hooks.labeling, run.context, self.log)  # a swap between steps
-            result = train_step(run, step)
+            labelswap.poll(run.labeling, run.context, self.log)  # a swap between steps
+            report = train_step(run, step)
             self.state.step = step
-            self.state.samples += result.samples
-            self.state.tokens += result.tokens
+            self.state.samples += report.samples
+            self.state.tokens += report.tokens
             self.tick()
             row = {"step": step, "time_s": self.state.time_s, "samples": self.state.samples}
-            row.update(result.metrics)
+            row.update(report.metrics)
             if self.mirror is not None:  # copies that failed so far (the local ones stand)
                 row["checkpoint/mirror_failures"] = float(self.mirror_failures)
             run.hooks.on_step_end(run.context, step, row)
             self.sinks.step(row, step)
-            self.sinks.samples(result.sample_rows)
+            self.sinks.samples(report.sample_rows)
             stop = False
             if step % spec.evaluation.every == 0:
                 self.evaluate()
@@ -587,11 +583,9 @@ def _train(
 ) -> RunSummary:
     """:func:`run_one` from assembling the run to its status: never raises for a failure of
     the run itself."""
-    spec = loaded.spec
     state = TrainingState()
     stopped_early: str | None = None
     run: Run | None = None
-    sinks: Sinks | None = None
     device = "cpu"
     session = provenance.collect(loaded.source)
     recorded = False
@@ -606,24 +600,9 @@ def _train(
         recorded = True
         state = start_or_resume(run, resume, log, point)
         write_status(out_dir, "running", state, None, device)
-        main = distributed.is_main()  # the other ranks keep a jsonl copy in their scratch
-        sinks = Sinks(
-            out_dir,
-            spec.logging.sinks if main else ["jsonl"],
-            console if main else None,
-            run.context.name,
-            spec.logging.wandb,
-            spec.name,
-            config,
-            watched=getattr(run.components.get("algorithm"), "watched_metrics", ()),
-        )
-        loop = _Loop(run, state, sinks)
+        loop = _Loop(run, state, run.open_sinks(config))
         loop.loop()
         status, error, stopped_early = "finished", None, loop.stopped_early
-    except KeyboardInterrupt:
-        if run is not None:
-            run.hooks.on_run_end(run.context, "interrupted")
-        raise
     except Exception as exc:
         status, error = "failed", f"{type(exc).__name__}: {exc}"
         if not recorded:  # even a run that could not start says what it ran on
@@ -635,21 +614,16 @@ def _train(
             # The error's text is shown as written: never read as markup (a gloo error's
             # "[/path/pair.cc:537]" would otherwise raise MarkupError and hide it).
             console.print(f"{out_dir}: run failed: {error}", style="red", markup=False)
-    finally:
-        if sinks is not None:
-            sinks.close()
-        if run is not None and run.ahead is not None:
-            run.ahead.close()  # a pass in flight finishes: its labels reach the store
-        if run is not None and run.hooks.labeling is not None:
-            run.hooks.labeling.close()  # labeler worker processes end with the run
-        if run is not None and run.eval_labeling is not None:
-            run.eval_labeling.close()
+    except BaseException:  # interrupted (Ctrl-C, an exit): the run ends with what it holds
+        if run is not None:
+            run.close("interrupted")
+        raise
     if run is not None:
         try:
-            run.hooks.on_run_end(run.context, status)
-        except Exception as exc:  # a plugin failing at the end must not hide the run's result
+            run.close(status)
+        except Exception as exc:  # a failure at the end must not hide the run's result
             if status == "finished":
-                status, error = "failed", f"on_run_end: {type(exc).__name__}: {exc}"
+                status, error = "failed", f"closing the run: {type(exc).__name__}: {exc}"
     write_status(out_dir, status, state, error, device, stopped_early)
     return RunSummary(
         status=status,

@@ -1,7 +1,7 @@
 """No-grad forward passes of a run's models over a batch, in micro-batches and in eval mode
 (no dropout): the actor's per-token log-probs and entropy, the reference's log-probs, the
-critic's values and sequence log-probs. The scoring stage (:mod:`alignzoo.engine.prepare`) and
-the data modes that need more than one pass (KTO's mismatched pairs) use them.
+critic's values and sequence log-probs. The behaviour policy (:mod:`alignzoo.engine.behaviour`)
+and the data modes that need more than one pass (KTO's mismatched pairs) use them.
 """
 
 from __future__ import annotations

@@ -19,12 +19,12 @@ import torch
 from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import PolicyOutputs, RolloutBatch
-from alignzoo.config.schema import RolloutCorrection, TrainingConfig
+from alignzoo.config.schema import RolloutCorrection
+from alignzoo.engine.behaviour import Behaviour, UpdatePasses
 from alignzoo.engine.forward import critic_forward, outside_support, policy_forward
 from alignzoo.engine.hooks import Hooks, implementers
 from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
-from alignzoo.engine.prepare import behaviour_metrics, mask_outside_support
 from alignzoo.errors import RunError
 from alignzoo.ops import rollout_is_weights, truncates
 from alignzoo.types import AlgorithmRequirements, LossContext
@@ -45,45 +45,6 @@ def apply_rollout_correction(batch: RolloutBatch, cfg: RolloutCorrection, hooks:
     batch.rollout_is_weights = rollout_is_weights(
         batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.cap, cfg.level
     )
-
-
-class FusedSnapshot:
-    """The behaviour snapshot taken from the update's own forward passes.
-
-    When a batch is trained on once, in one optimizer step, every micro-batch's forward pass
-    runs on the weights before the update, with dropout off: its detached log-probs and entropy
-    *are* the behaviour snapshot, so the separate no-grad pass of :func:`prepare` is skipped
-    (one forward pass fewer per step, as TRL does with one iteration per generation). Each
-    micro-batch records its rows; :meth:`finish` fills ``old_logprobs`` / ``entropy`` of the
-    whole batch and returns the same canonical metrics :func:`prepare` would.
-    """
-
-    def __init__(self, batch: RolloutBatch, generated: bool) -> None:
-        shape = tuple(batch.response_ids.shape)
-        self.generated = generated
-        self.logprobs = torch.zeros(shape)
-        self.entropy = torch.zeros(shape)
-        self.seen = torch.zeros(shape[0], dtype=torch.bool)
-        self.outside = torch.zeros(shape, dtype=torch.bool)  # tokens outside the support
-
-    def record(self, index: list[int], logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
-        """Keep micro-batch ``index``'s detached log-probs and entropy ``[b, R]``."""
-        rows = torch.as_tensor(index, dtype=torch.long)
-        if bool(self.seen[rows].any()):
-            raise RuntimeError("FusedSnapshot: a row was recorded twice (more than one pass)")
-        self.logprobs[rows] = logprobs.detach().float().cpu()
-        self.entropy[rows] = entropy.detach().float().cpu()
-        self.seen[rows] = True
-
-    def finish(self, batch: RolloutBatch) -> dict[str, float]:
-        """Fill the batch's behaviour fields; the canonical metrics of :func:`prepare`."""
-        if not bool(self.seen.all()):
-            raise RuntimeError("FusedSnapshot: some rows were never trained on")
-        counted = mask_outside_support(batch, self.outside)
-        if self.generated:
-            batch.old_logprobs = self.logprobs
-        batch.entropy = self.entropy
-        return {**behaviour_metrics(self.logprobs, self.entropy, batch), **counted}
 
 
 def global_context(context: LossContext) -> LossContext:
@@ -110,12 +71,14 @@ def micro_step(
     step_batch: RolloutBatch,
     index: list[int],
     context: LossContext,
-    snapshot: FusedSnapshot | None = None,
+    passes: UpdatePasses,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward one micro-batch with gradients and call ``compute_loss`` with the step's context.
 
-    With a ``snapshot``, this forward pass is also the behaviour snapshot: its detached
-    log-probs become the micro-batch's ``old_logprobs`` (importance ratio exactly 1)."""
+    The pass is reported to ``passes`` before the loss (when it is the behaviour snapshot, the
+    micro-batch's ``old_logprobs`` are its detached log-probs: importance ratio exactly 1);
+    the rollout correction of a micro-batch whose behaviour log-probs came only now is set
+    from them."""
     models = learner.models
     mb = step_batch.select(index)
     logprobs, entropy = policy_forward(
@@ -123,22 +86,18 @@ def micro_step(
         mb,
         entropy=requirements.entropy,
         autocast=models.autocast,
-        detached_entropy=snapshot is not None,
+        detached_entropy=passes.needs_entropy,
     )
+    outside = None
     if truncates(mb.sampling):  # a token the sampler kept and this pass cuts: not trained on
         fill = mb.old_logprobs if mb.old_logprobs is not None else 0.0
         logprobs, outside = outside_support(logprobs, mb.response_mask, fill)
         if bool(outside.any()):
             keep = (~outside).to(device=mb.response_mask.device, dtype=mb.response_mask.dtype)
             mb.response_mask = mb.response_mask * keep
-        if snapshot is not None:
-            snapshot.outside[torch.as_tensor(index, dtype=torch.long)] = outside.cpu()
-    if snapshot is not None:
-        assert entropy is not None
-        snapshot.record(index, logprobs, entropy)
-        if snapshot.generated:
-            mb.old_logprobs = logprobs.detach().float()
-            apply_rollout_correction(mb, learner.cfg.rollout_correction, hooks)
+    passes.record(mb, index, logprobs, entropy, outside)
+    if mb.rollout_is_weights is None:
+        apply_rollout_correction(mb, learner.cfg.rollout_correction, hooks)
     outputs = PolicyOutputs(logprobs=logprobs, entropy=entropy if requirements.entropy else None)
     if models.critic is not None:
         values = critic_forward(learner.critic_module, mb, autocast=models.autocast)
@@ -153,15 +112,15 @@ def update(
     mode: DataMode,
     batch: RolloutBatch,
     step: int,
-    fused: bool = False,
+    behaviour: Behaviour,
 ) -> dict[str, float]:
     """Train on one step's batch (its advantages computed); returns its metrics.
 
     The rollout correction's importance weights (``training.rollout_correction``) are set
-    first. ``fused``: take the behaviour snapshot from this update's forward passes (a
-    :class:`FusedSnapshot`, only valid for one epoch and one optimizer step, see
-    :func:`fuses_behaviour`; each micro-batch's correction is then set from its own pass); its
-    canonical metrics are returned with the rest.
+    first from the batch's behaviour log-probs; each forward pass is reported to what
+    ``behaviour`` asks of the update (:meth:`~alignzoo.engine.behaviour.Behaviour.during_update`),
+    whose metrics are returned with the rest. Every optimizer step advances the learner's
+    policy version by one.
 
     ``loss`` is each optimizer step's loss (the sum of its micro-batches' shares), averaged over
     the step's optimizer steps; the algorithm's metrics are averaged over micro-batches weighted
@@ -170,9 +129,8 @@ def update(
     """
     cfg = learner.cfg
     mode.check(batch, step)
-    snapshot = FusedSnapshot(batch, generated=mode.online) if fused else None
-    if snapshot is None:  # fused: each micro-batch's weights are set with its old_logprobs
-        apply_rollout_correction(batch, cfg.rollout_correction, hooks)
+    passes = behaviour.during_update(batch, learner)
+    apply_rollout_correction(batch, cfg.rollout_correction, hooks)
     units = mode.units(batch.size)
     minibatch = cfg.minibatch_size or batch.size
     sums: dict[str, list[float]] = defaultdict(list)
@@ -180,8 +138,6 @@ def update(
     actor_params, critic_params = learner.actor_parameters, learner.critic_parameters
     learner.models.actor.train()
     algorithm = hooks.algorithm
-    if snapshot is not None and (cfg.epochs > 1 or minibatch < batch.size):
-        raise RuntimeError("a fused behaviour snapshot needs one epoch and one optimizer step")
     for epoch in range(cfg.epochs):
         order = units
         if cfg.epochs > 1 or minibatch < batch.size:
@@ -196,7 +152,7 @@ def update(
             for micro in micros:
                 index = [mb_index[i] for i in micro]
                 loss, metrics = micro_step(
-                    learner, hooks, requirements, batch, index, context, snapshot
+                    learner, hooks, requirements, batch, index, context, passes
                 )
                 if not torch.isfinite(loss.detach()).all():
                     raise RunError(
@@ -226,42 +182,10 @@ def update(
                     )
                 sums[f"{role}/grad_norm"].append(norm)
             sums[canonical.LR].append(learner.lr)
-            learner.optimizer.step()
-            learner.scheduler.step()
+            learner.step()
     out = {k: sum(v) / len(v) for k, v in sums.items()}
-    if snapshot is not None:
-        out.update(snapshot.finish(batch))
+    out.update(passes.finish(batch))
     return out
-
-
-def fuses_behaviour(
-    cfg: TrainingConfig,
-    requirements: AlgorithmRequirements,
-    mode: DataMode,
-    hooks: Hooks,
-    dropout_off: bool,
-    overlapping: bool,
-) -> bool:
-    """Whether an arm's update can be its own behaviour snapshot (:class:`FusedSnapshot`).
-
-    Only when that gives the very numbers of a separate pass: ``training.fuse_behaviour`` on;
-    one epoch and one optimizer step per batch (so no update happens before a micro-batch's
-    forward); dropout off (train and eval mode agree); the trained batch is the collected
-    one (no batch transform, a mode whose ``select`` keeps every sample); advantages that do
-    not read ``old_logprobs``; and no labeling overlap (which snapshots at generation time).
-    """
-    one_step = cfg.epochs == 1 and (
-        cfg.minibatch_size is None or cfg.minibatch_size >= mode.step_sizes(cfg)[1]
-    )
-    keeps_batch = type(mode).select is DataMode.select and not hooks.transforms_batch
-    return (
-        cfg.fuse_behaviour
-        and one_step
-        and dropout_off
-        and keeps_batch
-        and not requirements.old_logprobs_in_advantages
-        and not overlapping
-    )
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:

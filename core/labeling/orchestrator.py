@@ -632,16 +632,14 @@ def label(
     step: int | None = None,
 ) -> LabelReport:
     """Fill ``batch.scores``, ``batch.score_valid`` and ``batch.label_info`` (in place) through
-    ``stage``, by default the arm's labeling stage (``hooks.labeling``; a plain single-labeler
-    stage when unset), and return the report. Samples without a value get score 0 and
+    ``stage`` (the run's labeling stage; without one, a plain single-labeler stage over
+    ``hooks``, :func:`default_stage`), and return the report. Samples without a value get score 0 and
     ``info["outcome"]``; the report's ``keep`` says which samples may be trained on.
     ``normalize``: a training pass (``labeling.normalize`` applies); evaluation passes False,
     so it scores raw values and leaves the running state alone. ``step``: the training step
     the samples are for, given to labelers with each request."""
     import torch  # here: importing the stage (a worker process, relabel) needs no torch
 
-    if stage is None:
-        stage = getattr(hooks, "labeling", None)
     if stage is None:
         stage = default_stage(hooks)
     groups = batch.group_ids.tolist() if batch.group_ids is not None else None
@@ -662,6 +660,4 @@ def default_stage(hooks: Hooks) -> LabelingStage:
     """A one-labeler stage with the default policies over the run's own hooks."""
     from alignzoo.config.schema import LabelingConfig
 
-    stage = LabelingStage.build(LabelingConfig(), [("labeler", None, hooks)])
-    hooks.labeling = stage
-    return stage
+    return LabelingStage.build(LabelingConfig(), [("labeler", None, hooks)])

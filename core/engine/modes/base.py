@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from alignzoo.config.schema import TrainingConfig
     from alignzoo.engine.hooks import Hooks
     from alignzoo.engine.scoring import Scorer
+    from alignzoo.labeling import LabelingStage
+    from alignzoo.rollout.multiturn import Episodes
     from alignzoo.types import DataMode as DataKind
 
 PROMPT_COLUMN = "prompt"
@@ -28,14 +30,19 @@ OFFLINE_MAX_TOKENS = 512
 @dataclass
 class StepSource:
     """What a mode may use to build a step's batch: the hooks (backend, labeler), the
-    tokenizer (offline rows), the arm's training settings, per row its sampling seed, and the
-    training step the batch is for (given to labelers; None outside a training step)."""
+    tokenizer (offline rows), the arm's training settings, per row its sampling seed, the
+    training step the batch is for (given to labelers; None outside a training step), the
+    version of the policy the backend samples with, the arm's labeling stage (None: a plain
+    one over the hooks) and its episode runner (an arm with an environment)."""
 
     hooks: Hooks
     tokenizer: Any
     training: TrainingConfig
     seeds: list[int] | None = None
     step: int | None = None
+    policy_version: int | None = None
+    labeling: LabelingStage | None = None
+    episodes: Episodes | None = None
 
 
 @dataclass
@@ -52,7 +59,6 @@ class Collected:
     tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
     report: LabelReport | None = None  # the labeling pass of an online batch
-    behaviour_taken: bool = False  # the behaviour snapshot was taken at generation (overlap)
 
 
 def split_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
@@ -88,14 +94,16 @@ def part_rewards(infos: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def sample(rows: list[dict[str, Any]], source: StepSource) -> tuple[RolloutBatch, dict[str, float]]:
-    """Generate ``samples_per_prompt`` responses per row (not yet labeled); ``timing/generate``
-    and ``batch/prompts`` in the metrics."""
+    """Generate ``samples_per_prompt`` responses per row (not yet labeled), recording the
+    policy version that sampled them; ``timing/generate`` and ``batch/prompts`` in the
+    metrics."""
     cfg = source.training
     prompts, extras = split_rows(rows)
     start = time.perf_counter()
     batch, m = source.hooks.rollout(
-        prompts, extras, cfg.samples_per_prompt, cfg.sampling, seeds=source.seeds
+        prompts, extras, cfg.samples_per_prompt, cfg.sampling, source.seeds, source.episodes
     )
+    batch.policy_version = source.policy_version
     m["timing/generate"] = time.perf_counter() - start
     m[canonical.BATCH_PROMPTS] = float(len(rows))
     return batch, m
@@ -178,7 +186,7 @@ def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collecte
     """The online start of a step: ``samples_per_prompt`` responses per row, scored."""
     batch, m = sample(rows, source)
     start = time.perf_counter()
-    report = label(source.hooks, batch, step=source.step)
+    report = label(source.hooks, batch, source.labeling, step=source.step)
     m["timing/label"] = time.perf_counter() - start
     return labeled(batch, report, m)
 

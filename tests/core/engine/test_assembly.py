@@ -173,3 +173,52 @@ def test_a_lora_reference_is_the_actor_with_adapters_off(write_experiment, tmp_p
                                    reference=base), 8).reference_logprobs(batch)  # fmt: skip
     assert (shared - separate).abs().masked_fill(~mask, 0).max() < 1e-5
     assert models.actor.training  # the actor's mode is restored after a reference pass
+
+
+def test_a_run_closes_what_it_owns_in_order_even_when_one_part_fails(
+    write_experiment, tmp_path, monkeypatch
+) -> None:
+    """Run.close: the sinks, the look-ahead collector, the training and evaluation labeling
+    stages, then the components' on_run_end with the status; a part that raises stops none of
+    the later ones, and its error comes out after the last."""
+    spec = {
+        "arms": {"a": {"algorithm": "grpo", "labeling": {"overlap": True}}},
+        "evaluation": {"labeler": "arithmetic"},
+    }
+    loaded = load_experiment(write_experiment(**spec))
+    run = assemble(loaded, "a", 0, tmp_path / "run", log=lambda *_: None)
+    run.open_sinks({})
+    assert run.eval_labeling is not None and run.evaluation_labeling is run.eval_labeling
+    closed: list[str] = []
+
+    def closer(name: str, fails: bool = False) -> Callable[[], None]:
+        def close() -> None:
+            closed.append(name)
+            if fails:
+                raise RuntimeError(f"{name} failed")
+
+        return close
+
+    monkeypatch.setattr(run.sinks, "close", closer("sinks"))
+    monkeypatch.setattr(run.collector, "close", closer("collector"))
+    monkeypatch.setattr(run.labeling, "close", closer("labeling", fails=True))
+    monkeypatch.setattr(run.eval_labeling, "close", closer("evaluation labeling"))
+    monkeypatch.setattr(
+        run.hooks, "on_run_end", lambda context, status: closed.append(f"on_run_end {status}")
+    )
+    with pytest.raises(RuntimeError, match="labeling failed"):
+        run.close("finished")
+    assert closed == [
+        "sinks",
+        "collector",
+        "labeling",
+        "evaluation labeling",
+        "on_run_end finished",
+    ]
+
+
+def test_the_hooks_hold_only_the_plugin_manager(write_experiment, tmp_path) -> None:
+    """The labeling stage and the episode runner belong to the run, not to its hooks."""
+    _, run = _assembled(write_experiment, tmp_path, {"algorithm": "grpo"})
+    assert set(vars(run.hooks)) == {"pm", "algorithm"}
+    assert run.collector.labeling is run.labeling and run.episodes is None

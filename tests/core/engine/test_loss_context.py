@@ -16,11 +16,11 @@ import torch
 
 from alignzoo.batch import RolloutBatch
 from alignzoo.config.schema import EmbeddedModelConfig, ModelConfig, TrainingConfig
+from alignzoo.engine.behaviour import SeparatePass
 from alignzoo.engine.hooks import Hooks
 from alignzoo.engine.learner import Learner, build_scheduler
 from alignzoo.engine.models import Models, load_models
 from alignzoo.engine.modes import select_mode
-from alignzoo.engine.prepare import prepare
 from alignzoo.engine.scoring import Scorer
 from alignzoo.engine.tokenize import tokenized_batch
 from alignzoo.engine.update import update
@@ -97,7 +97,7 @@ def _step_batch(models: Models, hooks: Hooks, req: AlgorithmRequirements) -> tup
     if req.data == "unpaired":
         batch.labels = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
     scorer = Scorer(models, micro_batch_size=3)
-    prepare(scorer, batch, generated=mode.online)
+    SeparatePass(scorer, online=mode.online).before_update(batch)
     selected = mode.select(batch, {})
     assert selected is not None
     batch = mode.prepare(selected, scorer)
@@ -114,7 +114,8 @@ def _accumulated_gradient(
     optimizer = torch.optim.SGD(groups, lr=0.0)  # lr 0: the weights stay, the gradients remain
     cfg = TrainingConfig(lr=0.0, micro_batch_size=micro, max_grad_norm=None)
     learner = Learner(models, optimizer, build_scheduler(optimizer, cfg, None), cfg, seed=0)
-    update(learner, hooks, req, mode, batch, step=1)  # one minibatch: one optimizer step
+    behaviour = SeparatePass(Scorer(models, micro), online=mode.online)  # the snapshot is taken
+    update(learner, hooks, req, mode, batch, 1, behaviour)  # one minibatch: one optimizer step
     return torch.cat([p.grad.flatten() for p in trainable if p.grad is not None])
 
 
@@ -160,9 +161,10 @@ def test_the_token_mean_of_one_1_token_loss_and_one_3_token_zero_is_a_quarter(po
     models = _models(policy_dir, req)
     batch = tokenized_batch(models.tokenizer, ["1+2=", "3+4="], ["", "12"], [{}, {}], 16)
     assert batch.response_mask.sum(1).tolist() == [1.0, 3.0]  # EOS only; "1", "2", EOS
-    prepare(Scorer(models, 2), batch, generated=True)
+    behaviour = SeparatePass(Scorer(models, 2), online=True)
+    behaviour.before_update(batch)
     optimizer = torch.optim.SGD(models.actor.parameters(), lr=0.0)
     cfg = TrainingConfig(lr=0.0, micro_batch_size=micro, max_grad_norm=None)
     learner = Learner(models, optimizer, build_scheduler(optimizer, cfg, None), cfg, seed=0)
-    metrics = update(learner, hooks, req, select_mode(req, True), batch, step=1)
+    metrics = update(learner, hooks, req, select_mode(req, True), batch, 1, behaviour)
     assert metrics["loss"] == pytest.approx(0.25, abs=1e-7)

@@ -326,7 +326,7 @@ def test_episode_metrics_of_an_evaluation_are_means_over_the_chunks_that_report_
         ]
     )
 
-    def rollout(prompts, extras, n, sampling):
+    def rollout(prompts, extras, n, sampling, seeds=None, episodes=None):
         return one_token_answers(list(prompts)), next(reported)
 
     pm = SimpleNamespace(

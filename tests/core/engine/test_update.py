@@ -11,11 +11,13 @@ import torch
 
 from alignzoo.batch import RolloutBatch
 from alignzoo.config.schema import EmbeddedModelConfig, TrainingConfig
+from alignzoo.engine.behaviour import SeparatePass
 from alignzoo.engine.forward import evaluating, policy_forward
 from alignzoo.engine.hooks import Hooks, check_layout
 from alignzoo.engine.learner import Learner, build_scheduler
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import select_mode
+from alignzoo.engine.scoring import Scorer
 from alignzoo.engine.tokenize import tokenized_batch
 from alignzoo.engine.update import update
 from alignzoo.errors import RunError, UserError
@@ -132,10 +134,13 @@ class Updater:
         self.requirements = algorithm.requirements
         self.hooks = Hooks(build_plugin_manager([algorithm]), "test_algo")
         self.mode = select_mode(self.requirements, online=not paired)
+        self.behaviour = SeparatePass(Scorer(models, cfg.micro_batch_size), self.mode.online)
         self.scheduler = self.learner.scheduler
 
     def __call__(self, batch, step: int) -> dict:
-        return update(self.learner, self.hooks, self.requirements, self.mode, batch, step)
+        return update(
+            self.learner, self.hooks, self.requirements, self.mode, batch, step, self.behaviour
+        )
 
 
 def _seq_mean_nll(batch, outputs, context):

@@ -1,6 +1,8 @@
-"""labeling.overlap: a step's labeling runs in the background while the next step generates;
-the step trains on one-step-old samples, on the same prompts as without overlap; a resumed run
-continues exactly as an uninterrupted one; each step's slowest labeler calls are recorded."""
+"""The collection stage (alignzoo.engine.collect): each batch a collector produces reaches the
+behaviour policy once, as it is produced. labeling.overlap: a step's labeling runs in the
+background while the next step generates; the step trains on one-step-old samples, on the same
+prompts as without overlap; a resumed run continues exactly as an uninterrupted one; each
+step's slowest labeler calls are recorded."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import functools
 import pytest
 
 from alignzoo.config.loader import load_experiment
+from alignzoo.engine.behaviour import AtGeneration, Behaviour
 from alignzoo.engine.loop import run_one
 from alignzoo.plugins.backends.hf import HFBackend
 
@@ -27,6 +30,30 @@ def _spec(overlap: bool, labeler="arithmetic", steps=4):
         budget={"steps": steps},
         arms={"grpo": {"algorithm": "grpo", "labeler": labeler, "labeling": {"overlap": overlap}}},
     )
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_collected_batch_reaches_the_behaviour_policy_once(
+    write_experiment, tmp_path, monkeypatch, overlap
+):
+    """At collection, the behaviour policy sees every batch once: after its labeling from a
+    plain collector, before it (as it is generated) from a look-ahead one, whose last batch is
+    generated but never trained on."""
+    seen: list[bool] = []  # per call: whether the batch was labeled already
+
+    def recorded(original):
+        @functools.wraps(original)
+        def at_collection(self, batch):
+            seen.append(batch.scores is not None)
+            return original(self, batch)
+
+        return at_collection
+
+    for cls in (Behaviour, AtGeneration):
+        monkeypatch.setattr(cls, "at_collection", recorded(cls.at_collection))
+    loaded = load_experiment(write_experiment(_spec(overlap)))
+    assert run_one(loaded, "grpo", 0, tmp_path / "run").status == "finished"
+    assert seen == ([False] * 5 if overlap else [True] * 4)
 
 
 def test_labeling_runs_while_the_next_step_generates(write_experiment, tmp_path, monkeypatch):
