@@ -199,7 +199,12 @@ def test_the_wheel_installed_in_a_fresh_venv_trains_lists_and_checks(tmp_path):
     ours = sh(sys.executable, "-c", versions).stdout.strip()
     theirs = sh(python, "-c", versions, env=env, cwd=work).stdout.strip()
     dev_env = {**env, "ALIGNZOO_CACHE": str(tmp_path / "dev-cache")}
-    sh(sys.executable, "-m", "alignzoo.cli", "run", "smoke", *TINY, "--out", tmp_path / "dev",
+    # The experiment file the wheel ran (config.yaml records its path): the one it installed.
+    where_bundled = (
+        "import alignzoo.experiments as e, pathlib; print(pathlib.Path(e.__file__).parent)"
+    )
+    bundled = sh(python, "-c", where_bundled, env=env, cwd=work).stdout.strip() + "/smoke.yaml"
+    sh(sys.executable, "-m", "alignzoo.cli", "run", bundled, *TINY, "--out", tmp_path / "dev",
        env=dev_env, cwd=work)  # fmt: skip
     if ours == theirs:
         assert_same_run_files(
