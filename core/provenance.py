@@ -44,7 +44,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PROVENANCE_FILE = "provenance.json"
+from alignzoo.runfolder import PROVENANCE, write_atomic
+
+PROVENANCE_FILE = PROVENANCE
+"""The file of an experiment folder and of each run folder."""
 BIG_FILE = 16 * 2**20
 EDGE = 2**20
 COMPARED = (
@@ -328,9 +331,7 @@ def record(folder: Path, entry: dict[str, Any], resume: bool) -> None:
     when ``resume``), atomically."""
     sessions = read_sessions(folder) if resume else []
     text = json.dumps({"sessions": [*sessions, entry]}, indent=2)
-    tmp = Path(folder) / f".{PROVENANCE_FILE}.tmp"
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(Path(folder) / PROVENANCE_FILE)
+    write_atomic(Path(folder) / PROVENANCE_FILE, text)
 
 
 def comparable_key(entry: dict[str, Any]) -> tuple[str, ...]:

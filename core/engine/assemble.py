@@ -37,6 +37,7 @@ from alignzoo.labeling import LabelingStage
 from alignzoo.labeling.store import STORE_FILE, LabelStore
 from alignzoo.plugin import Component
 from alignzoo.registry import build_plugin_manager
+from alignzoo.runfolder import RunStatus
 from alignzoo.types import AlgorithmRequirements, Placement
 from alignzoo.weights import PolicyWeights
 
@@ -94,7 +95,7 @@ class Run:
         )
         return self.sinks
 
-    def close(self, status: str) -> None:
+    def close(self, status: RunStatus) -> None:
         """End the run, in this order: the sinks close (files flushed, W&B finished); the
         look-ahead labeling thread stops (a pass in flight finishes and its labels reach the
         store); the labeler worker processes of the training and evaluation stages end; then

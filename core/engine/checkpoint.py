@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from alignzoo.plugin import Stateful
+from alignzoo.runfolder import fsync_dir, write_atomic
 from alignzoo.weights import is_sharded
 
 KEEP = 2
@@ -71,27 +72,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def save_checkpoint(
@@ -155,8 +135,8 @@ def save_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
-    _write_text_atomic(ckpt_dir / LATEST, name + "\n")
+    fsync_dir(ckpt_dir)
+    write_atomic(ckpt_dir / LATEST, name + "\n")
     _prune(ckpt_dir, keep={name, *([] if keep_step is None else [checkpoint_name(keep_step)])})
     return final
 
@@ -336,7 +316,7 @@ def point_latest_at(folder: Path) -> str | None:
     before = pointed_name(folder.parent)
     if before == folder.name:
         return None
-    _write_text_atomic(folder.parent / LATEST, folder.name + "\n")
+    write_atomic(folder.parent / LATEST, folder.name + "\n")
     return before or "nothing"
 
 
@@ -590,4 +570,4 @@ def truncate_jsonl(path: Path, step: int) -> None:
         at = row.get("step") if isinstance(row, dict) else None
         if isinstance(at, (int, float)) and not isinstance(at, bool) and at <= step:
             kept.append(line)
-    _write_text_atomic(path, "".join(x + "\n" for x in kept))
+    write_atomic(path, "".join(x + "\n" for x in kept))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
+from alignzoo.runfolder import RunFolder
 from alignzoo.types import Placement
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class RunContext:
                 f"record: stream must be a plain name (letters, digits, _; at most 64) other "
                 f"than {', '.join(sorted(_ENGINE_STREAMS))}, got {stream!r}"
             )
-        path = self.out_dir / f"{stream}.jsonl"
+        path = RunFolder(self.out_dir).stream(stream)
         path.parent.mkdir(parents=True, exist_ok=True)
         append_jsonl(path, {**row, "step": self.step})
         return path

@@ -46,22 +46,19 @@ from alignzoo.engine.evaluate import evaluate
 from alignzoo.engine.malloc import keep_freed_memory
 from alignzoo.engine.mirror import restore_from_mirror
 from alignzoo.engine.mirror import upload as mirror_upload
-from alignzoo.engine.sinks import EVAL_FILE, Sinks
+from alignzoo.engine.sinks import Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
 from alignzoo.errors import UserError
 from alignzoo.labeling import swap as labelswap
+from alignzoo.runfolder import ATTEMPT_NOTE, CHECKPOINTS, RunFolder, RunStatus, write_atomic
 from alignzoo.threads import current_threads, threads_set_to
-
-STATUS_FILE = "status.json"
-CONFIG_FILE = "config.yaml"
-CHECKPOINTS = "checkpoints"
 
 
 @dataclass
 class RunSummary:
     """How a run ended."""
 
-    status: str  # "finished" | "failed"
+    status: RunStatus  # finished or failed
     error: str | None
     steps: int
     wall_clock_s: float
@@ -88,7 +85,7 @@ def resolved_config(loaded: LoadedExperiment, arm: str, seed: int) -> dict[str, 
 
 def write_status(
     out_dir: Path,
-    status: str,
+    status: RunStatus,
     state: TrainingState,
     error: str | None,
     device: str,
@@ -106,9 +103,7 @@ def write_status(
         "peak_memory_mb": peak_memory_mb(device),
         "samples": state.samples,
     }
-    tmp = out_dir / f".{STATUS_FILE}.tmp"
-    tmp.write_text(json.dumps(row, indent=2), encoding="utf-8")
-    tmp.replace(out_dir / STATUS_FILE)
+    write_atomic(RunFolder(out_dir).status, json.dumps(row, indent=2))
 
 
 def budget_spent(budget: Budget, state: TrainingState) -> bool:
@@ -156,10 +151,6 @@ def _last_step(path: Path) -> int | None:
     return int(json.loads(lines[-1])["step"]) if lines else None
 
 
-ATTEMPTS = "attempts"
-ERROR_LOG = "error.log"
-
-
 BESIDE_CHECKPOINTS: dict[str, str] = {
     "*.jsonl": "the engine's and plugins' streams (metrics, eval, samples, swaps, rlhf_rounds, "
     "...): cut back to the checkpoint's step, the lines cut copied whole into attempts/<n>/",
@@ -184,11 +175,8 @@ def history_files(out: Path) -> list[Path]:
     must not reuse: every jsonl stream (the engine's and plugins'), error.log, the
     checkpoints, the labeler requests and their ledger (``control/``) and the iterated-RLHF
     rounds (``rlhf/``)."""
-    from alignzoo.human.iterate import FOLDER as RLHF
-    from alignzoo.labeling.swap import CONTROL
-
-    files = [*sorted(out.glob("*.jsonl")), out / ERROR_LOG, out / CHECKPOINTS]
-    files += [out / CONTROL.parent, out / RLHF]
+    folder = RunFolder(out)
+    files = [*folder.streams(), folder.error_log, folder.checkpoints, folder.control, folder.rlhf]
     return [p for p in files if p.exists()]
 
 
@@ -208,12 +196,8 @@ def archive_attempt(out: Path) -> Path | None:
     return dest
 
 
-ATTEMPT_NOTE = "attempt.json"
-"""What an ``attempts/<n>/`` folder holds and why (written beside the files kept there)."""
-
-
 def _next_attempt(out: Path) -> Path:
-    root = out / ATTEMPTS
+    root = RunFolder(out).attempts
     n = 1 + max((int(p.name) for p in root.glob("*") if p.name.isdigit()), default=0)
     dest = root / str(n)
     dest.mkdir(parents=True)
@@ -225,7 +209,7 @@ def keep_cut_lines(out: Path, step: int, why: str) -> Path | None:
     lines after it (or lines that are not a complete row) into ``attempts/<n>/`` whole, with
     ``attempt.json`` saying why, so nothing a run wrote is lost. Returns the folder, or None
     when no line would be cut."""
-    streams = sorted(out.glob("*.jsonl"))
+    streams = RunFolder(out).streams()
     cut = [path for path in streams if _lines_after(path, step)]
     if not cut:
         return None
@@ -270,7 +254,7 @@ def needs_critic(loaded: LoadedExperiment, arm: str) -> bool:
 def resume_point(out: Path, critic: bool) -> ResumePoint:
     """Where a run in ``out`` would resume; raises :class:`UserError` when it has written
     checkpoints and none of them is usable (the run folder is not touched)."""
-    point = find_resume_point(out / CHECKPOINTS, critic)
+    point = find_resume_point(RunFolder(out).checkpoints, critic)
     if point.folder is None and point.unusable:
         reasons = "; ".join(f"{folder.name}: {why}" for folder, why in point.unusable)
         raise UserError(
@@ -327,7 +311,7 @@ def start_or_resume(
     )
     if kept is not None:
         log(f"lines after step {state.step} are kept in {kept}")
-    for path in sorted(out.glob("*.jsonl")):  # the engine's streams and every plugin's
+    for path in RunFolder(out).streams():  # the engine's streams and every plugin's
         truncate_jsonl(path, state.step)
     return state
 
@@ -341,7 +325,7 @@ class _Loop:
         self.log: Callable[[str], None] = literal_log(console)
         self.base_time = state.time_s
         self.clock_start = time.monotonic()
-        self.last_eval = _last_step(run.context.out_dir / EVAL_FILE)
+        self.last_eval = _last_step(RunFolder(run.context.out_dir).eval)
         self.last_ckpt = state.step if state.step > 0 else None
         run.labeling.attach(run.context)  # its normalisation state is checkpointed with the run
         evaluation = run.spec.evaluation
@@ -351,7 +335,7 @@ class _Loop:
             if evaluation.higher_is_better is not None
             else canonical.higher_is_better(self.metric)
         )
-        self.evaluated = _evaluated(run.context.out_dir / EVAL_FILE, self.metric)
+        self.evaluated = _evaluated(RunFolder(run.context.out_dir).eval, self.metric)
         self.stopped_early: str | None = None
         self.mirror = run.mirror
         self.mirror_failures = 0
@@ -394,7 +378,10 @@ class _Loop:
         """The step of the best evaluation at a checkpoint kept so far or saved now (the
         earliest of equals): pruning keeps it, so ``export --step best`` and the report's
         ``compare_at: best_checkpoint`` can reach a peak that lies many checkpoints back."""
-        steps = {self.state.step, *complete_checkpoints(self.run.context.out_dir / CHECKPOINTS)}
+        steps = {
+            self.state.step,
+            *complete_checkpoints(RunFolder(self.run.context.out_dir).checkpoints),
+        }
         scored = [(v if self.higher else -v, -s) for s, v in self.evaluated.items() if s in steps]
         return -max(scored)[1] if scored else None
 
@@ -426,7 +413,7 @@ class _Loop:
         self.state.run_state = dict(run.context.state)
         self.state.policy_version = run.learner.version
         saved = save_checkpoint(
-            run.context.out_dir / CHECKPOINTS,
+            RunFolder(run.context.out_dir).checkpoints,
             self.state,
             run.models.actor,
             run.models.critic,
@@ -439,7 +426,8 @@ class _Loop:
         if self.mirror is not None:
             self.copy_to_mirror(saved)
         self.last_ckpt = self.state.step
-        write_status(run.context.out_dir, "running", self.state, None, run.models.device("actor"))
+        device = run.models.device("actor")
+        write_status(run.context.out_dir, RunStatus.RUNNING, self.state, None, device)
 
     def copy_to_mirror(self, saved: Path) -> None:
         """The checkpoint just saved, copied to the mirror (its manifest last); a failure is
@@ -463,7 +451,7 @@ class _Loop:
     def mirror_resume_point(self) -> None:
         """A resumed run's checkpoint copied to the mirror when the mirror lacks it (a kill
         between the local checkpoint and its upload; at the final step nothing else would)."""
-        folder = self.run.context.out_dir / CHECKPOINTS / checkpoint_name(self.state.step)
+        folder = RunFolder(self.run.context.out_dir).checkpoints / checkpoint_name(self.state.step)
         if self.mirror is None or self.state.step == 0 or not folder.is_dir():
             return
         try:
@@ -534,7 +522,7 @@ def run_one(
     source = Path(resume_from) if resume_from is not None else out_dir
     log = literal_log(console)
     if resume:  # a run folder without a checkpoint gets the mirror's newest, if it has one
-        restore_from_mirror(loaded, arm, seed, source / CHECKPOINTS, log)
+        restore_from_mirror(loaded, arm, seed, RunFolder(source).checkpoints, log)
     point = resume_point(source, needs_critic(loaded, arm)) if resume else ResumePoint(None)
     if point.folder is not None and resume_from is None:  # the pointer first (a kill between
         before = point_latest_at(point.folder)  # a checkpoint's rename and its pointer)
@@ -547,7 +535,7 @@ def run_one(
         if kept is not None:
             log(f"{out_dir}: no checkpoint to resume from; the earlier attempt is kept in {kept}")
     config = resolved_config(loaded, arm, seed)
-    (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    write_atomic(RunFolder(out_dir).config, yaml.safe_dump(config, sort_keys=False))
     # The run's thread count is a setting: a resume trains with the count its checkpoint
     # records, wherever and beside however many runs it now trains.
     with threads_set_to(resume_threads(point, log)):
@@ -599,15 +587,15 @@ def _train(
         provenance.record(out_dir, session, resume)
         recorded = True
         state = start_or_resume(run, resume, log, point)
-        write_status(out_dir, "running", state, None, device)
+        write_status(out_dir, RunStatus.RUNNING, state, None, device)
         loop = _Loop(run, state, run.open_sinks(config))
         loop.loop()
-        status, error, stopped_early = "finished", None, loop.stopped_early
+        status, error, stopped_early = RunStatus.FINISHED, None, loop.stopped_early
     except Exception as exc:
-        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        status, error = RunStatus.FAILED, f"{type(exc).__name__}: {exc}"
         if not recorded:  # even a run that could not start says what it ran on
             provenance.record(out_dir, session, resume)
-        with open(out_dir / ERROR_LOG, "a", encoding="utf-8") as handle:  # every attempt's
+        with open(RunFolder(out_dir).error_log, "a", encoding="utf-8") as handle:  # every attempt's
             handle.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {error}\n")
             handle.write(traceback.format_exc())
         if console is not None:
@@ -616,14 +604,14 @@ def _train(
             console.print(f"{out_dir}: run failed: {error}", style="red", markup=False)
     except BaseException:  # interrupted (Ctrl-C, an exit): the run ends with what it holds
         if run is not None:
-            run.close("interrupted")
+            run.close(RunStatus.INTERRUPTED)
         raise
     if run is not None:
         try:
             run.close(status)
         except Exception as exc:  # a failure at the end must not hide the run's result
-            if status == "finished":
-                status, error = "failed", f"closing the run: {type(exc).__name__}: {exc}"
+            if status is RunStatus.FINISHED:
+                status, error = RunStatus.FAILED, f"closing the run: {type(exc).__name__}: {exc}"
     write_status(out_dir, status, state, error, device, stopped_early)
     return RunSummary(
         status=status,

@@ -18,10 +18,7 @@ from rich.console import Console
 
 from alignzoo import metrics as canonical
 from alignzoo.errors import UserError
-
-METRICS_FILE = "metrics.jsonl"
-EVAL_FILE = "eval.jsonl"
-SAMPLES_FILE = "samples.jsonl"
+from alignzoo.runfolder import RunFolder
 
 
 def _clean(value: Any) -> Any:
@@ -136,7 +133,7 @@ class Sinks:
 
     def step(self, metrics: dict[str, Any], step: int) -> None:
         """Write one step's metrics (``step``, ``time_s``, ``samples`` included)."""
-        append_jsonl(self.out_dir / METRICS_FILE, metrics)
+        append_jsonl(RunFolder(self.out_dir).metrics, metrics)
         numeric = {
             k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"
         }
@@ -149,7 +146,7 @@ class Sinks:
 
     def evaluation(self, row: dict[str, Any]) -> None:
         """Write one evaluation's results."""
-        append_jsonl(self.out_dir / EVAL_FILE, row)
+        append_jsonl(RunFolder(self.out_dir).eval, row)
         step = int(row["step"])
         numeric = {k: float(v) for k, v in row.items() if k.startswith("eval/") and v is not None}
         self.last_eval = numeric
@@ -177,7 +174,7 @@ class Sinks:
         """Append a few prompt / response / score rows (also TensorBoard text and, at the end,
         a W&B table)."""
         for row in rows:
-            append_jsonl(self.out_dir / SAMPLES_FILE, row)
+            append_jsonl(RunFolder(self.out_dir).samples, row)
         if self.tb is not None and rows:
             lines = ["| prompt | response | score |", "|---|---|---|"]
             lines += [

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from alignzoo.experiment.runfiles import read_status, write_atomic
+from alignzoo.experiment.runfiles import read_status
+from alignzoo.runfolder import RunFolder, RunStatus, seed_folder, write_atomic
 
 if TYPE_CHECKING:
     from alignzoo.config.loader import LoadedExperiment
@@ -27,7 +28,7 @@ class RunResult:
     arm: str
     seed: int
     out_dir: Path
-    status: str  # "finished" | "failed"
+    status: RunStatus  # finished or failed
     error: str | None = None
     skipped: bool = False
     steps: int | None = None
@@ -35,7 +36,7 @@ class RunResult:
 
     @property
     def name(self) -> str:
-        return f"{self.arm}/seed-{self.seed}"
+        return f"{self.arm}/{seed_folder(self.seed)}"
 
 
 def run_engine(
@@ -63,10 +64,10 @@ def record_failure(run_dir: Path, error: str) -> None:
     """Make status.json say failed with ``error`` (keeping what the engine wrote)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     status = read_status(run_dir)
-    if status.get("status") == "failed" and status.get("error"):
+    if status.get("status") == RunStatus.FAILED and status.get("error"):
         return
-    status.update(status="failed", error=error)
-    write_atomic(run_dir / "status.json", json.dumps(status, indent=2))
+    status.update(status=RunStatus.FAILED.value, error=error)
+    write_atomic(RunFolder(run_dir).status, json.dumps(status, indent=2))
 
 
 def execute_run(
@@ -84,11 +85,11 @@ def execute_run(
     except Exception as exc:
         message = error_text(exc)
         record_failure(run_dir, message)
-        return RunResult(arm, seed, run_dir, "failed", message)
-    status = str(getattr(summary, "status", None) or read_status(run_dir).get("status", "failed"))
+        return RunResult(arm, seed, run_dir, RunStatus.FAILED, message)
+    ended = getattr(summary, "status", None) or read_status(run_dir).get("status")
+    status = RunStatus.FINISHED if ended == RunStatus.FINISHED else RunStatus.FAILED
     error: str | None = getattr(summary, "error", None)
-    if status != "finished":
-        status = "failed"
+    if status is RunStatus.FAILED:
         error = str(error or read_status(run_dir).get("error") or "the run did not finish")
         record_failure(run_dir, error)
     return RunResult(

@@ -44,6 +44,7 @@ from alignzoo.experiment.arm import (
     record_failure,
     run_engine,
 )
+from alignzoo.runfolder import RunStatus, seed_folder
 from alignzoo.threads import limit_threads
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class RunJob:
 
     @property
     def name(self) -> str:
-        return f"{self.arm}/seed-{self.seed}"
+        return f"{self.arm}/{seed_folder(self.seed)}"
 
     def load(self) -> LoadedExperiment:
         """The experiment with this arm's components, built here from the file."""
@@ -121,7 +122,7 @@ def run_job(job: RunJob, fn: RunFn) -> RunResult:
     except Exception as exc:  # the file changed, a plugin is missing on this node, ...
         error = f"could not load {job.source} for {job.name}: {error_text(exc)}"
         record_failure(job.run_dir, error)
-        return RunResult(job.arm, job.seed, job.run_dir, "failed", error)
+        return RunResult(job.arm, job.seed, job.run_dir, RunStatus.FAILED, error)
     return execute_run(fn, loaded, job.arm, job.seed, job.run_dir, job.resume, None)
 
 
@@ -199,7 +200,7 @@ def _process_main(job: RunJob, fn: RunFn, conn: Connection) -> None:
         result = run_job(job, fn)
     except BaseException as exc:  # tell the parent why, instead of dying silently
         error = f"worker process failed: {error_text(exc)}"
-        result = RunResult(job.arm, job.seed, job.run_dir, "failed", error)
+        result = RunResult(job.arm, job.seed, job.run_dir, RunStatus.FAILED, error)
     conn.send(result)
     conn.close()
 
@@ -213,7 +214,7 @@ def _collect(job: RunJob, proc: Any, receive: Connection) -> RunResult:
         proc.join()
         error = f"worker process died (exit code {proc.exitcode}) before the run finished"
         record_failure(job.run_dir, error)
-        result = RunResult(job.arm, job.seed, job.run_dir, "failed", error)
+        result = RunResult(job.arm, job.seed, job.run_dir, RunStatus.FAILED, error)
     proc.join()
     receive.close()
     return result
@@ -300,7 +301,7 @@ class RayExecutor:
                             f"attempt(s) before the run finished: {first}"
                         )
                         record_failure(job.run_dir, error)
-                        result = RunResult(job.arm, job.seed, job.run_dir, "failed", error)
+                        result = RunResult(job.arm, job.seed, job.run_dir, RunStatus.FAILED, error)
                     done(result)
         except KeyboardInterrupt:
             for ref in pending:

@@ -20,12 +20,13 @@ from typing import Any
 import yaml
 
 from alignzoo.errors import UserError
+from alignzoo.runfolder import RunFolder, RunStatus
 
 CARD = "README.md"
 
 
 def _config(run: Path) -> dict[str, Any]:
-    path = run / "config.yaml"
+    path = RunFolder(run).config
     if not path.is_file():
         raise UserError(f"{run}: not a run folder (no config.yaml); give RUN_DIR/<arm>/seed-<n>")
     config = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -35,7 +36,7 @@ def _config(run: Path) -> dict[str, Any]:
 
 
 def _evaluations(run: Path) -> list[dict[str, Any]]:
-    path = run / "eval.jsonl"
+    path = RunFolder(run).eval
     if not path.is_file():
         return []
     rows = []
@@ -59,7 +60,7 @@ class Chosen:
 
 def _status(run: Path) -> dict[str, Any] | None:
     try:
-        status = json.loads((run / "status.json").read_text(encoding="utf-8"))
+        status = json.loads(RunFolder(run).status.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return status if isinstance(status, dict) else None
@@ -75,10 +76,10 @@ def _last(run: Path, steps: dict[int, Path]) -> Chosen:
         pointed_name,
     )
 
-    folder = run / "checkpoints"
+    folder = RunFolder(run).checkpoints
     pointer = pointed_name(folder)
     status = _status(run)
-    if status is not None and status.get("status") == "finished":
+    if status is not None and status.get("status") == RunStatus.FINISHED:
         final = status.get("step")
         if not isinstance(final, int) or final not in steps:
             raise UserError(
@@ -118,7 +119,7 @@ def choose_checkpoint(run: Path, step: str, metric: str, higher: bool) -> Chosen
     metric, among the checkpoints kept) or a step number."""
     from alignzoo.engine.checkpoint import complete_checkpoints
 
-    steps = complete_checkpoints(run / "checkpoints")
+    steps = complete_checkpoints(RunFolder(run).checkpoints)
     if not steps:
         raise UserError(f"{run}: no checkpoint to export (checkpoints/ is empty)")
     if step == "last":

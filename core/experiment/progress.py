@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.experiment.runfiles import read_status
 from alignzoo.metrics import evaluation_key
+from alignzoo.runfolder import RunFolder, RunStatus
 
 if TYPE_CHECKING:
     from alignzoo.experiment.arm import RunResult
@@ -128,7 +129,7 @@ class ProgressView:
             self.running.add((arm, seed))
             self.started.add((arm, seed))
             self.progress.start_task(self.tasks[(arm, seed)])
-            self.progress.update(self.tasks[(arm, seed)], status="running")
+            self.progress.update(self.tasks[(arm, seed)], status=RunStatus.RUNNING.value)
 
     def done(self, result: RunResult) -> None:
         key = (result.arm, result.seed)
@@ -137,9 +138,10 @@ class ProgressView:
             return
         self._update(key)
         status = "skipped" if result.skipped else result.status
-        color = {"finished": "green", "skipped": "green", "failed": "red"}.get(status, "white")
+        colors = {RunStatus.FINISHED: "green", "skipped": "green", RunStatus.FAILED: "red"}
+        color = colors.get(status, "white")
         update: dict[str, Any] = {"status": f"[{color}]{status}[/{color}]"}
-        if result.status == "finished":
+        if result.status == RunStatus.FINISHED:
             update["completed"] = self.total
         self.progress.update(self.tasks[key], **update)
         self.progress.stop_task(self.tasks[key])
@@ -150,13 +152,14 @@ class ProgressView:
 
     def _update(self, key: tuple[str, int]) -> None:
         task = self.tasks[key]
-        if key not in self.started and read_status(self.dirs[key]).get("status") == "running":
+        status = read_status(self.dirs[key]).get("status")
+        if key not in self.started and status == RunStatus.RUNNING:
             self.started.add(key)
             self.progress.start_task(task)
-            self.progress.update(task, status="running")
+            self.progress.update(task, status=RunStatus.RUNNING.value)
         if self.announce_evals:
             self._announce_eval(key)
-        row = last_row(self.dirs[key] / "metrics.jsonl")
+        row = last_row(RunFolder(self.dirs[key]).metrics)
         if row is None:
             return
         done = row.get(self.field)
@@ -170,7 +173,7 @@ class ProgressView:
 
     def _announce_eval(self, key: tuple[str, int]) -> None:
         """Print one line when a worker's run writes a new evaluation (its own console is off)."""
-        row = last_row(self.dirs[key] / "eval.jsonl")
+        row = last_row(RunFolder(self.dirs[key]).eval)
         if row is None or not isinstance(row.get("step"), int):
             return
         step = int(row["step"])

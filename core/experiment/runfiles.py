@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +21,15 @@ from pydantic import ValidationError
 from alignzoo import metrics as canonical
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
+from alignzoo.runfolder import ATTEMPT_NOTE, SEED_FOLDER, RunFolder, RunStatus, seed_folder
 
 EXPERIMENT_FILE = "experiment.yaml"
-STATUS_FILE = "status.json"
 
 
 def read_status(run_dir: Path, problems: list[str] | None = None) -> dict[str, Any]:
     """A run's status.json ({} if absent or unreadable; an unreadable one is described in
     ``problems`` when given)."""
-    path = Path(run_dir) / STATUS_FILE
+    path = RunFolder(Path(run_dir)).status
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
@@ -44,13 +43,6 @@ def read_status(run_dir: Path, problems: list[str] | None = None) -> dict[str, A
             problems.append(f"{path}: expected a JSON object, got {type(data).__name__}; ignored")
         return {}
     return data
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 @dataclass
@@ -77,7 +69,7 @@ class RunData:
 
     @property
     def name(self) -> str:
-        return f"{self.arm}/seed-{self.seed}"
+        return f"{self.arm}/{seed_folder(self.seed)}"
 
 
 def read_jsonl(path: Path, problems: list[str] | None = None) -> list[dict[str, Any]]:
@@ -132,12 +124,14 @@ def by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def read_run(arm: str, seed: int, path: Path) -> RunData:
     """Read one run folder."""
     problems: list[str] = []
+    folder = RunFolder(path)
     info = read_status(path, problems)
-    metrics = by_step(read_jsonl(path / "metrics.jsonl", problems))
-    evals = by_step(read_jsonl(path / "eval.jsonl", problems))
-    status = str(info.get("status") or ("running" if metrics or evals else "pending"))
+    metrics = by_step(read_jsonl(folder.metrics, problems))
+    evals = by_step(read_jsonl(folder.eval, problems))
+    running = RunStatus.RUNNING if metrics or evals else RunStatus.PENDING
+    status = str(info.get("status") or running)
     health: dict[tuple[str, int], dict[str, Any]] = {}
-    for row in read_jsonl(path / "health.jsonl", problems):
+    for row in read_jsonl(folder.stream("health"), problems):
         step = number(row.get("began_step", row.get("step")))
         if step is None:  # not a warning this version wrote: skip it rather than fail
             continue
@@ -153,7 +147,7 @@ def read_run(arm: str, seed: int, path: Path) -> RunData:
         evals=evals,
         health=[health[k] for k in sorted(health, key=lambda k: (k[1], k[0]))],
         problems=problems,
-        swaps=by_step_all(read_jsonl(path / "swaps.jsonl", problems)),
+        swaps=by_step_all(read_jsonl(folder.stream("swaps"), problems)),
         attempts=read_attempts(path),
     )
 
@@ -161,14 +155,14 @@ def read_run(arm: str, seed: int, path: Path) -> RunData:
 def read_attempts(path: Path) -> list[dict[str, Any]]:
     """What each ``attempts/<n>/`` of a run folder holds (see :attr:`RunData.attempts`)."""
     out = []
-    root = path / "attempts"
+    root = RunFolder(path).attempts
     folders = sorted((p for p in root.glob("*") if p.name.isdigit()), key=lambda p: int(p.name))
     for folder in folders:
         try:
-            note = json.loads((folder / "attempt.json").read_text(encoding="utf-8"))
+            note = json.loads((folder / ATTEMPT_NOTE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             note = {"kind": "restarted", "reason": "(no attempt.json: an older alignzoo)"}
-        steps = [r["step"] for r in read_jsonl(folder / "metrics.jsonl") if number(r.get("step"))]
+        steps = [r["step"] for r in read_jsonl(RunFolder(folder).metrics) if number(r.get("step"))]
         row = dict(note) if isinstance(note, dict) else {}
         row.update(n=int(folder.name), folder=str(folder.relative_to(path)))
         row["steps"] = (min(steps), max(steps)) if steps else None
@@ -199,9 +193,6 @@ def load_spec(run_dir: Path) -> ExperimentSpec | None:
         raise UserError(f"{path}: not a valid resolved experiment ({exc})") from None
 
 
-SEED_DIR = re.compile(r"^seed-(-?\d+)$")
-
-
 def find_runs(run_dir: Path, arms: list[str]) -> list[RunData]:
     """Every run folder of the given arms, ordered by arm then seed."""
     runs = []
@@ -211,10 +202,12 @@ def find_runs(run_dir: Path, arms: list[str]) -> list[RunData]:
             continue
         seeds = []
         for child in arm_dir.iterdir():
-            match = SEED_DIR.match(child.name)
+            match = SEED_FOLDER.match(child.name)
             if match and child.is_dir():
                 seeds.append(int(match.group(1)))
-        runs += [read_run(arm, seed, arm_dir / f"seed-{seed}") for seed in sorted(seeds)]
+        runs += [
+            read_run(arm, seed, RunFolder.of(run_dir, arm, seed).path) for seed in sorted(seeds)
+        ]
     return runs
 
 

@@ -40,7 +40,8 @@ from alignzoo.experiment.arm import (
 )
 from alignzoo.experiment.executors import Executor, LocalExecutor, RunJob
 from alignzoo.experiment.progress import ProgressView, print_summary
-from alignzoo.experiment.runfiles import EXPERIMENT_FILE, read_status, write_atomic
+from alignzoo.experiment.runfiles import EXPERIMENT_FILE, read_status
+from alignzoo.runfolder import RunFolder, RunStatus, write_atomic
 
 # Spec sections that must match for a resumed experiment to stay a fair comparison.
 _SHARED_SECTIONS = ("budget", "data", "evaluation", "model", "training")
@@ -101,10 +102,11 @@ def _check_inside(spec: ExperimentSpec, out: Path) -> None:
     root = out.resolve()
     for arm in spec.arms:
         for seed in spec.seeds:
-            run_dir = (out / arm / f"seed-{seed}").resolve()
+            folder = RunFolder.of(out, arm, seed).path
+            run_dir = folder.resolve()
             if not run_dir.is_relative_to(root):
                 raise UserError(
-                    f"{out / arm / f'seed-{seed}'} resolves to {run_dir}, outside the output "
+                    f"{folder} resolves to {run_dir}, outside the output "
                     f"folder {root} (a symbolic link?); nothing is written outside it"
                 )
 
@@ -144,20 +146,20 @@ def check_before_writing(loaded: LoadedExperiment) -> None:
 def _check_resumable(loaded: LoadedExperiment, out: Path, say: Callable[..., Any] | None) -> None:
     """Before anything is written: every unfinished run that has checkpoints has a usable
     one (else :class:`UserError`, naming each checkpoint and why, with the folder untouched)."""
-    from alignzoo.engine.loop import CHECKPOINTS, needs_critic, resume_point
+    from alignzoo.engine.loop import needs_critic, resume_point
 
     for arm in loaded.spec.arms:
         for seed in loaded.spec.seeds:
-            run_dir = out / arm / f"seed-{seed}"
-            if not (run_dir / CHECKPOINTS).is_dir() or (
-                read_status(run_dir).get("status") == "finished"
+            run = RunFolder.of(out, arm, seed)
+            if not run.checkpoints.is_dir() or (
+                read_status(run.path).get("status") == RunStatus.FINISHED
             ):
                 continue
-            point = resume_point(run_dir, needs_critic(loaded, arm))
+            point = resume_point(run.path, needs_critic(loaded, arm))
             if point.unusable and say is not None:
                 for folder, why in point.unusable:
                     say(
-                        f"[yellow]{arm}/seed-{seed}[/yellow]: checkpoint {folder.name} is "
+                        f"[yellow]{arm}/{run.path.name}[/yellow]: checkpoint {folder.name} is "
                         f"unusable ({why}); resuming from {point.folder.name if point.folder else '-'}",
                         highlight=False,
                     )
@@ -204,11 +206,13 @@ def run_experiment(
     fn: RunFn = run_fn if run_fn is not None else run_engine
     say = console.print if console is not None else (lambda *a, **k: None)
 
-    planned = [(arm, seed, out / arm / f"seed-{seed}") for arm in spec.arms for seed in spec.seeds]
+    planned = [
+        (arm, seed, RunFolder.of(out, arm, seed).path) for arm in spec.arms for seed in spec.seeds
+    ]
     plan = _plan(spec, out, resume)
     results = {(arm, seed): kept for arm, seed, _, kept in plan if kept is not None}
     todo = [
-        (arm, seed, out / arm / f"seed-{seed}", again)
+        (arm, seed, RunFolder.of(out, arm, seed).path, again)
         for arm, seed, again, kept in plan
         if kept is None
     ]
@@ -269,7 +273,7 @@ def _report(
     """Write the report of the finished runs and say how the experiment ended."""
     from alignzoo.report.sections import write_report
 
-    failed = any(r.status != "finished" for r in ordered)
+    failed = any(r.status != RunStatus.FINISHED for r in ordered)
     report_paths: list[Path] = []
     try:
         report_paths = write_report(out)
@@ -280,7 +284,7 @@ def _report(
             f"rerun `alignzoo report {out}`",
             highlight=False,
         )
-    bad = [r.name for r in ordered if r.status != "finished"]
+    bad = [r.name for r in ordered if r.status != RunStatus.FINISHED]
     if bad:
         say(
             f"[red]{len(bad)} of {len(ordered)} runs failed[/red]: {', '.join(bad)} "
@@ -373,17 +377,17 @@ def _run_data_parallel(
         if skipped is not None:
             results.append(skipped)
             continue
-        shared_dir = out / arm / f"seed-{seed}"
-        run_dir = shared_dir if main else scratch / arm / f"seed-{seed}"
+        shared_dir = RunFolder.of(out, arm, seed).path
+        run_dir = shared_dir if main else RunFolder.of(scratch, arm, seed).path
         call = fn
         if again and fn is run_engine:  # rank 0's checkpoints, read by every rank
             agree_on_resume(loaded, arm, seed, shared_dir)
             if not main:
                 call = functools.partial(run_engine, resume_from=shared_dir)
         result = execute_run(call, loaded, arm, seed, run_dir, again, console if main else None)
-        if result.status != "finished":
+        if result.status != RunStatus.FINISHED:
             raise RunError(
-                f"{arm}/seed-{seed} failed on rank {distributed.rank()} of {world}: "
+                f"{result.name} failed on rank {distributed.rank()} of {world}: "
                 f"{result.error}. The other processes stop with it; rerun with --resume "
                 f"--out {out} to continue from the last checkpoint"
             )
@@ -409,11 +413,11 @@ def agree_on_resume(loaded: LoadedExperiment, arm: str, seed: int, run_dir: Path
     import socket
 
     from alignzoo.engine.checkpoint import checkpoint_manifest
-    from alignzoo.engine.loop import CHECKPOINTS, needs_critic, resume_point
+    from alignzoo.engine.loop import needs_critic, resume_point
     from alignzoo.engine.mirror import restore_from_mirror
 
     try:  # a folder without a checkpoint gets the mirror's newest first, on every rank
-        restore_from_mirror(loaded, arm, seed, run_dir / CHECKPOINTS, lambda *_: None)
+        restore_from_mirror(loaded, arm, seed, RunFolder(run_dir).checkpoints, lambda *_: None)
         point = resume_point(run_dir, needs_critic(loaded, arm))
         seen: Any = checkpoint_manifest(point.folder) if point.folder is not None else None
     except UserError as exc:
@@ -473,14 +477,14 @@ def _plan(
     plan: list[tuple[str, int, bool, RunResult | None]] = []
     for arm in spec.arms:
         for seed in spec.seeds:
-            run_dir = out / arm / f"seed-{seed}"
+            run_dir = RunFolder.of(out, arm, seed).path
             status = read_status(run_dir)
-            if resume and status.get("status") == "finished":
+            if resume and status.get("status") == RunStatus.FINISHED:
                 kept = RunResult(
                     arm,
                     seed,
                     run_dir,
-                    "finished",
+                    RunStatus.FINISHED,
                     skipped=True,
                     steps=status.get("step"),
                     wall_clock_s=status.get("wall_clock_s"),
@@ -493,7 +497,7 @@ def _plan(
 
 
 def _say_result(say: Callable[..., Any], result: RunResult) -> None:
-    if result.status == "finished":
+    if result.status == RunStatus.FINISHED:
         say(f"[green]finished[/green] {result.name}", highlight=False)
     else:
         say(f"[red]failed[/red] {result.name}: {result.error}", highlight=False)

@@ -42,12 +42,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from alignzoo.errors import UserError
+from alignzoo.runfolder import RunFolder, write_atomic
 
 if TYPE_CHECKING:
     from alignzoo.config.schema import IterateConfig
 
-FOLDER = "rlhf"
-"""The run folder's subfolder for the rounds: queue/, round-<k>.json, prefs-<k>/, rm-<k>/."""
 STREAM = "rlhf_rounds"
 """The run folder's ``rlhf_rounds.jsonl``: one line per round."""
 
@@ -75,7 +74,8 @@ class Rounds:
                 f"{distributed.world_size()} processes yet; run the arm in one process"
             )
         self.cfg, self.run, self.log = cfg, run, log
-        self.folder = Path(run.context.out_dir) / FOLDER
+        # queue/, round-<k>.json, prefs-<k>/, rm-<k>/
+        self.folder = RunFolder(Path(run.context.out_dir)).rlhf
         self.queue_dir = self.folder / "queue"
         self.simulation = None
         if cfg.annotators is not None:
@@ -177,9 +177,7 @@ class Rounds:
             ids = queue.enqueue_pairs(pairs, raters=self.cfg.raters, extras=extras)
         finally:
             queue.close()
-        tmp = marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"round": k, "after_step": step, "items": ids}), "utf-8")
-        tmp.replace(marker)
+        write_atomic(marker, json.dumps({"round": k, "after_step": step, "items": ids}))
         return ids
 
     def _sample(self, k: int) -> tuple[list[tuple[str, str, str]], list[dict[str, Any]]]:

@@ -25,9 +25,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from alignzoo.runfolder import LABELS
 from alignzoo.types import LabelRequest, Outcome, Score
 
-STORE_FILE = "labels.sqlite"
+STORE_FILE = LABELS
+"""The store's file in a run folder."""
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS labels (
     labeler TEXT NOT NULL,

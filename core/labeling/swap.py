@@ -35,12 +35,13 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from alignzoo import runfolder
 from alignzoo.config.schema import ComponentRef
 from alignzoo.errors import UserError
 
-CONTROL = Path("control") / "labeler.yaml"
+CONTROL = Path(runfolder.CONTROL) / "labeler.yaml"
 """The pending request: the last one written (atomically) by the command or by a round."""
-LEDGER = Path("control") / "applied.jsonl"
+LEDGER = Path(runfolder.CONTROL) / "applied.jsonl"
 """Every request the run took, in order, with the step it was taken before (append-only)."""
 STATE_KEY = "labeling"
 RUN_RELATIVE = "run_relative"
@@ -121,9 +122,7 @@ def write_request(run: Path, payload: dict[str, Any]) -> None:
     """``payload`` as the pending request of the run folder ``run`` (atomically)."""
     path = run / CONTROL
     path.parent.mkdir(exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(payload), encoding="utf-8")
-    tmp.replace(path)
+    runfolder.write_atomic(path, yaml.safe_dump(payload))
 
 
 def finished_step(run: Path) -> int:

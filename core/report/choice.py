@@ -18,6 +18,7 @@ from pathlib import Path
 from alignzoo import metrics as canonical
 from alignzoo.errors import UserError
 from alignzoo.experiment.runfiles import RunData, number
+from alignzoo.runfolder import RunStatus
 
 BOOKKEEPING = frozenset({"step", "time_s", "samples"})
 """Keys of every eval.jsonl row that say when it was written, not how the policy did."""
@@ -92,7 +93,11 @@ def resolve_key(metric: str, runs: list[RunData], run_dir: Path) -> str:
 def check_every_run(metric: str, key: str, runs: list[RunData], run_dir: Path) -> None:
     """Refuse a metric that some runs lack (the finished runs, and the unfinished ones that
     have evaluated; failed runs are not compared): the report would compare part of them."""
-    checked = [r for r in runs if r.status != "failed" and (r.status == "finished" or r.evals)]
+    checked = [
+        r
+        for r in runs
+        if r.status != RunStatus.FAILED and (r.status == RunStatus.FINISHED or r.evals)
+    ]
     lacking = [r for r in checked if not _has(r, key)]
     if not lacking:
         return

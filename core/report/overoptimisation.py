@@ -26,6 +26,7 @@ from alignzoo import metrics as canonical
 from alignzoo.experiment.runfiles import RunData, number
 from alignzoo.report import plots
 from alignzoo.report.document import Block
+from alignzoo.runfolder import RunStatus
 
 FELL_BY = 0.05
 """A seed counts as over-optimised when its final gold value is this far below its peak."""
@@ -221,7 +222,7 @@ def overoptimisation_blocks(
     for arm in arms:
         summaries = []
         for run in runs:
-            if run.arm != arm or run.status == "failed":
+            if run.arm != arm or run.status == RunStatus.FAILED:
                 continue
             points = gold_points(run, key)
             if points:

@@ -31,9 +31,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from alignzoo.experiment.runfiles import RunData, number, write_atomic
+from alignzoo.experiment.runfiles import RunData, number
 from alignzoo.provenance import COMPARED, comparable_key, read_sessions
 from alignzoo.report.document import Block
+from alignzoo.runfolder import RunFolder, RunStatus, write_atomic
 
 RESULTS_FORMAT = 1
 EDGE_STEPS = 5
@@ -109,8 +110,8 @@ def _curves(exp: Any) -> dict[str, list[list[float]]]:
 
 def _wall_clock(run_dir: Path, runs: list[RunData]) -> float | None:
     sessions = read_sessions(run_dir)
-    ends = [(run.path / "status.json").stat().st_mtime for run in runs]
-    ends = [end for end, run in zip(ends, runs, strict=True) if run.status == "finished"]
+    ends = [RunFolder(run.path).status.stat().st_mtime for run in runs]
+    ends = [end for end, run in zip(ends, runs, strict=True) if run.status == RunStatus.FINISHED]
     if not sessions or not ends:
         return None
     try:

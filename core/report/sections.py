@@ -23,20 +23,19 @@ from alignzoo import metrics as canonical
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
 from alignzoo.experiment.runfiles import (
-    SEED_DIR,
     RunData,
     find_runs,
     load_spec,
     metric_key,
     number,
     read_jsonl,
-    write_atomic,
 )
 from alignzoo.report import plots, stats
 from alignzoo.report.choice import MetricChoice, check_every_run, report_stem, resolve_key
 from alignzoo.report.document import Block, render_html, render_markdown
 from alignzoo.report.overoptimisation import overoptimisation_blocks
 from alignzoo.report.provenance import provenance_blocks
+from alignzoo.runfolder import SEED_FOLDER, RunFolder, RunStatus, write_atomic
 
 TRAIN_PLOTS = (
     (
@@ -98,7 +97,7 @@ def final_value(run: RunData, key: str) -> float | None:
 def kept_checkpoint_steps(run: RunData) -> set[int]:
     """The steps of the run's complete checkpoints (``checkpoints/step-N/state.json``)."""
     steps = set()
-    for folder in (run.path / "checkpoints").glob("step-*"):
+    for folder in RunFolder(run.path).checkpoints.glob("step-*"):
         tail = folder.name.split("-", 1)[1]
         if tail.isdigit() and (folder / "state.json").is_file():
             steps.add(int(tail))
@@ -137,7 +136,7 @@ def arm_row(
 ) -> ArmRow:
     """Summarise an arm's finished runs (``planned``: the runs the experiment asks for; ``at``:
     which evaluation of each run is compared, see :func:`compared_value`)."""
-    done = [r for r in runs if r.status == "finished"]
+    done = [r for r in runs if r.status == RunStatus.FINISHED]
     finals = [(r, compared_value(r, key, higher, at)) for r in done]
     values = [v for _, v in finals if v is not None]
     # Best step: where the mean over the finished seeds is best (the earliest such step).
@@ -372,7 +371,7 @@ def _open(
         arms = sorted(
             p.name
             for p in run_dir.iterdir()
-            if p.is_dir() and any(SEED_DIR.match(c.name) for c in p.iterdir())
+            if p.is_dir() and any(SEED_FOLDER.match(c.name) for c in p.iterdir())
         )
         if not arms:
             raise UserError(f"{run_dir}: no experiment.yaml and no <arm>/seed-<n> run folders")
@@ -566,8 +565,8 @@ def _overview(exp: _Experiment) -> list[Block]:
                     "Overrides of the file: " + ", ".join(f"`--set {o}`" for o in spec.overrides),
                 )
             )
-    n_done = sum(r.status == "finished" for r in runs)
-    n_failed = sum(r.status == "failed" for r in runs)
+    n_done = sum(r.status == RunStatus.FINISHED for r in runs)
+    n_failed = sum(r.status == RunStatus.FAILED for r in runs)
     expected = len(exp.arms) * len(spec.seeds) if spec is not None else len(runs)
     blocks.append(
         Block(
@@ -1051,7 +1050,7 @@ def _runs_table(exp: _Experiment) -> list[Block]:
             ],
         ),
     ]
-    failed = [r for r in runs if r.status == "failed"]
+    failed = [r for r in runs if r.status == RunStatus.FAILED]
     if failed:
         blocks.append(Block("h2", "Failed runs"))
         blocks.append(
@@ -1065,7 +1064,7 @@ def _plots(
 ) -> list[Block]:
     plot_dir = run_dir / folder
     colors = plots.arm_colors(arms)
-    shown = [r for r in runs if r.status != "failed"]
+    shown = [r for r in runs if r.status != RunStatus.FAILED]
     blocks: list[Block] = []
 
     def curves(source: str, y_key: str, x_key: str, window: int = 1) -> list[plots.Curve]:

@@ -106,7 +106,7 @@ def _install() -> None:
         if path.name == checkpoint.LATEST:
             _maybe_die("ckpt-latest", _where["saving"])
 
-    _wrap(checkpoint, "_write_text_atomic", before=before_latest)
+    _wrap(checkpoint, "write_atomic", before=before_latest)
 
     def before_round(self: Any, k: int, step: int) -> None:
         _where["round"] = step + 1  # the round runs before this step
