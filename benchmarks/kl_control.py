@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,12 @@ def main() -> None:
     parser.add_argument("--from-step", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
-    document: dict[str, Any] = {"window": args.window, "from_step": args.from_step, "arms": {}}
+    document: dict[str, Any] = {
+        "window": args.window,
+        "from_step": args.from_step,
+        "band": list(BAND),
+        "arms": {},
+    }
     runs = sorted(p.parent for p in args.experiment.glob("*/seed-*/metrics.jsonl"))
     by_arm: dict[str, list[tuple[Path, list[dict[str, float]]]]] = {}
     for run in runs:
@@ -86,25 +92,43 @@ def main() -> None:
         if target is None:
             continue
         stats = [held(rows, target, args.window, args.from_step) for _, rows in arm_runs]
+        shares = [s["share_in_band"] for s in stats]
+        firsts = [s["first_step_in_band"] for s in stats]
+        summary = {
+            "share_in_band": [min(shares), max(shares)],
+            "first_step_in_band": [min(firsts), max(firsts)],
+            "kl_median": statistics.median(s["kl_median"] for s in stats),
+            "coef": [min(s["coef_min"] for s in stats), max(s["coef_max"] for s in stats)],
+        }
         document["arms"][arm] = {
             "kind": kind,
             "target": target,
+            "summary": summary,
             "runs": {f"{arm}/{run.name}": s for (run, _), s in zip(arm_runs, stats, strict=True)},
         }
-        shares = [s["share_in_band"] for s in stats]
-        firsts = [s["first_step_in_band"] for s in stats]
         print(
             f"{arm} ({kind}, target {target:g}, {len(stats)} runs): steps >= {args.from_step} "
             f"with the {args.window}-step mean KL in [{BAND[0]}, {BAND[1]}] x target: "
             f"{min(shares):.0%} to {max(shares):.0%}; first in the band at step "
-            f"{min(firsts):.0f} to {max(firsts):.0f}; median KL "
-            f"{statistics.median(s['kl_median'] for s in stats):.3g}; coefficient "
-            f"{min(s['coef_min'] for s in stats):.3g} to {max(s['coef_max'] for s in stats):.3g}"
+            f"{min(firsts):.0f} to {max(firsts):.0f}; median KL {summary['kl_median']:.3g}; "
+            f"coefficient {summary['coef'][0]:.3g} to {summary['coef'][1]:.3g}"
         )
     if args.json is not None:
         document["provenance"] = {"settings": settings([run for run in runs])}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+        text = json.dumps(finite(document), indent=1, sort_keys=True, allow_nan=False)
+        args.json.write_text(text + "\n")
+
+
+def finite(value: Any) -> Any:
+    """``value`` with NaN (a run never in the band) as null: strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
 
 
 def settings(runs: list[Path]) -> list[dict[str, Any]]:

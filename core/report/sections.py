@@ -898,7 +898,7 @@ def _attempts(runs: list[RunData]) -> list[Block]:
 REWARD_MODEL_HEADERS = [
     "arm",
     "reward model",
-    "held-out accuracy",
+    "held-out accuracy [95% interval]",
     "held-out pairs",
     "ECE",
     "top-1 accuracy",
@@ -909,6 +909,15 @@ REWARD_MODEL_HEADERS = [
 
 def _number(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
+
+
+def _accuracy(trained: dict[str, Any]) -> str:
+    """Held-out accuracy with the interval `alignzoo train-rm` gave it, when it gave one."""
+    interval = trained.get("heldout_interval")
+    text = _number(trained.get("heldout_accuracy"))
+    if isinstance(interval, list) and len(interval) == 2 and text != "-":
+        text += f" [{_number(interval[0])}, {_number(interval[1])}]"
+    return text
 
 
 def _reward_models(runs: list[RunData]) -> list[Block]:
@@ -928,7 +937,7 @@ def _reward_models(runs: list[RunData]) -> list[Block]:
             [
                 run.arm,
                 path,
-                _number(trained.get("heldout_accuracy")),
+                _accuracy(trained),
                 str(trained.get("heldout_pairs", "-")),
                 _number(trained.get("heldout_ece")),
                 _number((trained.get("probes") or {}).get("top1_accuracy")),

@@ -94,7 +94,8 @@ def test_the_pipeline_runs_end_to_end(tmp_path: Path, engine_cache: Path) -> Non
     report = (tmp_path / "ab" / "report.md").read_text(encoding="utf-8")
     assert "ppo_rule" in report and "ppo_rm" in report
     assert "## Reward models" in report
-    assert f"{trained['heldout_accuracy']:.3f}" in report
+    low, high = trained["heldout_interval"]
+    assert f"{trained['heldout_accuracy']:.3f} [{low:.3f}, {high:.3f}]" in report
     for arm in ("ppo_rule", "ppo_rm"):
         evals = read_jsonl(tmp_path / "ab" / arm / "seed-0" / "eval.jsonl")
         assert evals and all("eval/score" in e for e in evals), arm
