@@ -28,7 +28,7 @@ from alignzoo import distributed, provenance
 from alignzoo import metrics as canonical
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import Budget
-from alignzoo.engine.assemble import Run, assemble
+from alignzoo.engine.assemble import Run, assemble, labeler_hooks
 from alignzoo.engine.checkpoint import (
     ResumePoint,
     TrainingState,
@@ -319,7 +319,9 @@ def start_or_resume(
     run.sync_weights()  # the backend samples from the checkpoint's weights
     run.sampler.load_state_dict(state.sampler)
     run.context.state = dict(state.run_state)
-    labelswap.restore(run.labeling, run.context)  # the labeler in use at the checkpoint
+    labelswap.restore(
+        run.labeling, run.context, labeler_hooks
+    )  # the labeler in use at the checkpoint
     run.context.step = state.step
     skipped = "; ".join(f"{folder.name} unusable: {why}" for folder, why in point.unusable)
     kept = keep_cut_lines(
@@ -485,7 +487,9 @@ class _Loop:
             run.context.step = step
             if self.rounds is not None:  # a round may request a swap of the reward model
                 self.rounds.before_step(step)
-            labelswap.poll(run.labeling, run.context, self.log)  # a swap between steps
+            labelswap.poll(
+                run.labeling, run.context, labeler_hooks, self.log
+            )  # a swap between steps
             report = train_step(run, step)
             self.state.step = step
             self.state.samples += report.samples

@@ -31,9 +31,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from alignzoo.experiment.runfiles import RunData, number, write_atomic
 from alignzoo.provenance import COMPARED, comparable_key, read_sessions
 from alignzoo.report.document import Block
+from alignzoo.runs.runfiles import RunData, number, write_atomic
 
 RESULTS_FORMAT = 1
 EDGE_STEPS = 5

@@ -22,7 +22,12 @@ from typing import Any
 from alignzoo import metrics as canonical
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
-from alignzoo.experiment.runfiles import (
+from alignzoo.report import plots, stats
+from alignzoo.report.choice import MetricChoice, check_every_run, report_stem, resolve_key
+from alignzoo.report.document import Block, render_html, render_markdown
+from alignzoo.report.overoptimisation import overoptimisation_blocks
+from alignzoo.report.provenance import provenance_blocks
+from alignzoo.runs.runfiles import (
     SEED_DIR,
     RunData,
     find_runs,
@@ -32,11 +37,6 @@ from alignzoo.experiment.runfiles import (
     read_jsonl,
     write_atomic,
 )
-from alignzoo.report import plots, stats
-from alignzoo.report.choice import MetricChoice, check_every_run, report_stem, resolve_key
-from alignzoo.report.document import Block, render_html, render_markdown
-from alignzoo.report.overoptimisation import overoptimisation_blocks
-from alignzoo.report.provenance import provenance_blocks
 
 TRAIN_PLOTS = (
     (

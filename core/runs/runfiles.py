@@ -27,6 +27,20 @@ EXPERIMENT_FILE = "experiment.yaml"
 STATUS_FILE = "status.json"
 
 
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    """Append one JSON line and flush it to disk."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        f.flush()
+
+
 def read_status(run_dir: Path, problems: list[str] | None = None) -> dict[str, Any]:
     """A run's status.json ({} if absent or unreadable; an unreadable one is described in
     ``problems`` when given)."""
