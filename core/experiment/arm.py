@@ -49,9 +49,17 @@ def run_engine(
 ) -> Any:
     """The engine's run_one (imported late: it pulls in torch)."""
     from alignzoo.engine.loop import run_one
+    from alignzoo.human.iterate import Rounds
 
     return run_one(
-        loaded, arm, seed, out_dir, resume=resume, console=console, resume_from=resume_from
+        loaded,
+        arm,
+        seed,
+        out_dir,
+        resume=resume,
+        console=console,
+        resume_from=resume_from,
+        rounds=Rounds,
     )
 
 

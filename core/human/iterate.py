@@ -42,11 +42,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from alignzoo.errors import UserError
+from alignzoo.runs.runfiles import RLHF_FOLDER
 
 if TYPE_CHECKING:
     from alignzoo.config.schema import IterateConfig
 
-FOLDER = "rlhf"
+FOLDER = RLHF_FOLDER
 """The run folder's subfolder for the rounds: queue/, round-<k>.json, prefs-<k>/, rm-<k>/."""
 STREAM = "rlhf_rounds"
 """The run folder's ``rlhf_rounds.jsonl``: one line per round."""
@@ -64,7 +65,8 @@ def due(cfg: IterateConfig, step: int, last_step: int | None = None) -> int | No
 
 
 class Rounds:
-    """The rounds of one run (built by the training loop when ``labeling.iterate`` is set)."""
+    """The rounds of one run (built by the training loop when ``labeling.iterate`` is set:
+    the engine's ``run_one`` is handed this class as its ``rounds``)."""
 
     def __init__(self, cfg: IterateConfig, run: Any, log: Any = print) -> None:
         from alignzoo import distributed

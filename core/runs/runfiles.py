@@ -25,6 +25,8 @@ from alignzoo.errors import UserError
 
 EXPERIMENT_FILE = "experiment.yaml"
 STATUS_FILE = "status.json"
+RLHF_FOLDER = "rlhf"
+"""A run's iterated-RLHF rounds: queue/, round-<k>.json, prefs-<k>/, rm-<k>/."""
 
 
 def _clean(value: Any) -> Any:
