@@ -50,7 +50,7 @@ from alignzoo.engine.sinks import EVAL_FILE, Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
 from alignzoo.errors import UserError
 from alignzoo.labeling import swap as labelswap
-from alignzoo.runs.runfiles import RLHF_FOLDER
+from alignzoo.runfolder.runfiles import RLHF_FOLDER
 from alignzoo.threads import current_threads, threads_set_to
 
 STATUS_FILE = "status.json"

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from alignzoo import metrics as canonical
 from alignzoo.errors import UserError
-from alignzoo.runs.runfiles import append_jsonl as append_jsonl
+from alignzoo.runfolder.runfiles import append_jsonl as append_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from alignzoo.runs.runfiles import read_status, write_atomic
+from alignzoo.runfolder.runfiles import read_status, write_atomic
 
 if TYPE_CHECKING:
     from alignzoo.config.loader import LoadedExperiment

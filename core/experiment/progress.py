@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.metrics import evaluation_key
-from alignzoo.runs.runfiles import read_status
+from alignzoo.runfolder.runfiles import read_status
 
 if TYPE_CHECKING:
     from alignzoo.experiment.arm import RunResult

@@ -40,7 +40,7 @@ from alignzoo.experiment.arm import (
 )
 from alignzoo.experiment.executors import Executor, LocalExecutor, RunJob
 from alignzoo.experiment.progress import ProgressView, print_summary
-from alignzoo.runs.runfiles import EXPERIMENT_FILE, read_status, write_atomic
+from alignzoo.runfolder.runfiles import EXPERIMENT_FILE, read_status, write_atomic
 
 # Spec sections that must match for a resumed experiment to stay a fair comparison.
 _SHARED_SECTIONS = ("budget", "data", "evaluation", "model", "training")

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from alignzoo.errors import UserError
-from alignzoo.runs.runfiles import RLHF_FOLDER
+from alignzoo.runfolder.runfiles import RLHF_FOLDER
 
 if TYPE_CHECKING:
     from alignzoo.config.schema import IterateConfig

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 
 from alignzoo.config.schema import ComponentRef
 from alignzoo.errors import UserError
-from alignzoo.runs.runfiles import append_jsonl, read_jsonl, read_status
+from alignzoo.runfolder.runfiles import append_jsonl, read_jsonl, read_status
 
 HooksFor = Callable[[Any, str], Any]  # (labeler component, its name) -> the hooks of it alone
 

@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from alignzoo import metrics as canonical
 from alignzoo.report import plots
 from alignzoo.report.document import Block
-from alignzoo.runs.runfiles import RunData, number
+from alignzoo.runfolder.runfiles import RunData, number
 
 FELL_BY = 0.05
 """A seed counts as over-optimised when its final gold value is this far below its peak."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from alignzoo.provenance import comparable_key, read_sessions
 from alignzoo.report.document import Block
-from alignzoo.runs.runfiles import RunData
+from alignzoo.runfolder.runfiles import RunData
 
 
 def _git(entry: dict[str, Any]) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 
 from alignzoo.provenance import COMPARED, comparable_key, read_sessions
 from alignzoo.report.document import Block
-from alignzoo.runs.runfiles import RunData, number, write_atomic
+from alignzoo.runfolder.runfiles import RunData, number, write_atomic
 
 RESULTS_FORMAT = 1
 EDGE_STEPS = 5

@@ -27,7 +27,7 @@ from alignzoo.report.choice import MetricChoice, check_every_run, report_stem, r
 from alignzoo.report.document import Block, render_html, render_markdown
 from alignzoo.report.overoptimisation import overoptimisation_blocks
 from alignzoo.report.provenance import provenance_blocks
-from alignzoo.runs.runfiles import (
+from alignzoo.runfolder.runfiles import (
     SEED_DIR,
     RunData,
     find_runs,

@@ -93,7 +93,7 @@ def test_shadow_then_promote_and_a_rejected_swap_during_a_live_run(
 
     # The report lists the changes and says the comparison mixes labelers.
     from alignzoo.report.sections import _swaps
-    from alignzoo.runs.runfiles import read_run
+    from alignzoo.runfolder.runfiles import read_run
 
     blocks = _swaps([read_run("grpo", 0, out)])
     assert "were not labeled the same way" in blocks[1].text

@@ -19,7 +19,7 @@ from alignzoo.errors import UserError
 from alignzoo.plugin import Modifier, hookimpl
 from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 from alignzoo.report.sections import _attempts
-from alignzoo.runs.runfiles import read_run
+from alignzoo.runfolder.runfiles import read_run
 
 from .conftest import mark_running, read_jsonl, tiny_experiment
 

@@ -11,7 +11,7 @@ from alignzoo.report.overoptimisation import (
     overoptimisation_blocks,
     summarise,
 )
-from alignzoo.runs.runfiles import RunData
+from alignzoo.runfolder.runfiles import RunData
 
 KEY = "eval/exact_match"
 

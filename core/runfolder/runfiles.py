@@ -22,25 +22,12 @@ from pydantic import ValidationError
 from alignzoo import metrics as canonical
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
+from alignzoo.types import append_jsonl as append_jsonl
 
 EXPERIMENT_FILE = "experiment.yaml"
 STATUS_FILE = "status.json"
 RLHF_FOLDER = "rlhf"
 """A run's iterated-RLHF rounds: queue/, round-<k>.json, prefs-<k>/, rm-<k>/."""
-
-
-def _clean(value: Any) -> Any:
-    """JSON-safe: non-finite floats become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    """Append one JSON line and flush it to disk."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        f.flush()
 
 
 def read_status(run_dir: Path, problems: list[str] | None = None) -> dict[str, Any]:
