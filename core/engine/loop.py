@@ -48,10 +48,10 @@ from alignzoo.engine.mirror import restore_from_mirror
 from alignzoo.engine.mirror import upload as mirror_upload
 from alignzoo.engine.sinks import EVAL_FILE, Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
+from alignzoo.engine.threads import current_threads, threads_set_to
 from alignzoo.errors import UserError
 from alignzoo.labeling import swap as labelswap
 from alignzoo.runfolder.runfiles import RLHF_FOLDER
-from alignzoo.threads import current_threads, threads_set_to
 
 STATUS_FILE = "status.json"
 CONFIG_FILE = "config.yaml"

@@ -183,7 +183,7 @@ def run_experiment(
     with ``jobs > 1``, in that many spawned worker processes; a
     :class:`~alignzoo.experiment.executors.RayExecutor` runs them as Ray tasks. Every job caps
     BLAS/torch threads at ``max(1, cpu_count // jobs)`` in a worker; a resumed run trains with
-    the count its checkpoint records, in a worker or here (:mod:`alignzoo.threads`), so its
+    the count its checkpoint records, in a worker or here (:mod:`alignzoo.engine.threads`), so its
     numbers do not depend on how many runs are left or on ``jobs``. ``run_fn`` replaces the
     engine's ``run_one`` (same signature; a module-level function when it runs in workers,
     where it receives the spec without components).

@@ -254,7 +254,7 @@ class Rounds:
             if self.cfg.negatives in NEGATIVES:
                 negatives = NEGATIVES[self.cfg.negatives]
             else:
-                from alignzoo.callables import load_callable
+                from alignzoo.config.callables import load_callable
 
                 negatives = load_callable(self.cfg.negatives, "labeling.iterate.negatives")
         tmp = self.folder / f".tmp-rm-{k}"
