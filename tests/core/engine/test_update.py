@@ -12,7 +12,6 @@ import torch
 from alignzoo.batch import RolloutBatch
 from alignzoo.config.schema import EmbeddedModelConfig, TrainingConfig
 from alignzoo.engine.behaviour import SeparatePass
-from alignzoo.engine.forward import evaluating, policy_forward
 from alignzoo.engine.hooks import Hooks, check_layout
 from alignzoo.engine.learner import Learner, build_scheduler
 from alignzoo.engine.models import Models
@@ -21,6 +20,7 @@ from alignzoo.engine.scoring import Scorer
 from alignzoo.engine.tokenize import tokenized_batch
 from alignzoo.engine.update import update
 from alignzoo.errors import RunError, UserError
+from alignzoo.kernels.forward import evaluating, policy_forward
 from alignzoo.labeling.orchestrator import label
 from alignzoo.ops import aggregate_loss
 from alignzoo.plugin import Algorithm, Labeler, hookimpl
@@ -70,7 +70,7 @@ def test_a_large_vocabulary_runs_the_head_in_chunks_with_the_same_numbers(
     head a few positions at a time (ops.head_logprobs): the same log-probs, entropy and
     gradients as the whole logits give."""
     from alignzoo import ops
-    from alignzoo.engine import forward
+    from alignzoo.kernels import forward
 
     model, tokenizer = world
     batch = _sampled(model, tokenizer)

@@ -477,9 +477,9 @@ def test_a_row_that_is_not_a_distribution_stops_seeded_sampling() -> None:
 def test_the_lean_decoder_samples_what_the_models_own_forward_samples(
     policy_dirs, policy, monkeypatch
 ):
-    """The decode loop over alignzoo.engine.lean and over the model's own forward with a
+    """The decode loop over alignzoo.kernels.lean and over the model's own forward with a
     DynamicCache: the same seeded tokens, log-probs within 1e-5."""
-    from alignzoo.engine import lean
+    from alignzoo.kernels import lean
 
     backend, model, _ = make_backend(policy_dirs[policy], max_batch_size=3)
     assert lean.can_run_lean(model)
@@ -500,7 +500,7 @@ def test_decoding_through_packed_weights_samples_what_the_weights_themselves_sam
     """pack_weights (the default) multiplies by MKL-packed copies of the weights from
     PACK_FROM_NEW_TOKENS new tokens on: the same seeded tokens as pack_weights false, log-probs
     within 1e-5; the copies are taken for long generations only."""
-    from alignzoo.engine import lean
+    from alignzoo.kernels import lean
 
     made: list[int] = []
     real = lean.PackedLinears
