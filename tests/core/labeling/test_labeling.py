@@ -295,7 +295,7 @@ def test_a_run_with_a_flaky_labeler_and_a_fallback_completes_and_reconciles(
     from alignzoo.engine.loop import run_one
     from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 
-    from .conftest import read_jsonl, tiny_experiment
+    from ..engine.conftest import read_jsonl, tiny_experiment
 
     registry = Registry(metadata.entry_points(group=ENTRY_POINT_GROUP))
     registry.register(FlakyArithmetic, "flaky")

@@ -19,7 +19,7 @@ from alignzoo.labeling.swap import CONTROL, request
 from alignzoo.plugin import Modifier, hookimpl
 from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 
-from .conftest import assert_same_run_files, back_to_checkpoint, read_jsonl, tiny_experiment
+from ..engine.conftest import assert_same_run_files, back_to_checkpoint, read_jsonl, tiny_experiment
 
 REGEX = {
     "name": "regex",
