@@ -13,6 +13,7 @@ from alignzoo.registry import build_plugin_manager
 from alignzoo.types import SamplingParams
 from alignzoo.weights import PolicyWeights
 
+from ...core.tiny_world import build_world
 from .conftest import load_policy
 
 PROMPTS = ["12+7=", "3+45=", "1+1=", "100+250="]  # different lengths: left padding matters
@@ -527,3 +528,16 @@ def test_decoding_through_packed_weights_samples_what_the_weights_themselves_sam
     assert packed.response_ids.equal(plain.response_ids)
     assert packed.response_mask.sum() > len(PROMPTS) * 3
     torch.testing.assert_close(packed.rollout_logprobs, plain.rollout_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def world() -> tuple[object, object]:
+    return build_world()
+
+
+def test_hf_backend_refuses_a_rollout_device_other_than_the_actors(world) -> None:
+    model, tokenizer = world
+    devices = {"actor": "cpu", "rollout": "cuda:1"}
+    run = SimpleNamespace(tokenizer=tokenizer, device=devices.__getitem__, actor=model)
+    with pytest.raises(UserError, match=r"rollout.*actor's device"):
+        HFBackend().on_run_start(run)
