@@ -130,7 +130,7 @@ def main() -> None:
     report["greedy_parity_after_sync"] = parity(a, b)
     torch.manual_seed(0)
     sampled = engine.generate(prompts[:64], [], 4, SamplingParams(max_new_tokens=args.tokens))
-    from alignzoo.engine.forward import policy_forward
+    from alignzoo.kernels.forward import policy_forward
 
     with torch.no_grad():
         trainer, _ = policy_forward(model, sampled.to(args.device))

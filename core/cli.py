@@ -132,7 +132,7 @@ def validate(
     """Check an experiment file, every component's params, every data source (columns,
     types, splits, chat templates) and each arm's precision on the device its actor would be
     placed on here, without loading any model."""
-    from alignzoo.bundled import experiment_file
+    from alignzoo.config.bundled import experiment_file
     from alignzoo.config.loader import load_experiment
     from alignzoo.experiment.runner import check_before_writing
 
@@ -200,7 +200,7 @@ def run(
     EXPERIMENT is a YAML file or the name of a bundled one: `alignzoo run smoke` trains the
     bundled smoke test from any folder (runs/smoke), `alignzoo run quickstart` the default
     A/B experiment; `alignzoo init DIR` writes them out to edit."""
-    from alignzoo.bundled import experiment_file
+    from alignzoo.config.bundled import experiment_file
 
     with experiment_file(experiment) as path:
         _run(path, arms, seeds, out, resume, jobs, executor, address, retries, overrides)
@@ -784,7 +784,7 @@ def init(
 ) -> None:
     """Write the bundled experiments (quickstart, smoke, ...) and the annotator files they
     name into FOLDER/experiments/, to edit and run from FOLDER."""
-    from alignzoo.bundled import write_bundled
+    from alignzoo.config.bundled import write_bundled
 
     written = write_bundled(folder, force=force)
     console.print(f"wrote {len(written)} files to {folder / 'experiments'}:", markup=False)
@@ -988,7 +988,7 @@ def annotate_pool(
     scale_label: ScaleLabelOption = None,
 ) -> None:
     """Sample two responses per prompt from the arm's starting policy and queue them."""
-    from alignzoo.bundled import experiment_file
+    from alignzoo.config.bundled import experiment_file
     from alignzoo.config.loader import load_experiment
     from alignzoo.human.queue import HumanQueue, write_source
     from alignzoo.human.simulate import sample_pool
@@ -1185,7 +1185,7 @@ def train_rm(
         if name in NEGATIVES:
             return NEGATIVES[name]
         if name is not None:
-            from alignzoo.callables import load_callable
+            from alignzoo.config.callables import load_callable
 
             return load_callable(name, option)
         return None

@@ -55,16 +55,18 @@ from alignzoo.plugin import PROJECT
 
 if TYPE_CHECKING:
     from alignzoo.batch import PolicyOutputs, RolloutBatch
-    from alignzoo.engine.context import RunContext
-    from alignzoo.rollout.episode import EpisodeStart, StepResult, Turn
     from alignzoo.types import (
         AlgorithmRequirements,
+        EpisodeStart,
         LabelRequest,
         LossContext,
         LossOutput,
         Placement,
+        RunContext,
         SamplingParams,
         Score,
+        StepResult,
+        Turn,
     )
     from alignzoo.weights import PolicyWeights
 

@@ -18,7 +18,7 @@ can be explained from the files alone.
   install, or an environment changed by hand), and then the first packages that differ;
 - ``threads``: torch's intra-op thread count (``OMP_NUM_THREADS`` as set, too); in a run
   folder the run's own count, the same in every session since a resume keeps it
-  (:mod:`alignzoo.threads`);
+  (:mod:`alignzoo.engine.threads`);
 - ``command``: the command line; ``experiment_sha256``: a hash of the experiment file;
 - ``policy``: the policy folder a run loaded (the embedded warm start's cache entry or the
   user's checkpoint) and ``policy_sha256``, a hash of its files (files over 16 MiB are hashed

@@ -5,15 +5,20 @@ The tensor-carrying batch lives in :mod:`alignzoo.batch`; these are the small re
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# The labeler's records live with the rest of labeling; they are part of this contract too.
-from alignzoo.labeling.interface import LabelRequest as LabelRequest
-from alignzoo.labeling.interface import Outcome as Outcome
-from alignzoo.labeling.interface import Score as Score
+if TYPE_CHECKING:
+    import torch
+    from rich.console import Console
+
 
 DataMode = Literal["online", "preference", "unpaired"]
 LossAggregation = Literal[
@@ -175,3 +180,253 @@ class AggregationParams(BaseModel):
                 "divisor such as the generation budget max_new_tokens)"
             )
         return self
+
+
+# ---------------------------------------------------------------- labeling: what a labeler is asked and answers
+
+
+@dataclass
+class LabelRequest:
+    """One thing to score: the prompt, the response and any extra dataset columns.
+
+    In a run two more fields are set (None outside one: relabel, a served labeler):
+    ``completion_ids``, the token ids the policy sampled for the response (what TRL passes as
+    ``completion_ids``), and ``step``, the training step the sample is for (in evaluation, the
+    step evaluated: 0 before training). Neither is part of the request's identity: the label store keys on prompt, response
+    and extra only.
+    """
+
+    prompt: str
+    response: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    completion_ids: list[int] | None = None
+    step: int | None = None
+
+
+class Outcome(str, Enum):
+    """What became of one sample's label.
+
+    ``value``: a number to train on (malformed *model output* is a value too, e.g. 0 with
+    ``info["malformed"]``). ``abstain``: the labeler declines (no answer key, out of scope).
+    ``timeout``: the call did not answer in time (its worker was killed). ``error``: the
+    infrastructure failed (connection, 5xx, a crashed worker, an exception in the labeler).
+    ``parse_failure``: the labeler's own answer was unreadable (a judge's reply). ``rejected``:
+    the labeler answered something unusable (NaN, inf, the wrong count or type).
+    Each arm's ``labeling.on`` says what to do with each (see
+    :class:`alignzoo.config.schema.LabelingConfig`).
+    """
+
+    VALUE = "value"
+    ABSTAIN = "abstain"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    PARSE_FAILURE = "parse_failure"
+    REJECTED = "rejected"
+
+
+@dataclass
+class Score:
+    """A labeler's verdict on one response.
+
+    ``outcome`` is :attr:`Outcome.VALUE` for a real score; a labeler that declines returns
+    ``Score.abstain(reason)``, one that cannot read its own answer ``Score.parse_failure(reason)``
+    (a labeler may also raise :class:`alignzoo.errors.LabelerUnavailable` for an infrastructure
+    failure). ``valid`` is False for a value the labeler judged without confidence (kept for
+    the ``reward/valid_frac`` metric; it is trained on). ``info`` carries anything worth logging
+    (extracted answer, raw model score, latency). Two keys have a meaning for the engine:
+
+    - ``info["correct"]`` (bool): the labeler knows the right answer and says whether the
+      response has it. When every score of an evaluation carries it, the engine reports
+      ``eval/exact_match`` (and ``eval/pass@k`` uses it); online unpaired data (KTO) counts a
+      correct sample as desirable.
+    - ``info["raw"]`` (number): the unscaled value of a labeler that rescales its scores per
+      batch; evaluation reports it as ``eval/score`` so the metric means the same at every step.
+    """
+
+    value: float
+    valid: bool = True
+    info: dict[str, Any] = field(default_factory=dict)
+    outcome: Outcome = Outcome.VALUE
+
+    @classmethod
+    def abstain(cls, reason: str = "") -> Score:
+        """The labeler declines to label this sample (not a zero)."""
+        return cls(math.nan, False, {"reason": reason} if reason else {}, Outcome.ABSTAIN)
+
+    @classmethod
+    def parse_failure(cls, reason: str = "") -> Score:
+        """The labeler could not read its own answer (e.g. a judge's reply without a score)."""
+        return cls(math.nan, False, {"reason": reason} if reason else {}, Outcome.PARSE_FAILURE)
+
+
+# ---------------------------------------------------------------- episodes: what crosses an environment's hooks
+# A message is a chat message as Hugging Face chat templates take it: ``{"role": ..., "content":
+# ...}``, with ``"tool_calls"`` on an assistant message and ``"name"`` on a tool message where a
+# template uses them.
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call the model made: the tool's name and its JSON arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The model's turn as the environment sees it.
+
+    ``text``: what the model wrote (decoded, special tokens removed). ``tool_calls``: the calls
+    the arm's codec read in it, in order. ``errors``: one line per call the codec found but
+    could not read (bad JSON, no name): an environment answers them as an error observation
+    so the model can recover; they never raise. ``index``: 0 for the first turn.
+    """
+
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    errors: tuple[str, ...] = ()
+    index: int = 0
+
+
+@dataclass
+class EpisodeStart:
+    """What ``env_reset`` returns.
+
+    ``state``: the episode's own state, handed back to ``env_step`` and ``env_close`` (any
+    object; the engine never looks inside). ``messages``: the conversation the model starts
+    from (a system message, the task as a user message). ``tools``: JSON schemas of the tools
+    offered (``{"type": "function", "function": {...}}``, what ``apply_chat_template(tools=)``
+    renders); None when the episode offers none.
+    """
+
+    state: Any
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class StepResult:
+    """What ``env_step`` returns after the model's turn.
+
+    ``messages``: the environment's answer, appended to the conversation (tool results as
+    ``{"role": "tool", "name": ..., "content": ...}``, or a user message); empty when the
+    episode ends without one. ``reward``: this step's reward, if the environment gives one
+    (the episode's reward is the sum, see the engine's ``episodes.reward``). ``done``: the
+    episode is over. ``info``: anything worth logging about the step (kept in sample rows;
+    numbers under ``info["metrics"]`` are averaged into the step's ``env/*`` metrics).
+    """
+
+    messages: list[Message] = field(default_factory=list)
+    reward: float | None = None
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- the run, as lifecycle hooks see it
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    """Append one JSON line and flush it to disk."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        f.flush()
+
+
+@dataclass
+class RunContext:
+    """One run of one arm with one seed: the ``run`` argument of the lifecycle hooks.
+
+    Passed to ``on_run_start``, ``transform_batch``, ``on_step_end`` and ``on_run_end``.
+    ``models`` (tokenizer, actor, reference, critic, device placement) is set before
+    ``on_run_start``; ``step`` is the step being run (0 before the first); ``state`` is free
+    space for plugins (anything JSON-serialisable kept there is saved in checkpoints and
+    restored on resume); ``console`` is where a plugin may print (None when quiet).
+    """
+
+    experiment: str
+    arm: str
+    seed: int
+    out_dir: Path
+    spec: Any  # alignzoo.config.ExperimentSpec (the contract root imports no subpackage)
+    arm_spec: Any  # alignzoo.config.schema.ArmSpec
+    models: Any = None  # alignzoo.engine.models.Models, set before on_run_start
+    console: Console | None = None
+    step: int = 0
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """'<experiment>/<arm>/seed-<n>'."""
+        return f"{self.experiment}/{self.arm}/seed-{self.seed}"
+
+    def device(self, role: str) -> str:
+        """The device placed for ``role`` (``cpu`` when the mapper did not place it)."""
+        return self.models.device(role) if self.models is not None else "cpu"
+
+    def placement(self, role: str) -> Placement:
+        """The full placement of ``role``: device, GPU share, tensor-parallel size."""
+        if self.models is None:
+            return Placement(device="cpu")
+        return self.models.placement(role)
+
+    def _models(self) -> Any:
+        if self.models is None:
+            raise AttributeError(f"{self.name}: the run's models are not loaded yet")
+        return self.models
+
+    @property
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer (shortcut for ``models.tokenizer``)."""
+        return self._models().tokenizer
+
+    @property
+    def actor(self) -> torch.nn.Module:
+        """The trainable policy (shortcut for ``models.actor``)."""
+        return self._models().actor
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        """The frozen reference policy or None (shortcut for ``models.reference``)."""
+        return self._models().reference
+
+    @property
+    def critic(self) -> torch.nn.Module | None:
+        """The value model or None (shortcut for ``models.critic``)."""
+        return self._models().critic
+
+    @property
+    def devices(self) -> dict[str, str]:
+        """Role -> device, as placed by the device mapper (shortcut for ``models.devices``)."""
+        return dict(self.models.devices) if self.models is not None else {}
+
+    def record(self, stream: str, row: dict[str, Any]) -> Path:
+        """Append ``row`` as one JSON line to ``<out_dir>/<stream>.jsonl``; return that path.
+
+        How a plugin keeps its own output in the run folder: the row is stamped with the step
+        being run (``"step"``), so on ``--resume`` the file is cut back to the checkpoint like
+        the engine's own streams and nothing is written twice. ``stream`` is a plain name
+        (letters, digits, ``_``), not one of the engine's (metrics, eval, samples).
+        """
+        if not _STREAM.fullmatch(stream) or stream in _ENGINE_STREAMS:
+            raise ValueError(
+                f"record: stream must be a plain name (letters, digits, _; at most 64) other "
+                f"than {', '.join(sorted(_ENGINE_STREAMS))}, got {stream!r}"
+            )
+        path = self.out_dir / f"{stream}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        append_jsonl(path, {**row, "step": self.step})
+        return path
+
+
+_STREAM = re.compile(r"[A-Za-z0-9_]{1,64}")
+_ENGINE_STREAMS = frozenset({"metrics", "eval", "samples"})

@@ -190,6 +190,12 @@ def total_optimizer_steps(spec: ExperimentSpec, arm: ArmSpec, mode: DataMode) ->
     return steps * cfg.epochs * max(1, math.ceil(units / per_minibatch))
 
 
+def labeler_hooks(component: Any, name: str) -> Hooks:
+    """The hooks of a plugin manager holding one labeler alone (a fallback, the evaluation
+    labeler, one swapped in: :func:`alignzoo.labeling.swap.poll` is handed this)."""
+    return Hooks(build_plugin_manager([component]), name)
+
+
 def labeling_stage(
     arm_spec: ArmSpec,
     components: dict[str, Any],
@@ -203,7 +209,7 @@ def labeling_stage(
     for i, ref in enumerate(arm_spec.labeling.fallbacks):
         component = components[f"labeling.fallbacks.{i}"]
         name = ref.name if ref.name not in {n for n, _, _ in chain} else f"{ref.name}.{i + 1}"
-        chain.append((name, component, Hooks(build_plugin_manager([component]), ref.name)))
+        chain.append((name, component, labeler_hooks(component, ref.name)))
     where = arm_spec.labeling.store
     store = None
     if where is not None:
@@ -233,7 +239,7 @@ def evaluation_stage(spec: ExperimentSpec, component: Any, seed: int) -> Labelin
 
     ref = spec.evaluation.labeler
     name = ref.name if ref is not None else "evaluation"
-    chain = [(name, component, Hooks(build_plugin_manager([component]), name))]
+    chain = [(name, component, labeler_hooks(component, name))]
     return LabelingStage.build(LabelingConfig(), chain, seed=seed)
 
 

@@ -37,9 +37,9 @@ import torch
 from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.forward import outside_support
 from alignzoo.engine.modes import DataMode
 from alignzoo.engine.scoring import Scorer
+from alignzoo.kernels.forward import outside_support
 from alignzoo.ops import global_masked_mean, masked_kl_penalty, truncates
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def behaviour_metrics(
 
 def mask_outside_support(batch: RolloutBatch, outside: torch.Tensor) -> dict[str, float]:
     """Take the sampled tokens outside the trainer's truncated support (``outside`` ``[B, R]``,
-    :func:`~alignzoo.engine.forward.outside_support`) out of ``batch.response_mask``; their
+    :func:`~alignzoo.kernels.forward.outside_support`) out of ``batch.response_mask``; their
     count over every rank (``rollout/outside_support``) for a batch sampled with top-k or
     top-p, nothing otherwise (so an arm without them has the metrics it always had)."""
     if not truncates(batch.sampling):

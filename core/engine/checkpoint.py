@@ -8,7 +8,7 @@ Layout of ``checkpoints/step-000010/``:
     state.json                              step, samples, time_s, sampler cursor, run.state,
                                             python and numpy RNG states, the thread count
                                             the run trains with (kept across resumes:
-                                            :mod:`alignzoo.threads`) and the policy version
+                                            :mod:`alignzoo.engine.threads`) and the policy version
                                             (the optimizer steps taken)
 ``checkpoints/latest`` names the newest complete folder. A folder is written under a temporary
 name and renamed into place; ``latest`` is written to a temporary file and renamed too, so a

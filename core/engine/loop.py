@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 from rich.console import Console
@@ -28,7 +28,7 @@ from alignzoo import distributed, provenance
 from alignzoo import metrics as canonical
 from alignzoo.config.loader import LoadedExperiment
 from alignzoo.config.schema import Budget
-from alignzoo.engine.assemble import Run, assemble
+from alignzoo.engine.assemble import Run, assemble, labeler_hooks
 from alignzoo.engine.checkpoint import (
     ResumePoint,
     TrainingState,
@@ -48,10 +48,20 @@ from alignzoo.engine.mirror import restore_from_mirror
 from alignzoo.engine.mirror import upload as mirror_upload
 from alignzoo.engine.sinks import Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
+from alignzoo.engine.threads import current_threads, threads_set_to
 from alignzoo.errors import UserError
 from alignzoo.labeling import swap as labelswap
 from alignzoo.runfolder import ATTEMPT_NOTE, CHECKPOINTS, RunFolder, RunStatus, write_atomic
-from alignzoo.threads import current_threads, threads_set_to
+
+
+class BetweenSteps(Protocol):
+    """What runs before each training step besides the step (the iterated-RLHF rounds)."""
+
+    def before_step(self, step: int) -> None: ...
+
+
+RoundsFactory = Callable[[Any, Run, Callable[[str], None]], BetweenSteps]
+"""(the arm's ``labeling.iterate``, the run, its log) -> the rounds: handed to :func:`run_one`."""
 
 
 @dataclass
@@ -303,7 +313,9 @@ def start_or_resume(
     run.sync_weights()  # the backend samples from the checkpoint's weights
     run.sampler.load_state_dict(state.sampler)
     run.context.state = dict(state.run_state)
-    labelswap.restore(run.labeling, run.context)  # the labeler in use at the checkpoint
+    labelswap.restore(
+        run.labeling, run.context, labeler_hooks
+    )  # the labeler in use at the checkpoint
     run.context.step = state.step
     skipped = "; ".join(f"{folder.name} unusable: {why}" for folder, why in point.unusable)
     kept = keep_cut_lines(
@@ -319,7 +331,9 @@ def start_or_resume(
 class _Loop:
     """The loop of one run: steps, evaluations and checkpoints on schedule."""
 
-    def __init__(self, run: Run, state: TrainingState, sinks: Sinks) -> None:
+    def __init__(
+        self, run: Run, state: TrainingState, sinks: Sinks, rounds: RoundsFactory | None = None
+    ) -> None:
         self.run, self.state, self.sinks = run, state, sinks
         console = run.context.console
         self.log: Callable[[str], None] = literal_log(console)
@@ -339,11 +353,15 @@ class _Loop:
         self.stopped_early: str | None = None
         self.mirror = run.mirror
         self.mirror_failures = 0
-        self.rounds = None  # iterated RLHF (labeling.iterate)
+        self.rounds: BetweenSteps | None = None  # iterated RLHF (labeling.iterate)
         if run.arm.labeling.iterate is not None:
-            from alignzoo.human.iterate import Rounds
-
-            self.rounds = Rounds(run.arm.labeling.iterate, run, self.log)
+            if rounds is None:
+                raise UserError(
+                    f"arms.{run.context.arm}.labeling.iterate: this run was started without the "
+                    "iterated-RLHF rounds (run_one(..., rounds=alignzoo.human.iterate.Rounds), "
+                    "as `alignzoo run` does)"
+                )
+            self.rounds = rounds(run.arm.labeling.iterate, run, self.log)
 
     def tick(self) -> None:
         self.state.time_s = self.base_time + (time.monotonic() - self.clock_start)
@@ -473,7 +491,9 @@ class _Loop:
             run.context.step = step
             if self.rounds is not None:  # a round may request a swap of the reward model
                 self.rounds.before_step(step)
-            labelswap.poll(run.labeling, run.context, self.log)  # a swap between steps
+            labelswap.poll(
+                run.labeling, run.context, labeler_hooks, self.log
+            )  # a swap between steps
             report = train_step(run, step)
             self.state.step = step
             self.state.samples += report.samples
@@ -508,8 +528,13 @@ def run_one(
     resume: bool = False,
     console: Console | None = None,
     resume_from: Path | None = None,
+    rounds: RoundsFactory | None = None,
 ) -> RunSummary:
     """Train ``arm`` with ``seed`` into ``out_dir`` (resuming from its checkpoint if asked).
+
+    ``rounds`` builds the iterated-RLHF rounds of an arm that sets ``labeling.iterate``
+    (:class:`alignzoo.human.iterate.Rounds`, which the experiment runner passes): the engine
+    does not import the human-feedback package, which is built on it.
 
     ``resume_from``: the run folder whose checkpoints a resume reads (default ``out_dir``);
     the data-parallel ranks other than 0 write scratch folders and resume from rank 0's.
@@ -539,7 +564,7 @@ def run_one(
     # The run's thread count is a setting: a resume trains with the count its checkpoint
     # records, wherever and beside however many runs it now trains.
     with threads_set_to(resume_threads(point, log)):
-        return _train(loaded, arm, seed, out_dir, resume, console, point, config, log)
+        return _train(loaded, arm, seed, out_dir, resume, console, point, config, log, rounds)
 
 
 def resume_threads(point: ResumePoint, log: Callable[[str], None]) -> int | None:
@@ -568,6 +593,7 @@ def _train(
     point: ResumePoint,
     config: dict[str, Any],
     log: Callable[[str], None],
+    rounds: RoundsFactory | None = None,
 ) -> RunSummary:
     """:func:`run_one` from assembling the run to its status: never raises for a failure of
     the run itself."""
@@ -588,7 +614,7 @@ def _train(
         recorded = True
         state = start_or_resume(run, resume, log, point)
         write_status(out_dir, RunStatus.RUNNING, state, None, device)
-        loop = _Loop(run, state, run.open_sinks(config))
+        loop = _Loop(run, state, run.open_sinks(config), rounds)
         loop.loop()
         status, error, stopped_early = RunStatus.FINISHED, None, loop.stopped_early
     except Exception as exc:

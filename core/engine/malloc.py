@@ -15,7 +15,7 @@ first step a run allocates without page faults. The process keeps its resident m
 its high-water mark, and the heap's fragmentation can raise that mark above the live peak: a
 temporary freed after a later, longer-lived tensor was placed above it leaves a hole that the
 next, larger activation does not fit. The lean forward's fused training functions
-(alignzoo.engine.lean) free every large temporary before the next kept activation is
+(alignzoo.kernels.lean) free every large temporary before the next kept activation is
 allocated; with them a 64 x 518-token step of the 25.8M model peaked at 9.4 GB (14.97 GB with
 the plain ops, 9.8 GB without this setting; benchmarks/README.md). It is process-wide and
 stays in force for the rest of the process.

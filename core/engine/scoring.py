@@ -12,7 +12,8 @@ from typing import Literal
 import torch
 
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.forward import (
+from alignzoo.engine.models import Models
+from alignzoo.kernels.forward import (
     chunks,
     critic_forward,
     evaluating,
@@ -20,7 +21,6 @@ from alignzoo.engine.forward import (
     policy_forward,
     sequence_logprob,
 )
-from alignzoo.engine.models import Models
 
 
 @dataclass

@@ -9,7 +9,6 @@ per evaluation), ``samples.jsonl`` (a few prompt / response / score rows per ste
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,20 +18,7 @@ from rich.console import Console
 from alignzoo import metrics as canonical
 from alignzoo.errors import UserError
 from alignzoo.runfolder import RunFolder
-
-
-def _clean(value: Any) -> Any:
-    """JSON-safe: non-finite floats become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    """Append one JSON line and flush it to disk."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        f.flush()
+from alignzoo.runfolder.runfiles import append_jsonl as append_jsonl
 
 
 def _cell(value: Any, width: int = 80) -> str:

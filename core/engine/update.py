@@ -21,11 +21,11 @@ from alignzoo import metrics as canonical
 from alignzoo.batch import PolicyOutputs, RolloutBatch
 from alignzoo.config.schema import RolloutCorrection
 from alignzoo.engine.behaviour import Behaviour, UpdatePasses
-from alignzoo.engine.forward import critic_forward, outside_support, policy_forward
 from alignzoo.engine.hooks import Hooks, implementers
 from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
 from alignzoo.errors import RunError
+from alignzoo.kernels.forward import critic_forward, outside_support, policy_forward
 from alignzoo.ops import rollout_is_weights, truncates
 from alignzoo.types import AlgorithmRequirements, LossContext
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from alignzoo.experiment.runfiles import read_status
 from alignzoo.runfolder import RunFolder, RunStatus, seed_folder, write_atomic
+from alignzoo.runfolder.runfiles import read_status
 
 if TYPE_CHECKING:
     from alignzoo.config.loader import LoadedExperiment
@@ -50,9 +50,17 @@ def run_engine(
 ) -> Any:
     """The engine's run_one (imported late: it pulls in torch)."""
     from alignzoo.engine.loop import run_one
+    from alignzoo.human.iterate import Rounds
 
     return run_one(
-        loaded, arm, seed, out_dir, resume=resume, console=console, resume_from=resume_from
+        loaded,
+        arm,
+        seed,
+        out_dir,
+        resume=resume,
+        console=console,
+        resume_from=resume_from,
+        rounds=Rounds,
     )
 
 

@@ -19,7 +19,7 @@ Every executor reports each run's :class:`~alignzoo.experiment.arm.RunResult` th
 report does not depend on the executor.
 
 A run that starts trains with the threads it is given here; a resumed run trains with the
-count its first attempt had, which its checkpoints record (:mod:`alignzoo.threads`), in a
+count its first attempt had, which its checkpoints record (:mod:`alignzoo.engine.threads`), in a
 worker or in this process alike.
 """
 
@@ -35,6 +35,7 @@ from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from alignzoo.engine.threads import limit_threads
 from alignzoo.errors import UserError
 from alignzoo.experiment.arm import (
     RunFn,
@@ -45,7 +46,6 @@ from alignzoo.experiment.arm import (
     run_engine,
 )
 from alignzoo.runfolder import RunStatus, seed_folder
-from alignzoo.threads import limit_threads
 
 if TYPE_CHECKING:
     from alignzoo.config.loader import LoadedExperiment

@@ -161,7 +161,7 @@ def export(run: Path, out: Path, step: str = "last", merge: bool = False) -> Cho
     from alignzoo.engine import models as model_loading
     from alignzoo.engine.checkpoint import load_actor_weights
     from alignzoo.engine.policy import policy_path
-    from alignzoo.experiment.runfiles import metric_key
+    from alignzoo.runfolder.runfiles import metric_key
 
     run = Path(run)
     config = _config(run)

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from alignzoo.config.schema import ExperimentSpec
-from alignzoo.experiment.runfiles import read_status
 from alignzoo.metrics import evaluation_key
 from alignzoo.runfolder import RunFolder, RunStatus
+from alignzoo.runfolder.runfiles import read_status
 
 if TYPE_CHECKING:
     from alignzoo.experiment.arm import RunResult

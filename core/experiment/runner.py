@@ -40,8 +40,8 @@ from alignzoo.experiment.arm import (
 )
 from alignzoo.experiment.executors import Executor, LocalExecutor, RunJob
 from alignzoo.experiment.progress import ProgressView, print_summary
-from alignzoo.experiment.runfiles import EXPERIMENT_FILE, read_status
 from alignzoo.runfolder import RunFolder, RunStatus, write_atomic
+from alignzoo.runfolder.runfiles import EXPERIMENT_FILE, read_status
 
 # Spec sections that must match for a resumed experiment to stay a fair comparison.
 _SHARED_SECTIONS = ("budget", "data", "evaluation", "model", "training")
@@ -185,7 +185,7 @@ def run_experiment(
     with ``jobs > 1``, in that many spawned worker processes; a
     :class:`~alignzoo.experiment.executors.RayExecutor` runs them as Ray tasks. Every job caps
     BLAS/torch threads at ``max(1, cpu_count // jobs)`` in a worker; a resumed run trains with
-    the count its checkpoint records, in a worker or here (:mod:`alignzoo.threads`), so its
+    the count its checkpoint records, in a worker or here (:mod:`alignzoo.engine.threads`), so its
     numbers do not depend on how many runs are left or on ``jobs``. ``run_fn`` replaces the
     engine's ``run_one`` (same signature; a module-level function when it runs in workers,
     where it receives the spec without components).

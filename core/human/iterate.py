@@ -63,7 +63,8 @@ def due(cfg: IterateConfig, step: int, last_step: int | None = None) -> int | No
 
 
 class Rounds:
-    """The rounds of one run (built by the training loop when ``labeling.iterate`` is set)."""
+    """The rounds of one run (built by the training loop when ``labeling.iterate`` is set:
+    the engine's ``run_one`` is handed this class as its ``rounds``)."""
 
     def __init__(self, cfg: IterateConfig, run: Any, log: Any = print) -> None:
         from alignzoo import distributed
@@ -250,7 +251,7 @@ class Rounds:
             if self.cfg.negatives in NEGATIVES:
                 negatives = NEGATIVES[self.cfg.negatives]
             else:
-                from alignzoo.callables import load_callable
+                from alignzoo.config.callables import load_callable
 
                 negatives = load_callable(self.cfg.negatives, "labeling.iterate.negatives")
         tmp = self.folder / f".tmp-rm-{k}"

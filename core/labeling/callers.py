@@ -29,14 +29,23 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from alignzoo.errors import LabelerTimeout, LabelerUnavailable, UserError
 from alignzoo.labeling.interface import LabelRequest, Outcome, Score, check_scores, start_labeler
 
 if TYPE_CHECKING:
+    import pluggy
+
     from alignzoo.config.schema import BreakerConfig
-    from alignzoo.engine.hooks import Hooks
+
+
+class Hooks(Protocol):
+    """What labeling needs of a labeler's hooks: its plugin manager (the engine's
+    :class:`alignzoo.engine.hooks.Hooks` is one; labeling imports nothing of the engine)."""
+
+    pm: pluggy.PluginManager
+
 
 WORKER_START_S = 120.0
 """How long a labeler worker process may take to start (not part of a call's timeout)."""

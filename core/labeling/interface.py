@@ -14,83 +14,12 @@ Layers of :mod:`alignzoo.labeling`: this interface; :mod:`~alignzoo.labeling.orc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
-
-@dataclass
-class LabelRequest:
-    """One thing to score: the prompt, the response and any extra dataset columns.
-
-    In a run two more fields are set (None outside one: relabel, a served labeler):
-    ``completion_ids``, the token ids the policy sampled for the response (what TRL passes as
-    ``completion_ids``), and ``step``, the training step the sample is for (in evaluation, the
-    step evaluated: 0 before training). Neither is part of the request's identity: the label store keys on prompt, response
-    and extra only.
-    """
-
-    prompt: str
-    response: str
-    extra: dict[str, Any] = field(default_factory=dict)
-    completion_ids: list[int] | None = None
-    step: int | None = None
-
-
-class Outcome(str, Enum):
-    """What became of one sample's label.
-
-    ``value``: a number to train on (malformed *model output* is a value too, e.g. 0 with
-    ``info["malformed"]``). ``abstain``: the labeler declines (no answer key, out of scope).
-    ``timeout``: the call did not answer in time (its worker was killed). ``error``: the
-    infrastructure failed (connection, 5xx, a crashed worker, an exception in the labeler).
-    ``parse_failure``: the labeler's own answer was unreadable (a judge's reply). ``rejected``:
-    the labeler answered something unusable (NaN, inf, the wrong count or type).
-    Each arm's ``labeling.on`` says what to do with each (see
-    :class:`alignzoo.config.schema.LabelingConfig`).
-    """
-
-    VALUE = "value"
-    ABSTAIN = "abstain"
-    TIMEOUT = "timeout"
-    ERROR = "error"
-    PARSE_FAILURE = "parse_failure"
-    REJECTED = "rejected"
-
-
-@dataclass
-class Score:
-    """A labeler's verdict on one response.
-
-    ``outcome`` is :attr:`Outcome.VALUE` for a real score; a labeler that declines returns
-    ``Score.abstain(reason)``, one that cannot read its own answer ``Score.parse_failure(reason)``
-    (a labeler may also raise :class:`alignzoo.errors.LabelerUnavailable` for an infrastructure
-    failure). ``valid`` is False for a value the labeler judged without confidence (kept for
-    the ``reward/valid_frac`` metric; it is trained on). ``info`` carries anything worth logging
-    (extracted answer, raw model score, latency). Two keys have a meaning for the engine:
-
-    - ``info["correct"]`` (bool): the labeler knows the right answer and says whether the
-      response has it. When every score of an evaluation carries it, the engine reports
-      ``eval/exact_match`` (and ``eval/pass@k`` uses it); online unpaired data (KTO) counts a
-      correct sample as desirable.
-    - ``info["raw"]`` (number): the unscaled value of a labeler that rescales its scores per
-      batch; evaluation reports it as ``eval/score`` so the metric means the same at every step.
-    """
-
-    value: float
-    valid: bool = True
-    info: dict[str, Any] = field(default_factory=dict)
-    outcome: Outcome = Outcome.VALUE
-
-    @classmethod
-    def abstain(cls, reason: str = "") -> Score:
-        """The labeler declines to label this sample (not a zero)."""
-        return cls(math.nan, False, {"reason": reason} if reason else {}, Outcome.ABSTAIN)
-
-    @classmethod
-    def parse_failure(cls, reason: str = "") -> Score:
-        """The labeler could not read its own answer (e.g. a judge's reply without a score)."""
-        return cls(math.nan, False, {"reason": reason} if reason else {}, Outcome.PARSE_FAILURE)
+# The labeler's records are part of the plugin contract, at the package root.
+from alignzoo.types import LabelRequest as LabelRequest
+from alignzoo.types import Outcome as Outcome
+from alignzoo.types import Score as Score
 
 
 class StandaloneRun:

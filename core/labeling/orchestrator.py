@@ -67,7 +67,7 @@ from alignzoo.labeling.store import LabelStore, labeler_identity, request_key
 if TYPE_CHECKING:
     from alignzoo.batch import RolloutBatch
     from alignzoo.config.schema import LabelingConfig
-    from alignzoo.engine.hooks import Hooks
+    from alignzoo.labeling.callers import Hooks
 
 
 def run_index(context: Any) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ from pydantic import ValidationError
 from alignzoo import runfolder
 from alignzoo.config.schema import ComponentRef
 from alignzoo.errors import UserError
+from alignzoo.runfolder.runfiles import append_jsonl, read_jsonl, read_status
+
+HooksFor = Callable[[Any, str], Any]  # (labeler component, its name) -> the hooks of it alone
 
 CONTROL = Path(runfolder.CONTROL) / "labeler.yaml"
 """The pending request: the last one written (atomically) by the command or by a round."""
@@ -72,8 +76,6 @@ def read_ref(path: Path) -> ComponentRef:
 
 def run_folders(folder: Path) -> list[Path]:
     """The unfinished run folders at or under ``folder`` (a run folder or an experiment's)."""
-    from alignzoo.experiment.runfiles import read_status
-
     candidates = (
         [folder]
         if (folder / "config.yaml").is_file()
@@ -127,8 +129,6 @@ def write_request(run: Path, payload: dict[str, Any]) -> None:
 
 def finished_step(run: Path) -> int:
     """The last step the run in ``run`` has finished (its last metrics line; 0 before any)."""
-    from alignzoo.experiment.runfiles import read_jsonl
-
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if isinstance(r.get("step"), int)]
     return max(steps, default=0)
 
@@ -190,8 +190,6 @@ def resolve_ref(labeler: dict[str, Any], run: Path) -> ComponentRef:
 def read_ledger(run: Path) -> list[dict[str, Any]]:
     """The requests the run took, in order: ``{"step": n, "request": {...}}`` rows (a line cut
     by a kill is left out)."""
-    from alignzoo.experiment.runfiles import read_jsonl
-
     return [
         row
         for row in read_jsonl(run / LEDGER)
@@ -246,39 +244,41 @@ def _with_a_shadow(folder: Path, runs: list[Path]) -> list[Path]:
     return running
 
 
-def _slot(ref: ComponentRef, stage: Any, context: Any) -> Any:
-    from alignzoo.engine.hooks import Hooks
+def _slot(ref: ComponentRef, stage: Any, context: Any, hooks_for: HooksFor) -> Any:
     from alignzoo.labeling.callers import Breaker, InlineCaller, ProcessCaller, Slot
     from alignzoo.labeling.store import labeler_identity
-    from alignzoo.registry import build_plugin_manager
 
     component = build_labeler(ref)
-    hooks = Hooks(build_plugin_manager([component]), ref.name)
+    hooks = hooks_for(component, ref.name)
     hooks.on_run_start(context)
     process = stage.cfg.isolation == "process" or stage.cfg.timeout_s is not None
     call = ProcessCaller(component) if process else InlineCaller(hooks, component)
     return Slot(ref.name, call, Breaker(stage.cfg.breaker), identity=labeler_identity(component))
 
 
-def restore(stage: Any, context: Any) -> None:
-    """After a resume: label with the labeler (and shadow) recorded in ``run.state``."""
+def restore(stage: Any, context: Any, hooks_for: HooksFor) -> None:
+    """After a resume: label with the labeler (and shadow) recorded in ``run.state``.
+
+    ``hooks_for(component, name)`` is the engine's checked hook facade over a plugin manager
+    holding that labeler alone (the caller passes it: labeling imports nothing of the engine)."""
     state = context.state.get(STATE_KEY) or {}
     run = Path(context.out_dir)
     if state.get("head"):
-        stage.replace_head(_slot(resolve_ref(state["head"], run), stage, context))
+        stage.replace_head(_slot(resolve_ref(state["head"], run), stage, context, hooks_for))
     if state.get("shadow"):
-        stage.set_shadow(_slot(resolve_ref(state["shadow"], run), stage, context))
+        stage.set_shadow(_slot(resolve_ref(state["shadow"], run), stage, context, hooks_for))
 
 
-def poll(stage: Any, context: Any, log: Any = print) -> None:
+def poll(stage: Any, context: Any, hooks_for: HooksFor, log: Any = print) -> None:
     """Before each step: take again what the ledger says was taken before this step (a resumed
-    run), then the pending request if it is new and due (see the module docstring)."""
+    run), then the pending request if it is new and due (see the module docstring);
+    ``hooks_for`` as in :func:`restore`."""
     run, step = Path(context.out_dir), context.step
     state = context.state.setdefault(STATE_KEY, {})
     ledger = read_ledger(run)
     for entry in ledger:
         if entry["step"] == step:
-            _apply(entry["request"], stage, context, state, log)
+            _apply(entry["request"], stage, context, state, log, hooks_for)
     path = run / CONTROL
     if not path.is_file():
         return
@@ -294,14 +294,17 @@ def poll(stage: Any, context: Any, log: Any = print) -> None:
     not_before = payload.get("not_before")
     if isinstance(not_before, int) and step < not_before:
         return
-    from alignzoo.engine.sinks import append_jsonl
-
     append_jsonl(run / LEDGER, {"step": step, "request": payload})  # before it takes effect
-    _apply(payload, stage, context, state, log)
+    _apply(payload, stage, context, state, log, hooks_for)
 
 
 def _apply(
-    payload: dict[str, Any], stage: Any, context: Any, state: dict[str, Any], log: Any
+    payload: dict[str, Any],
+    stage: Any,
+    context: Any,
+    state: dict[str, Any],
+    log: Any,
+    hooks_for: HooksFor,
 ) -> None:
     """Take one request (swap, shadow or promote) and record it in ``swaps.jsonl``."""
     state["applied"] = payload.get("id")
@@ -322,7 +325,7 @@ def _apply(
                 raise UserError("the request names no labeler ({name: ..., params: {...}})")
             ref = resolve_ref(labeler, Path(context.out_dir))  # validated before it is kept
             row["labeler"] = dict(labeler)
-            slot = _slot(ref, stage, context)
+            slot = _slot(ref, stage, context, hooks_for)
             if action == "shadow":
                 stage.set_shadow(slot)
                 state["shadow"] = row["labeler"]

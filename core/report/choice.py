@@ -17,8 +17,8 @@ from pathlib import Path
 
 from alignzoo import metrics as canonical
 from alignzoo.errors import UserError
-from alignzoo.experiment.runfiles import RunData, number
 from alignzoo.runfolder import RunStatus
+from alignzoo.runfolder.runfiles import RunData, number
 
 BOOKKEEPING = frozenset({"step", "time_s", "samples"})
 """Keys of every eval.jsonl row that say when it was written, not how the policy did."""

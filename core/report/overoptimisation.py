@@ -23,10 +23,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from alignzoo import metrics as canonical
-from alignzoo.experiment.runfiles import RunData, number
 from alignzoo.report import plots
 from alignzoo.report.document import Block
 from alignzoo.runfolder import RunStatus
+from alignzoo.runfolder.runfiles import RunData, number
 
 FELL_BY = 0.05
 """A seed counts as over-optimised when its final gold value is this far below its peak."""

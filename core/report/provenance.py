@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from alignzoo.experiment.runfiles import RunData
 from alignzoo.provenance import comparable_key, read_sessions
 from alignzoo.report.document import Block
+from alignzoo.runfolder.runfiles import RunData
 
 
 def _git(entry: dict[str, Any]) -> str:

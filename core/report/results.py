@@ -31,10 +31,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from alignzoo.experiment.runfiles import RunData, number
 from alignzoo.provenance import COMPARED, comparable_key, read_sessions
 from alignzoo.report.document import Block
 from alignzoo.runfolder import RunFolder, RunStatus, write_atomic
+from alignzoo.runfolder.runfiles import RunData, number
 
 RESULTS_FORMAT = 1
 EDGE_STEPS = 5

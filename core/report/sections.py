@@ -22,7 +22,13 @@ from typing import Any
 from alignzoo import metrics as canonical
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
-from alignzoo.experiment.runfiles import (
+from alignzoo.report import plots, stats
+from alignzoo.report.choice import MetricChoice, check_every_run, report_stem, resolve_key
+from alignzoo.report.document import Block, render_html, render_markdown
+from alignzoo.report.overoptimisation import overoptimisation_blocks
+from alignzoo.report.provenance import provenance_blocks
+from alignzoo.runfolder import SEED_FOLDER, RunFolder, RunStatus, write_atomic
+from alignzoo.runfolder.runfiles import (
     RunData,
     find_runs,
     load_spec,
@@ -30,12 +36,6 @@ from alignzoo.experiment.runfiles import (
     number,
     read_jsonl,
 )
-from alignzoo.report import plots, stats
-from alignzoo.report.choice import MetricChoice, check_every_run, report_stem, resolve_key
-from alignzoo.report.document import Block, render_html, render_markdown
-from alignzoo.report.overoptimisation import overoptimisation_blocks
-from alignzoo.report.provenance import provenance_blocks
-from alignzoo.runfolder import SEED_FOLDER, RunFolder, RunStatus, write_atomic
 
 TRAIN_PLOTS = (
     (

@@ -339,7 +339,7 @@ def check_backend(
     backend: Any, params: Any = None, max_examples: int = 10, shrink_seconds: float = 10.0
 ) -> list[CheckResult]:
     """The backend contract suite (see the module docstring), on a small random policy."""
-    from alignzoo.engine.forward import policy_forward
+    from alignzoo.kernels.forward import policy_forward
     from alignzoo.ops import sampling_rows
 
     label, factory = component_factory("backend", backend, params)

@@ -10,7 +10,7 @@ batch:
 
 The loss is PPO's clipped surrogate on these advantages, as in RLOO: the two differ only in
 their advantages and share the rest
-(:class:`~alignzoo.plugins.algorithms._reinforce.KLPenalisedReinforce`).
+(:class:`~alignzoo.algorithms.reinforce.KLPenalisedReinforce`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
+from alignzoo.algorithms.reinforce import KLPenalisedReinforce
 from alignzoo.plugin import hookimpl
-from alignzoo.plugins.algorithms._reinforce import KLPenalisedReinforce
 from alignzoo.types import AggregationParams, LossAggregation
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ The whole response is one action: the sequence reward may carry a KL penalty to 
 advantage, and the loss is PPO's clipped surrogate without a critic (at ratio 1, after one
 update per batch, it is exactly REINFORCE), as in REINFORCE++: the two differ only in
 their advantages and share the rest
-(:class:`~alignzoo.plugins.algorithms._reinforce.KLPenalisedReinforce`). A sample alone in
+(:class:`~alignzoo.algorithms.reinforce.KLPenalisedReinforce`). A sample alone in
 its group gets advantage 0.
 """
 
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
+from alignzoo.algorithms.reinforce import KLPenalisedReinforce
 from alignzoo.plugin import hookimpl
-from alignzoo.plugins.algorithms._reinforce import KLPenalisedReinforce
 from alignzoo.types import AggregationParams, LossAggregation
 
 if TYPE_CHECKING:

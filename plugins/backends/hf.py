@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
+from alignzoo.kernels.generation import cut_after_eos, encode_prompts, eos_token_ids
 from alignzoo.plugin import Backend, hookimpl
 
 if TYPE_CHECKING:
@@ -364,9 +365,9 @@ PACK_FROM_NEW_TOKENS = 32
 
 def _decoder(model: Any, rows: int, capacity: int, pack: bool) -> _LeanDecoder | _CacheDecoder:
     """The decode loop's forward passes: alignzoo's lean forward for the models it runs exactly
-    (:func:`alignzoo.engine.lean.lean_reason`), the model's own forward over a DynamicCache
+    (:func:`alignzoo.kernels.lean.lean_reason`), the model's own forward over a DynamicCache
     otherwise."""
-    from alignzoo.engine.lean import can_run_lean
+    from alignzoo.kernels.lean import can_run_lean
 
     if can_run_lean(model):
         return _LeanDecoder(model, rows, capacity, pack)
@@ -374,11 +375,11 @@ def _decoder(model: Any, rows: int, capacity: int, pack: bool) -> _LeanDecoder |
 
 
 class _LeanDecoder:
-    """Prefill and decode steps through :func:`alignzoo.engine.lean.lean_logits` over one
+    """Prefill and decode steps through :func:`alignzoo.kernels.lean.lean_logits` over one
     preallocated KV cache (no mask growing per token, no cache or output objects)."""
 
     def __init__(self, model: Any, rows: int, capacity: int, pack: bool) -> None:
-        from alignzoo.engine.lean import KVCache
+        from alignzoo.kernels.lean import KVCache
 
         self.model = model
         self.cache = KVCache.empty(model, rows, capacity, _model_device(model))
@@ -397,7 +398,7 @@ class _LeanDecoder:
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The next logits ``[rows, V]`` after one more token ``[rows, 1]`` at ``position``."""
         if self.pack and self.linear is None:  # the steps' rows never change: pack once
-            from alignzoo.engine.lean import PackedLinears
+            from alignzoo.kernels.lean import PackedLinears
 
             self.linear = PackedLinears(self.model, token.shape[0])
         return self._logits(token, torch.ones_like(token), position, self.linear)
@@ -405,7 +406,7 @@ class _LeanDecoder:
     def _logits(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, linear: Any = None
     ) -> torch.Tensor:
-        from alignzoo.engine.lean import lean_logits
+        from alignzoo.kernels.lean import lean_logits
 
         logits = lean_logits(
             self.model, ids, mask, positions, logits_to_keep=1, cache=self.cache, linear=linear
@@ -419,7 +420,7 @@ class _CacheDecoder:
     def __init__(self, model: Any) -> None:
         from transformers import DynamicCache
 
-        from alignzoo.engine.forward import forward_parameters
+        from alignzoo.kernels.forward import forward_parameters
 
         self.model = model
         takes = forward_parameters(model)
@@ -460,40 +461,6 @@ class _CacheDecoder:
             input_ids=token, attention_mask=self.mask, position_ids=position, **self.with_cache
         )
         return out.logits[:, -1].float()
-
-
-def encode_prompts(
-    tokenizer: Any, prompts: list[str], extras: list[dict[str, Any]], add_special_tokens: bool
-) -> tuple[list[list[int]], list[dict[str, Any]]]:
-    """Each prompt's token ids (a UserError for one that encodes to none), and the extras (one
-    empty dict per prompt when none were given)."""
-    extras = list(extras) if extras else [{} for _ in prompts]
-    if len(extras) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(extras)} extras")
-    prompt_tokens: list[list[int]] = tokenizer(
-        list(prompts), add_special_tokens=add_special_tokens
-    )["input_ids"]
-    for i, ids in enumerate(prompt_tokens):
-        if not ids:
-            raise UserError(f"prompt {i} encodes to no tokens: {prompts[i]!r}")
-    return prompt_tokens, extras
-
-
-def eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
-    """The tokenizer's EOS plus any EOS ``model``'s generation config lists (a peft model's:
-    its base model's)."""
-    get_base = getattr(model, "get_base_model", None)
-    owner = get_base() if callable(get_base) else model
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    extra = getattr(getattr(owner, "generation_config", None), "eos_token_id", None)
-    for token in [extra] if isinstance(extra, int) else list(extra or []):
-        if int(token) not in ids:
-            ids.append(int(token))
-    if not ids:
-        raise UserError("the tokenizer has no eos_token: generation could never stop")
-    return ids
 
 
 class _SamplingProcessor:
@@ -580,16 +547,6 @@ def _warpers(sampling: SamplingParams) -> list[Any]:
         if sampling.top_p < 1.0:
             warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
     return warpers
-
-
-def cut_after_eos(
-    response: torch.Tensor, eos_ids: list[int], pad: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask 1.0 up to and including the first EOS, 0.0 after; tokens after it become ``pad``."""
-    is_eos = torch.isin(response, torch.tensor(eos_ids, device=response.device))
-    after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
-    mask = (~after).float()
-    return response.masked_fill(after, pad), mask
 
 
 def _pad_rows(tensors: list[torch.Tensor], value: float, left: bool) -> torch.Tensor:

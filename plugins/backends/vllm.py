@@ -40,8 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
+from alignzoo.kernels.generation import eos_token_ids
 from alignzoo.plugin import Backend, hookimpl
-from alignzoo.plugins.backends.hf import eos_token_ids
 
 if TYPE_CHECKING:
     import torch
@@ -217,7 +217,7 @@ class VLLMBackend(Backend):
     ) -> RolloutBatch:
 
         from alignzoo.batch import RolloutBatch
-        from alignzoo.plugins.backends.hf import cut_after_eos, encode_prompts
+        from alignzoo.kernels.generation import cut_after_eos, encode_prompts
 
         if self.llm is None or self.tokenizer is None:
             raise RuntimeError("VLLMBackend.generate called before on_run_start")

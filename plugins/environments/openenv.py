@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from alignzoo.callables import load_callable
+from alignzoo.config.callables import load_callable
 from alignzoo.errors import UserError
 from alignzoo.integrations import require
 from alignzoo.plugin import Environment, hookimpl

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from alignzoo.callables import load_callable
+from alignzoo.config.callables import load_callable
 from alignzoo.errors import UserError
 from alignzoo.plugin import Environment, hookimpl
 from alignzoo.rollout.episode import EpisodeStart, Message, StepResult, Turn

@@ -41,7 +41,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from alignzoo import Labeler, LabelRequest, Score, hookimpl
-from alignzoo.callables import load_callable
+from alignzoo.config.callables import load_callable
 from alignzoo.errors import LabelerTimeout, LabelerUnavailable, UserError
 
 

@@ -16,14 +16,14 @@ from pydantic import Field, model_validator
 
 from alignzoo import LabelRequest, Score, hookimpl
 from alignzoo.config.schema import ComponentRef
+from alignzoo.human.labeler import QueueLabeler
 from alignzoo.human.simulate import Annotator, Simulation, rule_scorer, simulate
-from alignzoo.plugins.labelers.human import HumanLabeler
 
 
-class SimulatedAnnotatorsLabeler(HumanLabeler):
+class SimulatedAnnotatorsLabeler(QueueLabeler):
     """Simulated people (rule + noise + bias per annotator) answering the human queue."""
 
-    class Params(HumanLabeler.Params):
+    class Params(QueueLabeler.Params):
         rule: ComponentRef = Field(description="The labeler whose 0..1 score they start from.")
         annotators: list[Annotator] = Field(min_length=1, description="The annotators.")
         seed: int = Field(0, description="Seeds every annotator's draws.")

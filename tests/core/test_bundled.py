@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from alignzoo import bundled
+from alignzoo.config import bundled
 from tests.core.test_cli import alignzoo, assert_user_error
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,8 @@
 """The layout's promises, read from the code's own imports (every import statement, those inside
-functions and under TYPE_CHECKING included): no import circle in core, no core module that
-imports a plugin, no module that imports another module's private names."""
+functions and under TYPE_CHECKING included): no import circle in core, between modules or
+between packages; a contract root that imports no subpackage and at most 16 loose modules at
+the root; no core module that imports a plugin and no plugin that imports another; no module
+that imports another module's private names."""
 
 from __future__ import annotations
 
@@ -162,3 +164,99 @@ def test_the_architecture_pages_tree_names_every_module_and_no_missing_one() -> 
     elsewhere |= {"__init__.py"}
     example = {"file.py"}  # "file.py:name", the form of a user's callable
     assert sorted(named - files - elsewhere - example) == [], "named files that do not exist"
+
+
+CONTRACT = ("hookspecs", "types", "plugin", "batch", "ops", "errors")
+"""The contract root: what a plugin is written against, which imports no subpackage."""
+MAX_LOOSE_MODULES = 16
+
+
+def package_of(module: str) -> str:
+    """The package a core module belongs to: ``alignzoo.<sub>`` for a subpackage's module, the
+    module itself for one loose at the root."""
+    parts = module.split(".")
+    if len(parts) > 1 and (CORE / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return module
+
+
+def package_graph() -> dict[str, dict[str, list[str]]]:
+    """Package -> the packages it imports -> the module edges that make each import (a module
+    of the root is its own node)."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, targets in import_graph().items():
+        mine = package_of(module)
+        edges = graph.setdefault(mine, {})
+        for target in sorted(targets):
+            theirs = package_of(target)
+            if theirs != mine:
+                edges.setdefault(theirs, []).append(f"{module} -> {target}")
+    return graph
+
+
+def test_the_package_reader_finds_a_circle_between_packages() -> None:
+    # The premise of the test below: modules that do not form a circle, whose packages do.
+    assert package_of("alignzoo.engine.modes.base") == "alignzoo.engine"
+    assert package_of("alignzoo.types") == "alignzoo.types"
+    modules = {"p.a": {"q.b"}, "q.b": set(), "q.c": {"p.d"}, "p.d": set()}
+    packages = {
+        pkg: {t.split(".")[0] for m, ts in modules.items() if m.startswith(pkg) for t in ts} - {pkg}
+        for pkg in ("p", "q")
+    }
+    assert cycles(modules) == []
+    assert cycles(packages) == [["p", "q"]]
+
+
+def test_core_has_no_import_circle_between_packages() -> None:
+    graph = package_graph()
+    # premise: the subpackages are nodes and the layers' edges are seen
+    assert "alignzoo.config" in graph["alignzoo.engine"]
+    found = cycles({pkg: set(edges) for pkg, edges in graph.items()})
+    named = [
+        " <-> ".join(circle)
+        + ": "
+        + "; ".join(edge for a in circle for b in circle if b in graph[a] for edge in graph[a][b])
+        for circle in found
+    ]
+    assert named == [], "package circles"
+
+
+@pytest.mark.parametrize("module", CONTRACT)
+def test_the_contract_root_imports_no_subpackage(module: str) -> None:
+    graph = import_graph()
+    reached = sorted(
+        target for target in graph[f"alignzoo.{module}"] if package_of(target) != target
+    )
+    assert reached == [], f"alignzoo.{module} imports a subpackage"
+
+
+def test_the_root_holds_at_most_16_loose_modules() -> None:
+    loose = sorted(
+        p.name for p in CORE.glob("*.py") if p.name not in {"__init__.py", "__main__.py"}
+    )
+    assert len(loose) <= MAX_LOOSE_MODULES, loose
+
+
+def test_a_built_in_plugin_imports_no_other_plugin() -> None:
+    """A plugin module imports the package (core), never another plugin; its own private
+    helper module (``_name.py`` beside it, imported by it alone) is part of it."""
+    plugins = ROOT / "plugins"
+    names = {
+        "alignzoo.plugins."
+        + ".".join(p.relative_to(plugins).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted(plugins.rglob("*.py"))
+    }
+    users: dict[str, set[str]] = {}
+    for name, path in names.items():
+        if path.name == "__init__.py":
+            continue
+        for target, imported, _ in imports_of(name, path):
+            if target.startswith("alignzoo.plugins"):
+                module = f"{target}.{imported}" if f"{target}.{imported}" in names else target
+                users.setdefault(module, set()).add(name)
+    offenders = sorted(
+        f"{', '.join(sorted(importers))} import {module}"
+        for module, importers in users.items()
+        if not module.rpartition(".")[2].startswith("_") or len(importers) > 1
+    )
+    assert offenders == []

@@ -20,7 +20,7 @@ from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 from trl.trainer.utils import add_fused_lm_head
 
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.forward import policy_forward
+from alignzoo.kernels.forward import policy_forward
 from alignzoo.ops import sampling_rows
 
 from .test_trl_parity import tiny_model

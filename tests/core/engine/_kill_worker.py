@@ -131,7 +131,9 @@ def _run(job: dict[str, Any]) -> int:
     try:
         loaded = load_experiment(job["experiment"])
         out = Path(job["out"])
-        summary = loop.run_one(loaded, job["arm"], int(job["seed"]), out, resume=job["resume"])
+        summary = loop.run_one(
+            loaded, job["arm"], int(job["seed"]), out, resume=job["resume"], rounds=iterate.Rounds
+        )
         print(summary, flush=True)
         return 0 if summary.status == "finished" else 1
     except BaseException:

@@ -14,9 +14,9 @@ from alignzoo.batch import PolicyOutputs, RolloutBatch
 from alignzoo.config.loader import load_experiment
 from alignzoo.config.schema import EmbeddedModelConfig, ModelConfig
 from alignzoo.engine import models as model_loading
-from alignzoo.engine.forward import policy_forward
 from alignzoo.engine.loop import run_one
 from alignzoo.errors import UserError
+from alignzoo.kernels.forward import policy_forward
 from alignzoo.plugins.algorithms.dpo import DPO
 from alignzoo.plugins.algorithms.grpo import GRPO
 from alignzoo.registry import build_plugin_manager

@@ -175,7 +175,7 @@ def test_sigkill_during_labeling_then_resume_scores_no_sample_twice(
     uninterrupted one."""
     from alignzoo.labeling.service import ServeConfig, build_app
 
-    from .test_labeler_server import ARITHMETIC, running
+    from ..labeling.test_labeler_server import ARITHMETIC, running
 
     servers = {name: CallLog(build_app(ServeConfig.model_validate(ARITHMETIC))) for name in ("full", "killed")}  # fmt: skip
     full, killed = tmp_path / "full", tmp_path / "killed"

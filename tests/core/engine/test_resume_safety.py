@@ -16,10 +16,10 @@ from alignzoo.config.loader import load_experiment
 from alignzoo.engine.checkpoint import CheckpointError, check_checkpoint, find_resume_point
 from alignzoo.engine.loop import run_one
 from alignzoo.errors import UserError
-from alignzoo.experiment.runfiles import read_run
 from alignzoo.plugin import Modifier, hookimpl
 from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 from alignzoo.report.sections import _attempts
+from alignzoo.runfolder.runfiles import read_run
 
 from .conftest import mark_running, read_jsonl, tiny_experiment
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from alignzoo.batch import PolicyOutputs, RolloutBatch
-from alignzoo.engine.forward import outside_support, policy_forward
+from alignzoo.kernels.forward import outside_support, policy_forward
 from alignzoo.ops import sampling_rows, warp_logits
 from alignzoo.types import LossContext
 

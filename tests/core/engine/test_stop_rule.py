@@ -81,8 +81,8 @@ def test_a_run_stops_once_its_metric_fell_twice_and_keeps_a_checkpoint_there(
 
 
 def test_the_report_compares_at_the_best_kept_checkpoint_when_asked(tmp_path: Path) -> None:
-    from alignzoo.experiment.runfiles import read_run
     from alignzoo.report.sections import compared_value, kept_checkpoint_steps
+    from alignzoo.runfolder.runfiles import read_run
 
     run_dir = tmp_path / "arm" / "seed-0"
     run_dir.mkdir(parents=True)

@@ -340,7 +340,7 @@ def test_episode_metrics_of_an_evaluation_are_means_over_the_chunks_that_report_
 
 
 def test_threads_set_to_gives_the_process_its_own_count_back(monkeypatch) -> None:
-    from alignzoo.threads import THREAD_VARIABLES, threads_set_to
+    from alignzoo.engine.threads import THREAD_VARIABLES, threads_set_to
 
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "5")

@@ -37,10 +37,10 @@ import yaml
 
 from alignzoo.config.loader import load_experiment
 from alignzoo.config.schema import TaskConfig
-from alignzoo.experiment.runfiles import read_run
 from alignzoo.experiment.runner import run_experiment
 from alignzoo.metrics import EVAL_EXACT_MATCH
 from alignzoo.report import stats
+from alignzoo.runfolder.runfiles import read_run
 from alignzoo.world.task import make_examples
 
 SEEDS = [0, 1, 2, 3, 4, 5, 6]

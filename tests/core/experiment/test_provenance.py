@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from alignzoo import provenance
-from alignzoo.experiment.runfiles import RunData
 from alignzoo.report.document import render_markdown
 from alignzoo.report.provenance import provenance_blocks
+from alignzoo.runfolder.runfiles import RunData
 
 
 def test_a_session_names_versions_machine_command_and_hashes(tmp_path: Path) -> None:

@@ -107,7 +107,9 @@ WORKER = textwrap.dedent(
 
     iterate.Rounds._retrain = retrain
     exp, out, resume = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "1"
-    summary = run_one(load_experiment(exp), "grpo", 0, out, resume=resume)
+    summary = run_one(
+        load_experiment(exp), "grpo", 0, out, resume=resume, rounds=iterate.Rounds
+    )
     print(summary.status, summary.error)
     sys.exit(0 if summary.status == "finished" else 1)
     """

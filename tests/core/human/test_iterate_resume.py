@@ -14,6 +14,7 @@ import pytest
 
 from alignzoo.config.loader import load_experiment
 from alignzoo.engine.loop import run_one
+from alignzoo.human.iterate import Rounds
 
 from ..engine.conftest import (
     KillWorkers,
@@ -73,20 +74,20 @@ def test_a_run_folder_resumes_from_another_working_directory_and_after_a_move(
     exp = _experiment(tmp_path, base, steps=STEPS, checkpoint_every=EVERY)
     loaded = load_experiment(exp)
     full = tmp_path / "full"
-    assert run_one(loaded, "grpo", 0, full).status == "finished"
+    assert run_one(loaded, "grpo", 0, full, rounds=Rounds).status == "finished"
 
     # Started with a relative --out ...
     here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
     here.mkdir()
     elsewhere.mkdir()
     monkeypatch.chdir(here)
-    assert run_one(loaded, "grpo", 0, Path("relout")).status == "finished"
+    assert run_one(loaded, "grpo", 0, Path("relout"), rounds=Rounds).status == "finished"
     run = here / "relout"
     assert read_jsonl(run / "swaps.jsonl")[-1]["labeler"]["params"]["path"] == "rlhf/rm-2"
     # ... resumed from another folder by its absolute path, after the second swap was taken
     back_to_checkpoint(run, 3)
     monkeypatch.chdir(elsewhere)
-    again = run_one(loaded, "grpo", 0, run.resolve(), resume=True)
+    again = run_one(loaded, "grpo", 0, run.resolve(), resume=True, rounds=Rounds)
     assert again.status == "finished", again.error
     assert_same_run_files(full, run, "relative --out resumed from another folder")
 
@@ -95,6 +96,6 @@ def test_a_run_folder_resumes_from_another_working_directory_and_after_a_move(
     moved = tmp_path / "moved" / "run"
     moved.parent.mkdir()
     shutil.move(run, moved)
-    again = run_one(loaded, "grpo", 0, moved, resume=True)
+    again = run_one(loaded, "grpo", 0, moved, resume=True, rounds=Rounds)
     assert again.status == "finished", again.error
     assert_same_run_files(full, moved, "moved")

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
 
 from alignzoo import Labeler, LabelRequest, Score, hookimpl
 from alignzoo.errors import LabelerTimeout, LabelerUnavailable, UserError
@@ -217,3 +221,30 @@ def serve_one_run(base: int, arm: str, seed: int, ready: Any, stop: Any) -> None
     ready.set()
     stop.wait(60)
     labeling.close()
+
+
+class SleepyParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    flag: str = ""  # while this file exists, every call hangs
+    log: str = ""  # every call appends its pid and the responses it scored
+
+
+class Sleepy(Labeler):
+    """Scores len(response); hangs for an hour while ``params.flag`` exists."""
+
+    Params = SleepyParams
+
+    def score(self, request: LabelRequest) -> Score:
+        if self.params.flag and Path(self.params.flag).exists():
+            time.sleep(3600)
+        if self.params.log:
+            with open(self.params.log, "a", encoding="utf-8") as fh:
+                fh.write(f"{os.getpid()} {request.response}\n")
+        return Score(float(len(request.response)))
+
+
+class Crashing(Labeler):
+    """Kills its own process on every call (a segfaulting native library, say)."""
+
+    def score(self, request: LabelRequest) -> Score:
+        os._exit(3)

@@ -23,7 +23,7 @@ from alignzoo.errors import LabelerUnavailable
 from alignzoo.labeling.protocol import MAX_JSON_DEPTH, JSONLimitError, loads_limited
 from alignzoo.labeling.service import DOWN_AFTER_FAILED_CALLS, ServeConfig, build_app
 from alignzoo.plugins.labelers.arithmetic import ArithmeticLabeler
-from tests.core.engine.test_labeler_server import running
+from tests.core.labeling.test_labeler_server import running
 
 SHARED_WINDOW = {"labeler": {"name": "arithmetic"}, "batching": {"max_wait_ms": 250}}
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from alignzoo.experiment.runfiles import RunData
 from alignzoo.report.overoptimisation import (
     FELL_BY,
     gold_points,
     overoptimisation_blocks,
     summarise,
 )
+from alignzoo.runfolder.runfiles import RunData
 
 KEY = "eval/exact_match"
 

@@ -339,7 +339,7 @@ def check_token_in_token_out(
     """
     import torch
 
-    from alignzoo.engine.forward import policy_forward
+    from alignzoo.kernels.forward import policy_forward
 
     outputs: dict[tuple[int, ...], list[list[int]]] = {}  # context -> what was sampled from it
     for contexts, outs in recorder.calls:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from alignzoo.config.schema import EmbeddedModelConfig, EpisodeConfig
-from alignzoo.engine.forward import policy_forward
+from alignzoo.kernels.forward import policy_forward
 from alignzoo.plugin import Environment, hookimpl
 from alignzoo.plugins.backends.hf import HFBackend
 from alignzoo.registry import build_plugin_manager

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from alignzoo import ops
+from alignzoo.algorithms.reinforce import KLPenalisedReinforce
 from alignzoo.plugin import Algorithm
-from alignzoo.plugins.algorithms._reinforce import KLPenalisedReinforce
 from alignzoo.plugins.algorithms.grpo import GRPO
 from alignzoo.plugins.algorithms.ppo import PPO
 from alignzoo.plugins.algorithms.reinforce_pp import ReinforcePlusPlus

@@ -13,6 +13,7 @@ from alignzoo.registry import build_plugin_manager
 from alignzoo.types import SamplingParams
 from alignzoo.weights import PolicyWeights
 
+from ...core.tiny_world import build_world
 from .conftest import load_policy
 
 PROMPTS = ["12+7=", "3+45=", "1+1=", "100+250="]  # different lengths: left padding matters
@@ -477,9 +478,9 @@ def test_a_row_that_is_not_a_distribution_stops_seeded_sampling() -> None:
 def test_the_lean_decoder_samples_what_the_models_own_forward_samples(
     policy_dirs, policy, monkeypatch
 ):
-    """The decode loop over alignzoo.engine.lean and over the model's own forward with a
+    """The decode loop over alignzoo.kernels.lean and over the model's own forward with a
     DynamicCache: the same seeded tokens, log-probs within 1e-5."""
-    from alignzoo.engine import lean
+    from alignzoo.kernels import lean
 
     backend, model, _ = make_backend(policy_dirs[policy], max_batch_size=3)
     assert lean.can_run_lean(model)
@@ -500,7 +501,7 @@ def test_decoding_through_packed_weights_samples_what_the_weights_themselves_sam
     """pack_weights (the default) multiplies by MKL-packed copies of the weights from
     PACK_FROM_NEW_TOKENS new tokens on: the same seeded tokens as pack_weights false, log-probs
     within 1e-5; the copies are taken for long generations only."""
-    from alignzoo.engine import lean
+    from alignzoo.kernels import lean
 
     made: list[int] = []
     real = lean.PackedLinears
@@ -527,3 +528,16 @@ def test_decoding_through_packed_weights_samples_what_the_weights_themselves_sam
     assert packed.response_ids.equal(plain.response_ids)
     assert packed.response_mask.sum() > len(PROMPTS) * 3
     torch.testing.assert_close(packed.rollout_logprobs, plain.rollout_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def world() -> tuple[object, object]:
+    return build_world()
+
+
+def test_hf_backend_refuses_a_rollout_device_other_than_the_actors(world) -> None:
+    model, tokenizer = world
+    devices = {"actor": "cpu", "rollout": "cuda:1"}
+    run = SimpleNamespace(tokenizer=tokenizer, device=devices.__getitem__, actor=model)
+    with pytest.raises(UserError, match=r"rollout.*actor's device"):
+        HFBackend().on_run_start(run)

@@ -80,7 +80,7 @@ def test_greedy_outputs_equal_the_hf_backends_before_and_after_a_sync(backends):
 
 
 def test_sampled_log_probs_are_the_policys_own(backends):
-    from alignzoo.engine.forward import policy_forward
+    from alignzoo.kernels.forward import policy_forward
 
     model, _, engine = backends
     batch = engine.generate(
@@ -100,7 +100,7 @@ def test_warped_sampling_log_probs_are_those_of_the_distribution_drawn_from(back
     """At temperature 0.7 with top-k and top-p, vLLM's recorded log-probs (processed_logprobs)
     equal the trainer's under the same distribution, and differ from the raw logits' (what
     raw_logprobs gave)."""
-    from alignzoo.engine.forward import policy_forward
+    from alignzoo.kernels.forward import policy_forward
     from alignzoo.ops import sampling_rows
 
     model, _, engine = backends
@@ -152,7 +152,7 @@ def test_multi_turn_episodes_keep_the_ids_vllm_sampled(backends):
     the trainer's log-probs of the sampled tokens equal vLLM's (the environment's tokens are
     context, never trained)."""
     from alignzoo.config.schema import EpisodeConfig
-    from alignzoo.engine.forward import policy_forward
+    from alignzoo.kernels.forward import policy_forward
     from alignzoo.plugin import Environment, hookimpl
     from alignzoo.registry import build_plugin_manager
     from alignzoo.rollout.episode import EpisodeStart, StepResult

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from alignzoo.config.schema import EmbeddedModelConfig, EpisodeConfig
-from alignzoo.engine.forward import policy_forward
+from alignzoo.kernels.forward import policy_forward
 from alignzoo.plugins.backends.hf import HFBackend
 from alignzoo.plugins.environments.calculator import CalculatorEnvironment
 from alignzoo.registry import build_plugin_manager

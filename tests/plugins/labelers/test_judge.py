@@ -12,7 +12,7 @@ from alignzoo import LabelRequest
 from alignzoo.errors import LabelerUnavailable
 from alignzoo.plugins.labelers.judge import JudgeLabeler, RateLimiter
 from alignzoo.types import Outcome
-from tests.core.engine.test_labeler_server import running
+from tests.core.labeling.test_labeler_server import running
 
 SEEN: list[dict] = []
 

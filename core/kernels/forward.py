@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from alignzoo.batch import RolloutBatch
-from alignzoo.engine.lean import can_run_lean, lean_hidden, lean_logits
+from alignzoo.kernels.lean import can_run_lean, lean_hidden, lean_logits
 from alignzoo.ops import (
     head_logprobs,
     logprobs_and_entropy,
@@ -91,8 +91,8 @@ def response_logits(
 
     Where the model supports it, only the last ``R + 1`` positions go through the LM head, so
     the prompt's logits (a large ``[B, P, V]`` for a real vocabulary) are never computed. A
-    Qwen2 or Llama model runs through :func:`alignzoo.engine.lean.lean_logits` (its own modules,
-    the same logits) unless :func:`~alignzoo.engine.lean.lean_reason` says it cannot.
+    Qwen2 or Llama model runs through :func:`alignzoo.kernels.lean.lean_logits` (its own modules,
+    the same logits) unless :func:`~alignzoo.kernels.lean.lean_reason` says it cannot.
     """
     device = _device_of(model)
     prompt_len = batch.prompt_ids.shape[1]

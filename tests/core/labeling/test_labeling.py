@@ -14,12 +14,13 @@ import pytest
 from alignzoo import Labeler, LabelRequest, Score, hookimpl
 from alignzoo.config.schema import LabelingConfig
 from alignzoo.engine.hooks import Hooks
-from alignzoo.errors import LabelerUnavailable, RunError
+from alignzoo.errors import LabelerUnavailable, RunError, UserError
 from alignzoo.labeling.callers import Breaker, ProcessCaller
-from alignzoo.labeling.orchestrator import LabelingStage
+from alignzoo.labeling.orchestrator import LabelingStage, label
 from alignzoo.registry import build_plugin_manager
 from alignzoo.types import Outcome
 
+from ..tiny_world import build_world, sampled
 from ._labelers import Crashing, Sleepy
 
 
@@ -295,7 +296,7 @@ def test_a_run_with_a_flaky_labeler_and_a_fallback_completes_and_reconciles(
     from alignzoo.engine.loop import run_one
     from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 
-    from .conftest import read_jsonl, tiny_experiment
+    from ..engine.conftest import read_jsonl, tiny_experiment
 
     registry = Registry(metadata.entry_points(group=ENTRY_POINT_GROUP))
     registry.register(FlakyArithmetic, "flaky")
@@ -523,3 +524,30 @@ def test_a_reward_function_gets_the_step_in_evaluation_too(tmp_path, write_exper
     assert not result.failed, [r.error for r in result.runs]
     seen = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert None not in seen and {0, 1, 2} <= set(seen), seen
+
+
+@pytest.fixture(scope="module")
+def world() -> tuple[object, object]:
+    return build_world()
+
+
+def test_a_crashing_or_wrong_labeler_fails_with_a_named_error(world) -> None:
+    model, tokenizer = world
+    batch = sampled(model, tokenizer)
+
+    def hooks(fn):
+        class FnLabeler(Labeler):
+            @hookimpl
+            def score_batch(self, requests):
+                return fn(requests)
+
+        return Hooks(build_plugin_manager([FnLabeler()]))
+
+    with pytest.raises(RunError, match="the labeler failed: KeyError"):
+        label(hooks(lambda requests: {}["x"]), batch)
+    with pytest.raises(RunError, match="Score\\(value='high'\\) for response 0"):
+        label(hooks(lambda requests: [Score("high") for _ in requests]), batch)  # type: ignore[arg-type]
+    with pytest.raises(RunError, match=r"non-finite score \(nan\) for response 0"):
+        label(hooks(lambda requests: [Score(float("nan")) for _ in requests]), batch)
+    with pytest.raises(UserError, match="fix me"):  # a user error keeps its own message
+        label(hooks(lambda requests: (_ for _ in ()).throw(UserError("fix me"))), batch)

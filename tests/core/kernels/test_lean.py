@@ -1,4 +1,4 @@
-"""The lean forward (alignzoo.engine.lean) gives transformers' logits and gradients for Qwen2 and
+"""The lean forward (alignzoo.kernels.lean) gives transformers' logits and gradients for Qwen2 and
 Llama, with padding, grouped KV heads, LoRA adapters and the KV-cache decode path; anything it
 cannot run exactly is refused with a reason, and callers fall back to the model's own forward."""
 
@@ -20,7 +20,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from alignzoo.engine.lean import KVCache, PackedLinears, lean_logits, lean_reason
+from alignzoo.kernels.lean import KVCache, PackedLinears, lean_logits, lean_reason
 
 VOCAB = 97
 
@@ -68,7 +68,7 @@ def test_logits_and_gradients_equal_transformers(arch, kv_heads, recompute, monk
     """With the fused training functions (_RMSNorm, _SwiGLUDown, _RotateInPlace, the residual
     added by the GEMM), working in chunks of a few rows, and with the plain ops that
     activations below RECOMPUTE_FROM elements take."""
-    from alignzoo.engine import lean
+    from alignzoo.kernels import lean
 
     if recompute:
         monkeypatch.setattr(lean, "RECOMPUTE_FROM", 0)
@@ -143,7 +143,7 @@ def test_the_mlp_keeps_two_intermediate_activations_per_layer_not_four(monkeypat
     """silu(gate) and the product are recomputed in the backward pass (_SwiGLUDown): half of
     the MLP's saved activations, fewer bytes kept than transformers' forward keeps; below
     RECOMPUTE_FROM elements the plain ops run (and keep four)."""
-    from alignzoo.engine import lean
+    from alignzoo.kernels import lean
 
     model = _model("qwen2").train()
     ids, mask, positions = _inputs()
@@ -174,7 +174,7 @@ def test_each_norm_keeps_its_input_only_for_the_backward_pass(monkeypatch):
     """_RMSNorm recomputes x / rms(x) in the backward pass: per layer the two norms' inputs and
     the two normalised outputs the projections read are the hidden-sized tensors kept; the
     composite RMSNorm (transformers', and F.rms_norm on the CPU) keeps more."""
-    from alignzoo.engine import lean
+    from alignzoo.kernels import lean
 
     monkeypatch.setattr(lean, "RECOMPUTE_FROM", 0)  # the test model's activations are small
     model = _model("qwen2").train()
@@ -203,8 +203,8 @@ def test_each_norm_keeps_its_input_only_for_the_backward_pass(monkeypatch):
 @pytest.mark.parametrize("chunk", [1 << 22, 40])
 def test_the_rms_norm_function_has_the_analytic_gradient(chunk, monkeypatch):
     """Whole, and in chunks of rows (40 elements: 2 rows of 16 per chunk, 6 chunks)."""
-    from alignzoo.engine import lean
-    from alignzoo.engine.lean import _RMSNorm
+    from alignzoo.kernels import lean
+    from alignzoo.kernels.lean import _RMSNorm
 
     monkeypatch.setattr(lean, "CHUNK_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(3)
@@ -221,7 +221,7 @@ def test_the_swiglu_function_adds_the_residual_with_the_analytic_gradient(chunk,
     """``residual + W_down (silu(g) * u)``, whole and in chunks of rows (40 elements of a
     12-wide intermediate: 3 rows per chunk, the last of 14 rows short), for every subset of
     inputs that needs a gradient."""
-    from alignzoo.engine import lean
+    from alignzoo.kernels import lean
 
     monkeypatch.setattr(lean, "CHUNK_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(4)
@@ -246,7 +246,7 @@ def test_rope_in_place_equals_rotate_half_and_has_the_analytic_gradient():
     """_RotateInPlace rotates a projection's output in its own memory, with the numbers of
     transformers' ``x cos + rotate_half(x) sin`` (cos and sin repeat their first half, as the
     default RoPE's do)."""
-    from alignzoo.engine.lean import _rotate, _RotateInPlace
+    from alignzoo.kernels.lean import _rotate, _RotateInPlace
 
     g = torch.Generator().manual_seed(6)
     rows, width, heads, dim = 2, 5, 3, 8
@@ -278,7 +278,7 @@ def test_an_mlp_with_a_bias_or_an_adapter_runs_its_own_forward():
     """The recomputing MLP takes a bare bias-free down_proj only: Llama's mlp_bias (and a LoRA
     layer, another module type) go through the module, still with transformers' gradients
     (test_logits_and_gradients_equal_transformers, llama)."""
-    from alignzoo.engine import lean
+    from alignzoo.kernels import lean
 
     biased = _model("llama").train()
     assert not lean._plain_linear(biased.model.layers[0].mlp.down_proj)
@@ -421,7 +421,7 @@ def test_what_the_lean_path_cannot_run_exactly_is_refused_with_a_reason():
 HEAP_HOLES = """
 import ctypes, json, sys, torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from alignzoo.engine import lean
+from alignzoo.kernels import lean
 from alignzoo.engine.malloc import keep_freed_memory
 
 class Info(ctypes.Structure):

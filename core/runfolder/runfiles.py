@@ -22,6 +22,7 @@ from alignzoo import metrics as canonical
 from alignzoo.config.schema import ExperimentSpec
 from alignzoo.errors import UserError
 from alignzoo.runfolder import ATTEMPT_NOTE, SEED_FOLDER, RunFolder, RunStatus, seed_folder
+from alignzoo.types import append_jsonl as append_jsonl
 
 EXPERIMENT_FILE = "experiment.yaml"
 

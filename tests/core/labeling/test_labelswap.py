@@ -19,7 +19,7 @@ from alignzoo.labeling.swap import CONTROL, request
 from alignzoo.plugin import Modifier, hookimpl
 from alignzoo.registry import ENTRY_POINT_GROUP, Registry
 
-from .conftest import assert_same_run_files, back_to_checkpoint, read_jsonl, tiny_experiment
+from ..engine.conftest import assert_same_run_files, back_to_checkpoint, read_jsonl, tiny_experiment
 
 REGEX = {
     "name": "regex",
@@ -92,8 +92,8 @@ def test_shadow_then_promote_and_a_rejected_swap_during_a_live_run(
     assert "does not exist" in swaps[2]["reason"]
 
     # The report lists the changes and says the comparison mixes labelers.
-    from alignzoo.experiment.runfiles import read_run
     from alignzoo.report.sections import _swaps
+    from alignzoo.runfolder.runfiles import read_run
 
     blocks = _swaps([read_run("grpo", 0, out)])
     assert "were not labeled the same way" in blocks[1].text

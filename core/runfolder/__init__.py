@@ -1,7 +1,10 @@
 """One run's folder, ``<out>/<arm>/seed-<n>/``: the name of everything the engine, its
 components and the runner write there (:class:`RunFolder`), the statuses ``status.json``
 records (:class:`RunStatus`), and :func:`write_atomic`, the one way a file of a run or an
-experiment is replaced whole.
+experiment is replaced whole. :mod:`alignzoo.runfolder.runfiles` reads experiment folders as
+the runner and the report see them. The package sits below the engine, the runner, labeling and
+the report, which all read or write run folders; it imports only the package root and
+:mod:`alignzoo.config`.
 
 What a run folder holds::
 

@@ -293,7 +293,7 @@ def test_a_training_run_against_a_server_failing_30_percent(write_experiment, tm
     from alignzoo.config.loader import load_experiment
     from alignzoo.engine.loop import run_one
 
-    from .conftest import read_jsonl, tiny_experiment
+    from ..engine.conftest import read_jsonl, tiny_experiment
 
     faults = Faults(build_app(ServeConfig.model_validate(ARITHMETIC)))
     threads_before = threading.active_count()
