@@ -557,3 +557,65 @@ def ensemble_members(folder: str | Path) -> list[Path] | None:
     if not isinstance(members, list) or not members:
         raise UserError(f"{folder / ENSEMBLE_FILE}: 'members' must be a non-empty list")
     return [folder / str(m) for m in members]
+
+
+# The starting model and the perturbations `alignzoo train-rm` names.
+
+
+def negatives_function(name: str | None, option: str) -> Negatives | None:
+    """``--negatives`` / ``--perturbations``: a built-in perturbation of the embedded task
+    (``alignzoo.world.task.NEGATIVES``: 'arithmetic', 'arithmetic-shifts'), or 'file.py:fn' /
+    'module:fn'; None for none."""
+    from alignzoo.world.task import NEGATIVES
+
+    if name in NEGATIVES:
+        return NEGATIVES[name]
+    if name is not None:
+        from alignzoo.config.callables import load_callable
+
+        return load_callable(name, option)
+    return None
+
+
+def base_model(base: str, arm: str | None, data: Path, say: Callable[[str], None]) -> str:
+    """The folder ``--base`` names: a model folder, an experiment file (its arm's starting
+    policy, built if need be, the first arm unless ``arm``), or "embedded": the warm start of
+    the experiment that ``data`` records it came from (its export's alignzoo_export.json), as
+    the default embedded settings are another model than the one the samples came from."""
+    if base == "embedded":
+        try:
+            export_info = json.loads((data / "alignzoo_export.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            export_info = {}
+        if not isinstance(export_info, dict):
+            export_info = {}
+        experiment = export_info.get("experiment")
+        if not (isinstance(experiment, str) and Path(experiment).is_file()):
+            raise UserError(
+                f"--base embedded: {data} does not record which experiment produced its "
+                "samples, and the default embedded warm start is not the one that "
+                "experiment used; pass the experiment file instead (--base "
+                "experiments/NAME.yaml, with --arm for another arm than the first)"
+            )
+        base = experiment
+        if arm is None and isinstance(export_info.get("arm"), str):
+            arm = export_info["arm"]
+        say(f"--base embedded: the warm start of {base} (arm {arm})")
+    from alignzoo.config.schema import DataConfig, ModelConfig
+    from alignzoo.engine.policy import policy_path
+
+    if base == "embedded":
+        return policy_path(ModelConfig(), DataConfig(), say)
+    if base.endswith((".yaml", ".yml")):
+        from alignzoo.config.loader import load_experiment
+
+        loaded = load_experiment(Path(base))
+        name = arm or next(iter(loaded.spec.arms))
+        if name not in loaded.spec.arms:
+            raise UserError(f"--arm {name}: {base} has arms {', '.join(loaded.spec.arms)}")
+        return policy_path(loaded.spec.arms[name].model, loaded.spec.data, say)
+    if not Path(base).expanduser().is_dir():
+        raise UserError(
+            f"--base {base}: not a model folder, 'embedded', or an experiment file (.yaml)"
+        )
+    return str(Path(base).expanduser())

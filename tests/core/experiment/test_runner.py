@@ -257,7 +257,7 @@ def test_parallel_workers_announce_evaluations_and_end_with_a_summary(
 def test_ray_runs_ask_one_cpu_each_unless_jobs_says_otherwise(monkeypatch, tmp_path) -> None:
     """--executor ray without --jobs: one CPU per run, so a cluster runs them in parallel (each
     asked for every CPU before and they went one at a time); locally one run at a time."""
-    from alignzoo.cli import Executors, run_jobs
+    from alignzoo.cli.experiments import Executors, run_jobs
     from alignzoo.experiment.executors import RunJob, ray_plan
 
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
