@@ -134,22 +134,20 @@ def _run(
     )
     seed_list = parse_list(seeds, int, "--seeds")
     if seed_list is not None:
-        if not seed_list:
-            raise UserError("--seeds is empty")
-        repeated = sorted({s for s in seed_list if seed_list.count(s) > 1})
-        if repeated:  # model_copy skips the spec's validators: keep its rule (distinct seeds)
-            raise UserError(
-                f"--seeds repeats {', '.join(map(str, repeated))}; seeds must be distinct"
-            )
-        from alignzoo.config.schema import MAX_SEED
+        from alignzoo.config.schema import SEED_RANGE, SeedsError
 
-        outside = [s for s in seed_list if not 0 <= s <= MAX_SEED]
-        if outside:
+        try:
+            loaded.spec = loaded.spec.with_seeds(seed_list)
+        except SeedsError as exc:  # the schema's rule, said of the option
+            if not seed_list:
+                raise UserError("--seeds is empty") from None
+            if exc.repeated:
+                raise UserError(
+                    f"--seeds repeats {', '.join(map(str, exc.repeated))}; {exc}"
+                ) from None
             raise UserError(
-                f"--seeds {', '.join(map(str, outside))}: outside 0 .. {MAX_SEED} (what numpy "
-                "and torch both accept)"
-            )
-        loaded.spec = loaded.spec.model_copy(update={"seeds": seed_list})
+                f"--seeds {', '.join(map(str, exc.outside))}: outside {SEED_RANGE}"
+            ) from None
     jobs = run_jobs(executor, jobs)
     chosen = (
         RayExecutor(address=address, retries=retries, console=console)

@@ -780,6 +780,33 @@ class ArmSpec(_Strict):
 
 MAX_NAME = 100
 MAX_SEED = 2**32 - 1
+SEED_RANGE = f"0 .. {MAX_SEED} (what numpy and torch both accept)"
+
+
+class SeedsError(ValueError):
+    """Seeds an experiment cannot run under: none, ``repeated`` ones, or ones ``outside``
+    :data:`SEED_RANGE`; the message is the schema's."""
+
+    def __init__(self, message: str, repeated: list[int], outside: list[int]) -> None:
+        super().__init__(message)
+        self.repeated = repeated
+        self.outside = outside
+
+
+def check_seeds(seeds: list[int]) -> list[int]:
+    """``seeds`` if an experiment can run under them: at least one, distinct, each in
+    :data:`SEED_RANGE`; else SeedsError."""
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    outside = [s for s in seeds if not 0 <= s <= MAX_SEED]
+    if not seeds:
+        raise SeedsError("seeds is empty", repeated, outside)
+    if repeated:
+        raise SeedsError("seeds must be distinct", repeated, outside)
+    if outside:
+        raise SeedsError(f"seed {outside[0]} is outside {SEED_RANGE}", repeated, outside)
+    return seeds
+
+
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -860,14 +887,13 @@ class ExperimentSpec(_Strict):
     @field_validator("seeds")
     @classmethod
     def _unique_seeds(cls, seeds: list[int]) -> list[int]:
-        if len(set(seeds)) != len(seeds):
-            raise ValueError("seeds must be distinct")
-        for seed in seeds:
-            if not 0 <= seed <= MAX_SEED:
-                raise ValueError(
-                    f"seed {seed} is outside 0 .. {MAX_SEED} (what numpy and torch both accept)"
-                )
-        return seeds
+        return check_seeds(seeds)
+
+    def with_seeds(self, seeds: list[int]) -> ExperimentSpec:
+        """This experiment under other ``seeds`` (``alignzoo run --seeds``), checked by the
+        rule the file's seeds follow (``model_copy`` alone skips the validators): SeedsError
+        otherwise."""
+        return self.model_copy(update={"seeds": check_seeds(list(seeds))})
 
     @model_validator(mode="after")
     def _baseline_is_an_arm(self) -> ExperimentSpec:
