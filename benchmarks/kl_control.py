@@ -114,7 +114,10 @@ def main() -> None:
             f"coefficient {summary['coef'][0]:.3g} to {summary['coef'][1]:.3g}"
         )
     if args.json is not None:
-        document["provenance"] = {"settings": settings([run for run in runs])}
+        from alignzoo.provenance import distinct_settings
+
+        named = {f"{run.parent.name}/{run.name}": run for run in runs}
+        document["provenance"] = {"settings": distinct_settings(named)}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(finite(document), indent=1, sort_keys=True, allow_nan=False)
         args.json.write_text(text + "\n")
@@ -129,24 +132,6 @@ def finite(value: Any) -> Any:
     if isinstance(value, list):
         return [finite(v) for v in value]
     return value
-
-
-def settings(runs: list[Path]) -> list[dict[str, Any]]:
-    """The distinct provenance settings the runs ran under, each with its runs."""
-    from alignzoo.provenance import comparable_key, read_sessions
-
-    out: dict[tuple[str, ...], dict[str, Any]] = {}
-    for run in runs:
-        for entry in read_sessions(run):
-            setting = out.setdefault(
-                comparable_key(entry),
-                {k: v for k, v in entry.items() if k not in ("command", "started", "components")}
-                | {"runs": []},
-            )
-            name = f"{run.parent.name}/{run.name}"
-            if name not in setting["runs"]:
-                setting["runs"].append(name)
-    return list(out.values())
 
 
 if __name__ == "__main__":

@@ -334,6 +334,26 @@ def record(folder: Path, entry: dict[str, Any], resume: bool) -> None:
     write_atomic(Path(folder) / PROVENANCE_FILE, text)
 
 
+PER_SESSION = ("command", "started", "components", "policy", "policy_sha256")
+"""Session fields that describe one invocation rather than the setting its numbers depend on."""
+
+
+def distinct_settings(runs: dict[str, Path]) -> list[dict[str, Any]]:
+    """The distinct settings (:func:`comparable_key`) the sessions of ``runs`` (``{name:
+    folder}``) ran under, in the order first seen: each the first such session without its
+    :data:`PER_SESSION` fields, and ``runs``, the names of the runs that ran under it."""
+    settings: dict[tuple[str, ...], dict[str, Any]] = {}
+    for name, folder in runs.items():
+        for entry in read_sessions(folder):
+            setting = settings.setdefault(
+                comparable_key(entry),
+                {k: v for k, v in entry.items() if k not in PER_SESSION} | {"runs": []},
+            )
+            if name not in setting["runs"]:
+                setting["runs"].append(name)
+    return list(settings.values())
+
+
 def comparable_key(entry: dict[str, Any]) -> tuple[str, ...]:
     """The fields of :data:`COMPARED` as strings: equal keys, same numbers to the last digit."""
     return tuple(json.dumps(entry.get(name), sort_keys=True) for name in COMPARED)

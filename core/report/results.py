@@ -31,7 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from alignzoo.provenance import COMPARED, comparable_key, read_sessions
+from alignzoo.provenance import COMPARED, distinct_settings, read_sessions
 from alignzoo.report.document import Block
 from alignzoo.runfolder import RunFolder, RunStatus, write_atomic
 from alignzoo.runfolder.runfiles import RunData, number
@@ -50,8 +50,6 @@ _NOT_LEARNING = (
     "label/",
     "batch/",
 )
-# Session fields that describe one invocation rather than the setting the numbers depend on.
-_PER_SESSION = ("command", "started", "components", "policy", "policy_sha256")
 
 
 def _tables(blocks: list[Block]) -> list[dict[str, Any]]:
@@ -62,19 +60,6 @@ def _tables(blocks: list[Block]) -> list[dict[str, Any]]:
         elif block.kind == "table":
             tables.append({"section": section, "headers": block.headers, "rows": block.rows})
     return tables
-
-
-def _settings(runs: list[RunData]) -> list[dict[str, Any]]:
-    settings: dict[tuple[str, ...], dict[str, Any]] = {}
-    for run in runs:
-        for entry in read_sessions(run.path):
-            key = comparable_key(entry)
-            if key not in settings:
-                setting = {k: v for k, v in entry.items() if k not in _PER_SESSION}
-                settings[key] = {**setting, "runs": []}
-            if run.name not in settings[key]["runs"]:
-                settings[key]["runs"].append(run.name)
-    return list(settings.values())
 
 
 def _edges(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -163,7 +148,7 @@ def results_document(exp: Any, blocks: list[Block]) -> dict[str, Any]:
                 {k: entry.get(k) for k in ("command", "started", "experiment_sha256")}
                 for entry in read_sessions(run_dir)
             ],
-            "settings": _settings(runs),
+            "settings": distinct_settings({run.name: run.path for run in runs}),
         },
     }
 
