@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--gpu-share", type=float, default=0.3)
+    parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args()
 
     import torch
@@ -140,6 +141,13 @@ def main() -> None:
     report["rollout_logprob_diff_max"] = float(diff.max())
     engine.on_run_end(run, "finished")
     print(json.dumps(report, indent=2))
+    if args.json is not None:
+        from alignzoo import provenance
+        from alignzoo.report.results import write_results
+
+        document = {"report": report, "settings": vars(args) | {"json": None}}
+        document["provenance"] = {"settings": [provenance.collect()]}
+        write_results(args.json, document)
 
 
 if __name__ == "__main__":

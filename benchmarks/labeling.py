@@ -8,9 +8,10 @@
 3. The labeling stage's overhead per step: 128 responses labeled by the arithmetic rule through
    the stage (outcomes, ledger, store lookups and writes) against calling the rule directly.
 
-    .venv/bin/python benchmarks/labeling.py [--repeats 5]
+    .venv/bin/python benchmarks/labeling.py [--repeats 5] [--json results.json]
 
-Medians over ``--repeats``; prints one line per measurement.
+Medians over ``--repeats``; prints one line per measurement, and with ``--json`` writes them
+(milliseconds) with the provenance of the run (commit, lock, CPU and its kernels, threads).
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
+    figures: dict[str, float] = {}
     torch.set_num_threads(max(1, torch.get_num_threads()))
     reqs = requests(64)
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,6 +96,7 @@ def main() -> None:
 
         batched = median_seconds(lambda: rm.score_batch(requests=reqs), args.repeats)
         single = median_seconds(lambda: [rm.score_batch(requests=[r]) for r in reqs], args.repeats)
+        figures |= {"in_process_batched_ms": batched * 1e3, "in_process_single_ms": single * 1e3}
         print(f"reward model in process, 64 responses: one call {batched * 1e3:.1f} ms, "
               f"64 calls {single * 1e3:.1f} ms, speedup {single / batched:.1f}x")  # fmt: skip
 
@@ -119,6 +123,7 @@ def main() -> None:
         single = median_seconds(
             lambda: [http.score_batch(requests=[r]) for r in reqs], args.repeats
         )
+        figures |= {"http_batched_ms": batched * 1e3, "http_single_ms": single * 1e3}
         print(f"reward model over HTTP, 64 responses: one request {batched * 1e3:.1f} ms, "
               f"64 requests {single * 1e3:.1f} ms, speedup {single / batched:.1f}x")  # fmt: skip
         server.should_exit = True
@@ -138,10 +143,30 @@ def main() -> None:
         cursor = iter(fresh)  # new responses each time: lookups miss, labels are written
         with_store = median_seconds(lambda: stored.label(next(cursor)), args.repeats * 4)
         stored.close()
+        figures |= {
+            "rule_direct_ms": direct * 1e3,
+            "rule_through_stage_ms": through * 1e3,
+            "rule_with_store_ms": with_store * 1e3,
+        }
         print(f"labeling stage, 128 responses, arithmetic rule: direct {direct * 1e3:.2f} ms, "
               f"through the stage {through * 1e3:.2f} ms (+{(through - direct) * 1e3:.2f}), "
               f"with the label store {with_store * 1e3:.2f} ms "
               f"(+{(with_store - direct) * 1e3:.2f})")  # fmt: skip
+    if args.json is not None:
+        from alignzoo import provenance
+        from alignzoo.report.results import write_results
+
+        figures |= {
+            "in_process_speedup": figures["in_process_single_ms"]
+            / figures["in_process_batched_ms"],
+            "http_speedup": figures["http_single_ms"] / figures["http_batched_ms"],
+            "stage_overhead_ms": figures["rule_through_stage_ms"] - figures["rule_direct_ms"],
+            "store_overhead_ms": figures["rule_with_store_ms"] - figures["rule_direct_ms"],
+        }
+        settings = {"repeats": args.repeats}
+        document = {"figures": figures, "settings": settings}
+        document["provenance"] = {"settings": [provenance.collect()]}
+        write_results(args.json, document)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,14 @@ is saved to a temporary folder; each measurement runs in a fresh process that as
 arm (beta 0.04, so it has a reference) with LoRA r=8 and trains 3 steps, and reports its peak
 RSS. "second copy" also loads the reference the way a full-weight arm does.
 
-    .venv/bin/python benchmarks/lora_memory.py
+    .venv/bin/python benchmarks/lora_memory.py [--json results.json]
+
+``--json`` also writes both peaks with the provenance of the run (commit, lock, CPU, threads).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -42,6 +45,9 @@ print(json.dumps({"mode": mode, "reference": kind,
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args()
     from alignzoo.config.schema import EmbeddedModelConfig
     from alignzoo.world.model import build_model
     from alignzoo.world.tokenizer import build_tokenizer
@@ -71,14 +77,28 @@ def main() -> None:
         exp = Path(tmp) / "exp.yaml"
         exp.write_text(yaml.safe_dump(spec))
         print(f"policy: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB in fp32)")
+        rows = []
         for mode in ("one copy", "second copy"):
             out = subprocess.run(
                 [sys.executable, "-c", CHILD, str(exp), str(Path(tmp) / mode), mode],
                 capture_output=True, text=True, check=True,
             )  # fmt: skip
             row = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(row)
             print(f"{row['mode']:>12}: peak RSS {row['peak_rss_mb']:.0f} MB "
                   f"(reference: {row['reference']})")  # fmt: skip
+        if args.json is not None:
+            from alignzoo import provenance
+            from alignzoo.report.results import write_results
+
+            document = {
+                "parameters": params,
+                "weights_mb": params * 4 / 2**20,
+                "rows": rows,
+                "difference_mb": rows[1]["peak_rss_mb"] - rows[0]["peak_rss_mb"],
+                "provenance": {"settings": [provenance.collect()]},
+            }
+            write_results(args.json, document)
 
 
 if __name__ == "__main__":
