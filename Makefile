@@ -36,7 +36,7 @@ LOCK_ARGS ?=
 PIP_COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links $(LOCK_ARGS)
 
-.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-rlhf test test-fast test-vllm test-verifiers lint bench clean
+.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-rlhf figures-bench figure-bench-trl figure-bench-bf16 figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu test test-fast test-vllm test-verifiers lint bench clean
 
 # The lock first (hash-checked; alignzoo is not in it), then alignzoo itself, editable.
 $(VENV)/.installed: pyproject.toml requirements/dev.txt
@@ -160,6 +160,33 @@ figure-rlhf: setup
 	ALIGNZOO_CACHE=$(abspath $(FIGURES))/cache $(MAKE) --no-print-directory rlhf RLHF=$(FIGURES)/rlhf
 	$(VENV)/bin/alignzoo report $(FIGURES)/rlhf/ab --results docs/results/rlhf.json
 	$(PY) benchmarks/kl_control.py $(FIGURES)/rlhf/ab --json docs/results/rlhf-kl.json
+
+## The benchmarks' figures (benchmarks/README.md, docs/speed.md), rerun into docs/results/bench-*.json
+## with their provenance. Timings want a quiet machine: nothing else running (about 75 minutes
+## on 2 cores in all). figure-bench-decode-avx2 limits every kernel to AVX2, as figure-demo-avx2.
+figures-bench: figure-bench-trl figure-bench-bf16 figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu
+
+figure-bench-trl: setup
+	$(PY) benchmarks/vs_trl.py --steps 23 --repeats 2 --json docs/results/bench-vs-trl.json
+
+figure-bench-bf16: setup
+	$(PY) benchmarks/vs_trl.py --models 25m --dtype bfloat16 --steps 23 --repeats 2 --json docs/results/bench-vs-trl-bf16.json
+
+DECODE_BOUND := --models 25m --algorithms grpo --max-new-tokens 128 --steps 6 --repeats 2 --phases
+figure-bench-decode: setup
+	$(PY) benchmarks/vs_trl.py $(DECODE_BOUND) --json docs/results/bench-decode.json
+
+figure-bench-decode-avx2: setup
+	$(AVX2_ONLY) $(PY) benchmarks/vs_trl.py $(DECODE_BOUND) --json docs/results/bench-decode-avx2.json
+
+figure-bench-labeling: setup
+	$(PY) benchmarks/labeling.py --json docs/results/bench-labeling.json
+
+figure-bench-lora: setup
+	$(PY) benchmarks/lora_memory.py --json docs/results/bench-lora.json
+
+figure-bench-vllm-cpu: vllm-env
+	$(VLLM_VENV)/bin/python benchmarks/gpu_check.py --device cpu --hidden 64 --layers 1 --prompts 16 --tokens 8 --json docs/results/bench-vllm-cpu.json
 
 ## The whole suite (unit, property, integration, fault injection), on all cores.
 test: setup vllm-env verifiers-env browser slurm
