@@ -74,6 +74,28 @@ recomputes (the sampler kept them: a near tie at the boundary, computed another 
 out of the loss instead of trained through a log-prob of -inf. Reported by arms that sample
 with top-k or top-p; counted over the step's batch, on every rank."""
 
+ROLLOUT_IS_WEIGHT_MEAN = "rollout/is_weight_mean"
+"""Mean over the step's response tokens of the rollout correction's importance weight
+(``training.rollout_correction``, after truncation or masking)."""
+
+ROLLOUT_IS_WEIGHT_MAX = "rollout/is_weight_max"
+"""The largest importance weight of the step (after truncation or masking)."""
+
+ROLLOUT_IS_CLIPPED = "rollout/is_clipped"
+"""Share of the step's response tokens whose ratio pi_old / pi_rollout exceeded the cap:
+truncated to it, or (mode mask) left out of the surrogate."""
+
+ROLLOUT_STALENESS = "rollout/staleness"
+"""Mean over the step's samples of the steps between the weights that sampled them and the
+weights that train on them (0 for a synchronous step; 1 with ``labeling.overlap``)."""
+
+ROLLOUT_STALENESS_MAX = "rollout/staleness_max"
+"""The largest staleness among the step's samples (``training.async``)."""
+
+ROLLOUT_KL_BEHAVIOUR = "rollout/kl_behaviour"
+"""KL(pi_rollout || pi_old) per token (k3, on the sampled tokens): how far the weights that
+sampled the step's batch are from those that train on it (``training.async``)."""
+
 CANONICAL: dict[str, str] = {
     KL_REF: "KL to the reference (k3, behaviour snapshot)",
     ENTROPY: "policy entropy per token (behaviour snapshot)",
@@ -92,13 +114,27 @@ CANONICAL: dict[str, str] = {
     ROLLOUT_LOGPROB_DIFF: "train/inference log-prob difference (mean)",
     ROLLOUT_LOGPROB_DIFF_MAX: "train/inference log-prob difference (max)",
     ROLLOUT_OUTSIDE_SUPPORT: "sampled tokens outside the trainer's top-k / top-p",
+    ROLLOUT_IS_WEIGHT_MEAN: "importance weight (mean)",
+    ROLLOUT_IS_WEIGHT_MAX: "importance weight (max)",
+    ROLLOUT_IS_CLIPPED: "tokens over the importance-weight cap",
+    ROLLOUT_STALENESS: "sample staleness in steps (mean)",
+    ROLLOUT_STALENESS_MAX: "sample staleness in steps (max)",
+    ROLLOUT_KL_BEHAVIOUR: "KL(sampling policy || trained policy)",
 }
 """Every canonical name with the label the report gives it."""
 
 GRAD_NORMS = ("actor/grad_norm", "critic/grad_norm")
 """Gradient norms before clipping, per trainable role (engine-owned)."""
 
-ENGINE_NAMESPACES = ("reward/", "batch/", "timing/", "throughput/", "eval/", "health/")
+ENGINE_NAMESPACES = (
+    "reward/",
+    "batch/",
+    "timing/",
+    "throughput/",
+    "eval/",
+    "health/",
+    "async/",
+)
 """Prefixes owned by the engine (and health checks): an algorithm's metrics may not use them."""
 
 

@@ -413,25 +413,44 @@ def rollout_is_weights(
     mask: torch.Tensor,
     cap: float,
     level: Literal["token", "sequence"] = "token",
+    mode: Literal["truncate", "mask"] = "truncate",
 ) -> torch.Tensor:
-    """Truncated importance weights ``[B, R]`` correcting for a rollout engine's own numbers.
+    """Importance weights ``[B, R]`` from the policy that sampled to the trainer's ``pi_old``.
 
-    The backend samples with its own kernels (vLLM), so its probabilities ``pi_rollout`` differ
-    slightly from the trainer's ``pi_old`` on the same weights. Truncated importance sampling
-    (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training") reweights the policy-gradient surrogate by::
+    The samples' behaviour policy ``pi_rollout`` differs from ``pi_old``: a rollout engine
+    samples with its own kernels (vLLM), or, asynchronously, with weights some steps older
+    (``training.async``, where ``pi_old`` is the proximal policy of decoupled PPO; Hilton et
+    al. 2022, AReaL). With ``r_t = pi_old(y_t) / pi_rollout(y_t)``::
 
-        token:    w_t = min(pi_old(y_t) / pi_rollout(y_t), C)
-        sequence: w   = min(prod_t pi_old(y_t) / pi_rollout(y_t), C)  on every token
+        truncate (TIS; Yao et al. 2025):  token: w_t = min(r_t, C)
+                                          sequence: w = min(prod_t r_t, C) on every token
+        mask (masked IS):                 token: w_t = r_t if r_t <= C else 0
+                                          sequence: w = prod_t r_t if it is <= C else 0
 
     Detached (no gradient), zero on padding. ``cap`` is C.
     """
     mask_b = mask.bool()
+    log_ratio = rollout_log_ratio(old_logprobs, rollout_logprobs, mask, level)
+    limit = math.log(cap)
+    weights = torch.exp(log_ratio.clamp(max=limit))  # min(ratio, C), no overflow
+    if mode == "mask":
+        weights = torch.where(log_ratio > limit, 0.0, weights)
+    return torch.where(mask_b, weights, 0.0).detach()
+
+
+def rollout_log_ratio(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    level: Literal["token", "sequence"] = "token",
+) -> torch.Tensor:
+    """``log pi_old - log pi_rollout`` per token ``[B, R]`` (zero on padding); with ``level``
+    sequence, each row's sum on every one of its positions."""
+    mask_b = mask.bool()
     log_ratio = torch.where(mask_b, upcast(old_logprobs) - upcast(rollout_logprobs), 0.0)
     if level == "sequence":
         log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(mask_b)
-    weights = torch.exp(log_ratio.clamp(max=math.log(cap)))  # min(ratio, C), no overflow
-    return torch.where(mask_b, weights, 0.0).detach()
+    return log_ratio.detach()
 
 
 def last_token_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

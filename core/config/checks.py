@@ -22,6 +22,34 @@ from alignzoo.plugin import Component
 from alignzoo.registry import build_plugin_manager
 
 
+def _async_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
+    """``training.async`` needs batches that producers sample and label: an online arm,
+    without ``labeling.overlap`` (which labels a step ahead in one process)."""
+    spec, algorithm = arm.spec, arm.components.get("algorithm")
+    if spec.training.async_ is None or algorithm is None:
+        return []
+    at = ("arms", arm.name, "training", "async")
+    if not (arm.requirements.data == "online" or arm.online):
+        return [
+            locator.issue(
+                at,
+                f"{spec.algorithm.name} reads its data offline here; producers sample and label "
+                "online batches, so there is nothing for them to produce; leave async unset "
+                "(or train the algorithm online, on pairs it samples)",
+            )
+        ]
+    if spec.labeling.overlap:
+        return [
+            locator.issue(
+                at,
+                "labeling.overlap labels a step ahead in one process, and producers label in "
+                "their own processes: use one or the other (async with max_staleness 1 is "
+                "the overlap's successor)",
+            )
+        ]
+    return []
+
+
 def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
     """What keeps ``arm``'s components and settings from running together: its data (online
     or offline, an environment), its sampling temperature, rollout correction and
@@ -60,6 +88,7 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
                 "sampled surrogate; set level off",
             )
         )
+    issues += _async_issues(arm, locator)
     if spec.training.parallel == "fsdp2" and spec.model.lora is not None:
         issues.append(
             locator.issue(

@@ -302,11 +302,69 @@ class RolloutCorrection(_Strict):
     level: Literal["off", "token", "sequence"] = Field(
         "off", description="off, per-token weights, or one weight per sequence."
     )
-    cap: float = Field(2.0, ge=1.0, description="C: weights above it are truncated to it.")
+    cap: float = Field(
+        2.0, ge=1.0, description="C: weights above it are truncated to it (or masked)."
+    )
+    mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="truncate: a weight above C counts as C (TIS); mask: a token (or sequence) "
+        "whose weight exceeds C is left out of the surrogate, the rest keep their weights "
+        "(masked importance sampling).",
+    )
+
+
+class AsyncConfig(_Strict):
+    """Rollout producers apart from the trainer (``training.async``).
+
+    ``producers`` processes each hold a copy of the policy and the arm's backend, labelers and
+    environment; they take the steps' prompts in order, sample and label them, and hand the
+    batches to the trainer through a bounded queue. A producer starts step t's prompts only
+    with weights at most ``max_staleness`` steps older than those that train on them, and
+    otherwise waits (it paces; nothing is dropped). ``max_staleness: 0`` is the synchronous
+    run, in two processes. Off-policy correction is ``training.rollout_correction``: with
+    stale samples its weights are pi_proximal / pi_behaviour, the decoupled PPO objective.
+    """
+
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="K: the samples of step t come from the weights of step t - K or later "
+        "(0: lock-step, the synchronous run).",
+    )
+    producers: PositiveInt = Field(1, description="Producer processes (local).")
+    weights_every: PositiveInt = Field(
+        1,
+        description="M: the trainer sends its weights to the producers every M steps (and at "
+        "the start); needs max_staleness >= M - 1.",
+    )
+    producer_threads: PositiveInt | None = Field(
+        None,
+        description="torch threads in each producer (default: the trainer's; the same count "
+        "keeps max_staleness 0 bit-identical to the synchronous run).",
+    )
+
+    @model_validator(mode="after")
+    def _weights_often_enough(self) -> AsyncConfig:
+        if self.max_staleness < self.weights_every - 1:
+            raise ValueError(
+                f"weights_every {self.weights_every} with max_staleness {self.max_staleness}: "
+                "producers would wait for weights the trainer never sends; give max_staleness "
+                f">= {self.weights_every - 1} or a smaller weights_every"
+            )
+        return self
 
 
 class TrainingConfig(_Strict):
     """Optimisation settings shared by all arms (an arm's `training:` overrides single fields)."""
+
+    # ``async`` is a Python keyword: the field is ``async_``, read and written as ``async``.
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        serialize_by_alias=True,
+        validate_by_name=True,
+        validate_by_alias=True,
+    )
 
     lr: NonNegativeFloat = Field(1e-4, description="Actor learning rate (0 freezes the policy).")
     critic_lr: NonNegativeFloat | None = Field(
@@ -341,7 +399,15 @@ class TrainingConfig(_Strict):
     rollout_correction: RolloutCorrection = Field(
         default_factory=RolloutCorrection,
         description="Truncated importance sampling between the rollout backend's sampling "
-        "log-probs and the trainer's (for backends with their own kernels, such as vLLM).",
+        "log-probs and the trainer's (for backends with their own kernels, such as vLLM, and "
+        "for the stale samples of training.async).",
+    )
+    async_: AsyncConfig | None = Field(
+        None,
+        alias="async",
+        description="Rollout producers in processes of their own, running up to max_staleness "
+        "steps ahead of the trainer (see AsyncConfig); unset: generation and training take "
+        "turns in one process.",
     )
     parallel: Literal["ddp", "fsdp2"] = Field(
         "ddp",

@@ -5,14 +5,12 @@ before any model loads, then exactly the models the algorithm asks for, data and
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from alignzoo import distributed
@@ -28,13 +26,13 @@ from alignzoo.engine.learner import Learner, build_learner, shard_units
 from alignzoo.engine.mirror import Mirror, mirror_for
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
+from alignzoo.engine.parts import fresh_components, labeler_hooks, labeling_stage, seed_everything
 from alignzoo.engine.policy import policy_path
 from alignzoo.engine.sampler import PromptSampler
 from alignzoo.engine.scoring import Scorer
 from alignzoo.engine.sinks import Sinks
 from alignzoo.errors import ConfigError, ConfigIssue, UserError
 from alignzoo.labeling import LabelingStage
-from alignzoo.labeling.store import STORE_FILE, LabelStore
 from alignzoo.plugin import Component
 from alignzoo.registry import build_plugin_manager
 from alignzoo.runfolder import RunStatus
@@ -45,6 +43,7 @@ if TYPE_CHECKING:
     from alignzoo.rollout.multiturn import Episodes
 
 AHEAD_SLOT = "labeling.overlap"
+ASYNC_SLOT = "training.async"
 
 
 @dataclass
@@ -118,11 +117,17 @@ class Run:
         return self.collector if isinstance(self.collector, LabelAhead) else None
 
     def stateful(self) -> dict[str, Any]:
-        """What a checkpoint saves besides models and optimizer: the components, and the
-        look-ahead batch of an overlapping arm."""
-        if self.ahead is None:
-            return dict(self.components)
-        return {**self.components, AHEAD_SLOT: self.ahead}
+        """What a checkpoint saves besides models and optimizer: the components, the
+        look-ahead batch of an overlapping arm, and the steps an asynchronous arm's producers
+        were given and it has not trained on."""
+        from alignzoo.engine.producers import AsyncCollector
+
+        saved = dict(self.components)
+        if self.ahead is not None:
+            saved[AHEAD_SLOT] = self.ahead
+        if isinstance(self.collector, AsyncCollector):
+            saved[ASYNC_SLOT] = self.collector
+        return saved
 
     def sync_weights(self) -> None:
         """Stream the actor's current weights to the backend, with their policy version."""
@@ -141,22 +146,6 @@ class Run:
     @property
     def arm(self) -> ArmSpec:
         return self.context.arm_spec
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's and torch's global generators with the run seed."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def fresh_components(loaded: LoadedExperiment, arm: str) -> dict[str, Component]:
-    """New instances of the arm's components (``type(c)(c.params)``): no state shared between runs."""
-    if arm not in loaded.components:
-        raise UserError(
-            f"{loaded.source}: no arm named {arm!r}; arms: {', '.join(loaded.components)}"
-        )
-    return {slot: type(c)(c.params) for slot, c in loaded.components[arm].items()}
 
 
 def needed_roles(req: AlgorithmRequirements, arm: ArmSpec) -> list[str]:
@@ -190,36 +179,6 @@ def total_optimizer_steps(spec: ExperimentSpec, arm: ArmSpec, mode: DataMode) ->
     return steps * cfg.epochs * max(1, math.ceil(units / per_minibatch))
 
 
-def labeler_hooks(component: Any, name: str) -> Hooks:
-    """The hooks of a plugin manager holding one labeler alone (a fallback, the evaluation
-    labeler, one swapped in: :func:`alignzoo.labeling.swap.poll` is handed this)."""
-    return Hooks(build_plugin_manager([component]), name)
-
-
-def labeling_stage(
-    arm_spec: ArmSpec,
-    components: dict[str, Any],
-    hooks: Hooks,
-    seed: int,
-    out_dir: Path | None = None,
-) -> LabelingStage:
-    """The arm's labeler chain: its labeler (through the run's hooks, so modifiers wrapping
-    ``score_batch`` apply), then each of ``labeling.fallbacks`` on its own."""
-    chain: list[tuple[str, Any, Hooks]] = [(arm_spec.labeler.name, components["labeler"], hooks)]
-    for i, ref in enumerate(arm_spec.labeling.fallbacks):
-        component = components[f"labeling.fallbacks.{i}"]
-        name = ref.name if ref.name not in {n for n, _, _ in chain} else f"{ref.name}.{i + 1}"
-        chain.append((name, component, labeler_hooks(component, ref.name)))
-    where = arm_spec.labeling.store
-    store = None
-    if where is not None:
-        if where == "run":
-            store = LabelStore(out_dir / STORE_FILE) if out_dir is not None else None
-        else:
-            store = LabelStore(Path(where).expanduser())
-    return LabelingStage.build(arm_spec.labeling, chain, seed=seed, store=store)
-
-
 class _EvaluationContext:
     """The run's context as ``evaluation.labeler`` sees it: ``labeling_role`` says that it
     only evaluates (a reward model then does not record itself as the arm's)."""
@@ -241,6 +200,23 @@ def evaluation_stage(spec: ExperimentSpec, component: Any, seed: int) -> Labelin
     name = ref.name if ref is not None else "evaluation"
     chain = [(name, component, labeler_hooks(component, name))]
     return LabelingStage.build(LabelingConfig(), chain, seed=seed)
+
+
+def check_async(arm: str, arm_spec: ArmSpec, mode: DataMode) -> None:
+    """``training.async`` needs an online arm in one process, without labeling overlap."""
+    at = f"arms.{arm}.training.async"
+    if not mode.online:
+        raise UserError(
+            f"{at}: the arm reads its data offline ({mode.name}); producers sample and label "
+            "online batches, so there is nothing for them to produce; leave async unset"
+        )
+    if arm_spec.labeling.overlap:
+        raise UserError(
+            f"{at}: labeling.overlap already labels a step ahead in one process; producers "
+            "label in their own processes: use one or the other"
+        )
+    if distributed.active():
+        raise UserError(f"{at}: not supported with several torchrun processes yet")
 
 
 def placement_plan(loaded: LoadedExperiment, arm: str) -> dict[str, Placement]:
@@ -318,6 +294,8 @@ def assemble(
                 f"arms.{arm}.labeling.overlap: not supported with {world} processes yet; "
                 "leave overlap unset"
             )
+    if arm_spec.training.async_ is not None:
+        check_async(arm, arm_spec, mode)
     if arm_spec.labeling.overlap and not mode.online:
         raise UserError(
             f"arms.{arm}.labeling.overlap: the arm reads its data offline ({mode.name}), so "
@@ -386,6 +364,33 @@ def assemble(
         episodes,
         overlap,
     )
+    if arm_spec.training.async_ is not None:  # producers in processes of their own
+        from alignzoo.engine.producers import AsyncCollector, ProducerJob
+
+        settings = arm_spec.training.async_
+        job = ProducerJob(
+            source=str(loaded.source),
+            spec=spec,
+            arm=arm,
+            seed=seed,
+            out_dir=Path(out_dir),
+            policy=str(models.policy_path),
+            threads=settings.producer_threads or torch.get_num_threads(),
+            index=0,
+        )
+        collector = AsyncCollector(
+            hooks,
+            models.tokenizer,
+            arm_spec.training,
+            sampler,
+            mode,
+            behaviour,
+            learner,
+            labeling,
+            episodes,
+            job=job,
+            settings=settings,
+        )
     run = Run(
         context=context,
         hooks=hooks,

@@ -42,6 +42,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from alignzoo import distributed
+from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.modes import Collected, DataMode, StepSource, labeled, sample
 from alignzoo.labeling import LabelReport, label
@@ -147,7 +148,7 @@ class LabelAhead(Collector):
         m = dict(current.metrics)
         m["timing/label_wait"] = time.perf_counter() - start
         m["timing/label"] = seconds
-        m["rollout/staleness"] = 1.0
+        m[canonical.ROLLOUT_STALENESS] = 1.0
         return labeled(current.batch, report, m)
 
     def close(self) -> None:

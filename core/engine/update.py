@@ -26,7 +26,13 @@ from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
 from alignzoo.errors import RunError
 from alignzoo.kernels.forward import critic_forward, outside_support, policy_forward
-from alignzoo.ops import rollout_is_weights, truncates
+from alignzoo.ops import (
+    global_masked_mean,
+    masked_kl_penalty,
+    rollout_is_weights,
+    rollout_log_ratio,
+    truncates,
+)
 from alignzoo.types import AlgorithmRequirements, LossContext
 
 
@@ -43,8 +49,44 @@ def apply_rollout_correction(batch: RolloutBatch, cfg: RolloutCorrection, hooks:
             "correction off or use a backend that records them"
         )
     batch.rollout_is_weights = rollout_is_weights(
-        batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.cap, cfg.level
+        batch.old_logprobs,
+        batch.rollout_logprobs,
+        batch.response_mask,
+        cfg.cap,
+        cfg.level,
+        cfg.mode,
     )
+
+
+def correction_metrics(batch: RolloutBatch, cfg: RolloutCorrection) -> dict[str, float]:
+    """The rollout correction's weights over the step's batch (its ``old_logprobs`` filled):
+    ``rollout/is_weight_mean`` and ``_max`` (after truncation or masking) and
+    ``rollout/is_clipped``, the share of tokens whose ratio exceeded the cap (truncated, or
+    masked out). Nothing when the correction is off."""
+    if cfg.level == "off" or batch.old_logprobs is None or batch.rollout_logprobs is None:
+        return {}
+    mask = batch.response_mask
+    old, sampled = batch.old_logprobs.to(mask.device), batch.rollout_logprobs.to(mask.device)
+    weights = rollout_is_weights(old, sampled, mask, cfg.cap, cfg.level, cfg.mode)
+    over = (rollout_log_ratio(old, sampled, mask, cfg.level) > math.log(cfg.cap)) & mask.bool()
+    largest = float(weights.max()) if weights.numel() else 0.0
+    return {
+        canonical.ROLLOUT_IS_WEIGHT_MEAN: float(global_masked_mean(weights, mask)),
+        canonical.ROLLOUT_IS_WEIGHT_MAX: distributed.all_max(largest),
+        canonical.ROLLOUT_IS_CLIPPED: float(global_masked_mean(over.float(), mask)),
+    }
+
+
+def behaviour_distance(batch: RolloutBatch) -> dict[str, float]:
+    """``rollout/kl_behaviour``: KL(pi_rollout || pi_old) per token (k3 on the sampled tokens)
+    between the weights that sampled the batch and those that train on it (an asynchronous
+    arm's samples may be several steps old). Nothing without the sampling log-probs."""
+    if batch.old_logprobs is None or batch.rollout_logprobs is None:
+        return {}
+    mask = batch.response_mask
+    sampled, current = batch.rollout_logprobs.to(mask.device), batch.old_logprobs.to(mask.device)
+    kl = masked_kl_penalty(sampled, current, mask, "k3")
+    return {canonical.ROLLOUT_KL_BEHAVIOUR: float(global_masked_mean(kl, mask))}
 
 
 def global_context(context: LossContext) -> LossContext:
@@ -185,6 +227,9 @@ def update(
             learner.step()
     out = {k: sum(v) / len(v) for k, v in sums.items()}
     out.update(passes.finish(batch))
+    out.update(correction_metrics(batch, cfg.rollout_correction))
+    if cfg.async_ is not None:
+        out.update(behaviour_distance(batch))
     return out
 
 

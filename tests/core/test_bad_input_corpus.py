@@ -164,6 +164,30 @@ CONFIG_CASES = [
     config_case("sampling-scalar", "training.sampling", 3, "training.sampling"),
     config_case("sampling-inf", "training.sampling.temperature", INF, "temperature", "finite"),
     config_case("checkpoint-zero", "training.checkpoint_every", 0, "checkpoint_every"),
+    config_case(
+        "async-negative", "training.async", {"max_staleness": -1}, "training.async.max_staleness"
+    ),
+    config_case(
+        "async-weights-every",
+        "training.async",
+        {"max_staleness": 0, "weights_every": 3},
+        "weights_every 3",
+        "max_staleness >= 2",
+    ),
+    config_case(
+        "async-offline",
+        "arms.a",
+        {"algorithm": "dpo", "online": False, "training": {"async": {"max_staleness": 1}}},
+        "arms.a.training.async",
+        "offline",
+    ),
+    config_case(
+        "async-overlap",
+        "arms.a",
+        {"algorithm": "vanilla_pg", "labeling": {"overlap": True}, "training": {"async": {}}},
+        "arms.a.training.async",
+        "labeling.overlap",
+    ),
     config_case("arm-lr-inf", "arms.a.training", {"lr": INF}, "arms.a.training.lr", "finite"),
     config_case(
         "policy-missing-abs", "model.policy", "/does/not/exist", "model.policy", "does not exist"

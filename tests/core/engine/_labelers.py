@@ -29,3 +29,29 @@ def waits_for_next_generation(prompts, completions, **columns):
             if batch <= WAITED:
                 WAITS.append(GENERATED.wait_for(lambda: GENERATIONS[0] > batch, timeout=30))
     return [float(len(c)) for c in completions]
+
+
+def kills_its_producer_once(prompts, completions, **columns):
+    """Labels by length; in a producer process (training.async), the first call after
+    ``KILL_MARK`` names a missing file creates it and kills its own process with SIGKILL:
+    a producer dies in the middle of a batch, once per test."""
+    import multiprocessing
+    import os
+    import signal
+    from pathlib import Path
+
+    mark = os.environ.get("ALIGNZOO_TEST_KILL_MARK")
+    producer = multiprocessing.current_process().name.startswith("alignzoo-producer")
+    if mark and producer and not Path(mark).exists():
+        Path(mark).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [float(len(c)) for c in completions]
+
+
+def fails_in_a_producer(prompts, completions, **columns):
+    """Raises in a producer process (training.async); labels by length elsewhere."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name.startswith("alignzoo-producer"):
+        raise ValueError("this labeler fails in producers")
+    return [float(len(c)) for c in completions]

@@ -78,6 +78,21 @@ def test_importance_weights_are_truncated_ratios_per_token_or_per_sequence():
     assert not token.requires_grad
 
 
+def test_masked_importance_weights_leave_out_what_exceeds_the_cap():
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -0.4, 0.0]])
+    rollout = torch.tensor([[-1.5, -1.0, -0.1], [-0.3, -0.4, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    token = rollout_is_weights(old, rollout, mask, cap=1.5, mode="mask")
+    # exp(0.5) = 1.65 > 1.5: masked (0), where truncation would give 1.5; the rest unchanged.
+    expected = torch.tensor([[0.0, math.exp(-1.0), math.exp(-0.4)], [math.exp(0.1), 1.0, 0.0]])
+    torch.testing.assert_close(token, expected)
+    truncated = rollout_is_weights(old, rollout, mask, cap=1.5)
+    assert truncated[0, 0] == 1.5 and torch.equal(truncated[0, 1:], token[0, 1:])
+    # Per sequence: row 0's product exp(-0.9) stays, row 1's exp(0.1) > 1.05 is masked whole.
+    sequence = rollout_is_weights(old, rollout, mask, cap=1.05, level="sequence", mode="mask")
+    torch.testing.assert_close(sequence, torch.tensor([[math.exp(-0.9)] * 3, [0.0, 0.0, 0.0]]))
+
+
 def test_grpo_weights_its_surrogate_and_not_its_kl_term():
     torch.manual_seed(0)
     logprobs = (torch.randn(4, 5) - 1).requires_grad_()
@@ -120,6 +135,11 @@ def test_the_engine_reports_the_mismatch_and_corrects_for_it(write_experiment, t
             "backend": "shifted",
             "training": {"rollout_correction": {"level": "sequence", "cap": 1.25}},
         },
+        "masked": {
+            "algorithm": "watched_grpo",
+            "backend": "shifted",
+            "training": {"rollout_correction": {"level": "token", "cap": 1.05, "mode": "mask"}},
+        },
     }
     spec = tiny_experiment(
         budget={"steps": 2}, evaluation={"every": 2, "num_prompts": 4}, arms=arms
@@ -151,6 +171,18 @@ def test_the_engine_reports_the_mismatch_and_corrects_for_it(write_experiment, t
         expected = torch.exp(SHIFT * lengths).clamp(max=1.25)
         torch.testing.assert_close(weights[:, 0], expected, atol=1e-4, rtol=0)
     assert any(m.sum(dim=1).max() >= 3 for _, m in seen["sequence"]), "premise: a capped sequence"
+    # Every token's ratio is exp(SHIFT) = 1.105: under the cap 2 (weighted, none clipped), over
+    # the cap 1.05 of the masked arm (every weight 0, every token counted as over the cap).
+    for row in rows["token"]:
+        assert row[canonical.ROLLOUT_IS_WEIGHT_MEAN] == pytest.approx(math.exp(SHIFT), abs=1e-4)
+        assert row[canonical.ROLLOUT_IS_WEIGHT_MAX] == pytest.approx(math.exp(SHIFT), abs=1e-4)
+        assert row[canonical.ROLLOUT_IS_CLIPPED] == 0.0
+    for weights, _ in seen["masked"]:
+        assert weights.eq(0).all()
+    for row in rows["masked"]:
+        assert row[canonical.ROLLOUT_IS_WEIGHT_MEAN] == 0.0
+        assert row[canonical.ROLLOUT_IS_CLIPPED] == 1.0
+    assert all(canonical.ROLLOUT_IS_WEIGHT_MEAN not in row for row in rows["shifted"])
 
 
 def test_the_correction_is_refused_where_it_has_no_meaning(write_experiment, tmp_path):

@@ -1,0 +1,464 @@
+"""Rollout producers apart from the trainer (``training.async``).
+
+Two parties with one contract, a sample and its provenance::
+
+    trainer:   draws step t's prompts in order ──► task queue
+               publishes its weights after every M steps (name, tensor, version) ──► producers
+               waits for step t's batch ──► behaviour, advantages, update (as without async)
+    producer:  task t ──► waits for weights of step >= t - 1 - K ──► sample, label
+               (generation, labeling and episodes, with its own backend and labelers)
+               ──► the batch and the version that sampled it ──► result queue
+
+**Staleness.** The batch of step t trains on the weights left by step t - 1; a producer starts
+it only with weights of step t - 1 - K or later (K = ``max_staleness``), so every sample is at
+most K steps old. The trainer hands out tasks at most K steps ahead of the step it trains:
+producers that run ahead wait for work (they pace); nothing is dropped. K = 0 is lock-step:
+each batch is sampled by the weights that train on it, and the run is the synchronous run
+(the same prompts and seeds in the same order; a producer samples with the trainer's thread
+count).
+
+**Order.** Batches are trained in step order whichever producer finishes first, so that a run
+is reproducible: step t always trains on step t's prompts.
+
+**Failures.** A producer whose sampling or labeling raises reports the error and the run fails
+with it (as a failure in one process would); a producer that dies (killed) is started again
+and its task handed out again: no batch is trained twice, and one in flight is sampled anew.
+
+Metrics: ``rollout/staleness`` (mean) and ``rollout/staleness_max`` in steps,
+``async/queue_depth`` (batches waiting when the step began), ``async/trainer_wait_s`` (the
+trainer idle, waiting for its batch), ``async/producer_wait_s`` (the producer idle before it
+started the batch: waiting for work or weights), ``async/restarts`` (producers started again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from alignzoo import metrics as canonical
+from alignzoo.batch import RolloutBatch
+from alignzoo.engine.collect import Collector
+from alignzoo.engine.modes import Collected, StepSource
+from alignzoo.errors import RunError
+from alignzoo.labeling import LabelReport
+
+if TYPE_CHECKING:
+    from alignzoo.config.schema import AsyncConfig, ExperimentSpec
+
+POLL_S = 0.5
+"""How often a waiting party looks whether the other is still alive."""
+
+START_TIMEOUT_S = 600.0
+"""How long the trainer waits for a producer's first word (loading its models)."""
+
+
+@dataclass(frozen=True)
+class ProducerJob:
+    """What a producer process needs to build its side of the arm: plain, picklable data."""
+
+    source: str  # the experiment file
+    spec: ExperimentSpec  # the resolved experiment (its command-line overrides applied)
+    arm: str
+    seed: int
+    out_dir: Path
+    policy: str  # the folder of the trainer's starting policy (a warm start already built)
+    threads: int
+    index: int
+
+
+@dataclass
+class Task:
+    """Step ``step``'s prompts, to be sampled with weights of step ``min_weights`` or later."""
+
+    step: int
+    rows: list[dict[str, Any]]
+    seeds: list[int]
+    min_weights: int
+
+
+@dataclass
+class Weights:
+    """The trainer's weights after ``step`` steps (``version`` optimizer steps)."""
+
+    step: int
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class Produced:
+    """What a producer sends back: a started task, a finished batch, or an error."""
+
+    producer: int
+    step: int | None = None
+    kind: str = "batch"  # ready, batch, error
+    batch: RolloutBatch | None = None
+    samples: int = 0
+    tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    slowest: list[dict[str, Any]] = field(default_factory=list)
+    weights_step: int = 0
+    waited_s: float = 0.0
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- producer side
+
+
+class _ProducerSide:
+    """A producer's share of the arm: its own policy copy, backend, labelers and episodes."""
+
+    def __init__(self, job: ProducerJob) -> None:
+        from alignzoo.config.loader import load_experiment
+        from alignzoo.devices import available_devices
+        from alignzoo.engine import models as model_loading
+        from alignzoo.engine.hooks import Hooks
+        from alignzoo.engine.modes import select_mode
+        from alignzoo.engine.parts import fresh_components, labeling_stage, seed_everything
+        from alignzoo.registry import build_plugin_manager
+        from alignzoo.types import RunContext
+
+        loaded = load_experiment(job.source, arms=[job.arm], overrides=job.spec.overrides)
+        loaded.spec = spec = job.spec
+        arm_spec = spec.arms[job.arm]
+        components = fresh_components(loaded, job.arm)
+        run_components = [
+            c
+            for slot, c in components.items()
+            if not slot.startswith("labeling.") and slot != "evaluation.labeler"
+        ]
+        self.hooks = hooks = Hooks(build_plugin_manager(run_components), arm_spec.algorithm.name)
+        self.labeling = labeling_stage(arm_spec, components, hooks, job.seed, job.out_dir)
+        self.mode = select_mode(hooks.algorithm_requirements(), online=True)
+        self.cfg = arm_spec.training
+        placements = hooks.place_roles(["actor", "rollout", "labeler"], available_devices())
+        devices = {role: placement.device for role, placement in placements.items()}
+        seed_everything(job.seed)
+        models = model_loading.load_models(
+            job.policy, arm_spec.model, devices, False, False, job.seed
+        )
+        models.placements = placements
+        self.models = models
+        self.context = RunContext(
+            experiment=spec.name,
+            arm=job.arm,
+            seed=job.seed,
+            out_dir=job.out_dir,
+            spec=spec,
+            arm_spec=arm_spec,
+        )
+        self.context.models = models
+        self.episodes = None
+        if arm_spec.environment is not None:
+            from alignzoo.rollout.multiturn import Episodes
+
+            self.episodes = Episodes(arm_spec.episodes, models.tokenizer)
+        hooks.on_run_start(self.context)
+        for slot in self.labeling.slots[1:]:  # fallbacks live outside the manager
+            if hasattr(slot.call, "hooks"):
+                slot.call.hooks.on_run_start(self.context)
+        self.weights: Weights | None = None
+        seed_everything(job.seed)
+
+    def load(self, weights: Weights) -> None:
+        """Take the trainer's weights into this producer's policy and its backend."""
+        from alignzoo.weights import PolicyWeights
+
+        actor = self.models.actor
+        with torch.no_grad():
+            own = dict(actor.named_parameters())
+            own.update(actor.named_buffers())
+            for name, tensor in weights.tensors.items():
+                own[name].copy_(tensor)
+        self.weights = Weights(weights.step, weights.version, {})
+        self.hooks.sync_weights(PolicyWeights(actor, weights.version))
+
+    def produce(self, task: Task) -> Collected:
+        assert self.weights is not None
+        source = StepSource(
+            self.hooks,
+            self.models.tokenizer,
+            self.cfg,
+            task.seeds,
+            task.step,
+            self.weights.version,
+            self.labeling,
+            self.episodes,
+        )
+        return self.mode.collect(task.rows, source)
+
+    def close(self) -> None:
+        from alignzoo.runfolder import RunStatus
+
+        with contextlib.ExitStack() as stack:
+            stack.callback(self.hooks.on_run_end, self.context, RunStatus.FINISHED)
+            stack.callback(self.labeling.close)
+
+
+def _parent_gone(parent: int) -> bool:
+    return os.getppid() != parent
+
+
+def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any) -> None:
+    """A producer process: sample and label the tasks it takes, with fresh enough weights,
+    until it is told to stop (a None task) or its trainer is gone."""
+    parent = os.getppid()
+    torch.set_num_threads(job.threads)
+    try:
+        side = _ProducerSide(job)
+    except Exception as exc:  # the trainer reports it and fails the run
+        results.put(Produced(job.index, kind="error", error=_describe(exc)))
+        return
+    results.put(Produced(job.index, kind="ready"))
+    try:
+        while True:
+            idle = time.perf_counter()
+            try:
+                task = tasks.get(timeout=POLL_S)
+            except queue.Empty:
+                if _parent_gone(parent):
+                    return
+                continue
+            if task is None:
+                return
+            while side.weights is None or side.weights.step < task.min_weights:
+                try:
+                    side.load(weights.get(timeout=POLL_S))
+                except queue.Empty:
+                    if _parent_gone(parent):
+                        return
+            with contextlib.suppress(queue.Empty):  # newer weights already sent: use them
+                while True:
+                    side.load(weights.get_nowait())
+            waited = time.perf_counter() - idle
+            try:
+                collected = side.produce(task)
+            except Exception as exc:
+                results.put(Produced(job.index, task.step, kind="error", error=_describe(exc)))
+                return
+            report = collected.report
+            results.put(
+                Produced(
+                    job.index,
+                    task.step,
+                    batch=collected.batch.to("cpu"),
+                    samples=collected.samples,
+                    tokens=collected.tokens,
+                    metrics=collected.metrics,
+                    slowest=list(report.slowest) if report is not None else [],
+                    weights_step=side.weights.step,
+                    waited_s=waited,
+                )
+            )
+    finally:
+        side.close()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+
+
+# --------------------------------------------------------------------------- trainer side
+
+
+class _Producer:
+    """The trainer's handle on one producer process and its three queues (tasks, weights and
+    results are per producer, so that a producer killed in the middle of a queue operation
+    leaves no other producer's queue broken)."""
+
+    def __init__(self, ctx: Any, job: ProducerJob) -> None:
+        self.job = job
+        self.tasks, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(
+            target=produce,
+            args=(job, self.tasks, self.weights, self.results),
+            name=f"alignzoo-producer-{job.index}",
+        )
+        self.process.start()
+        self.ready = False
+        self.outstanding: dict[int, Task] = {}  # given to it and not delivered
+
+    def give(self, task: Task) -> None:
+        self.outstanding[task.step] = task
+        self.tasks.put(task)
+
+    def stop(self, timeout: float) -> None:
+        """Ask it to stop (a None task), wait ``timeout`` seconds, then kill it."""
+        if self.process.is_alive() and timeout > 0:
+            self.tasks.put(None)
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        for q in (self.tasks, self.weights, self.results):
+            q.cancel_join_thread()
+            q.close()
+
+
+class AsyncCollector(Collector):
+    """The trainer's side of ``training.async``: hands out the steps' prompts, publishes the
+    weights, and returns each step's batch as its producer delivers it."""
+
+    def __init__(self, *args: Any, job: ProducerJob, settings: AsyncConfig) -> None:
+        super().__init__(*args)
+        self.job = job
+        self.settings = settings
+        self.producers: list[_Producer] = []
+        self.tasks_out: dict[int, Task] = {}  # handed out, not yet trained on
+        self.arrived: dict[int, Produced] = {}
+        self.next_step: int | None = None  # the next step whose prompts are drawn
+        self.published: Weights | None = None  # the last weights sent
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def _start(self) -> None:
+        import torch.multiprocessing as mp
+
+        self._ctx = mp.get_context("spawn")
+        for index in range(self.settings.producers):
+            self.producers.append(_Producer(self._ctx, replace(self.job, index=index)))
+
+    def _restart(self, index: int) -> None:
+        """Producer ``index`` died: start it again, give it the last weights and its tasks."""
+        dead = self.producers[index]
+        dead.stop(timeout=0)
+        fresh = _Producer(self._ctx, dead.job)
+        self.producers[index] = fresh
+        self.restarts += 1
+        if self.published is not None:
+            fresh.weights.put(self.published)
+        for step in sorted(dead.outstanding):  # sampled anew: none was delivered
+            fresh.give(dead.outstanding[step])
+
+    def close(self) -> None:
+        """Stop every producer (each finishes the batch in hand, within 30 s, or is killed)."""
+        for producer in self.producers:
+            producer.stop(timeout=30)
+        self.producers = []
+
+    # ------------------------------------------------------------------ weights and tasks
+    def _publish(self, step: int) -> None:
+        """Send the weights left by ``step`` steps to every producer (every M steps)."""
+        last = self.published
+        if last is not None and (step <= last.step or step % self.settings.weights_every):
+            return
+        actor = self.learner.models.actor
+        tensors = {n: t.detach().to("cpu", copy=True) for n, t in actor.named_parameters()}
+        tensors.update({n: t.detach().to("cpu", copy=True) for n, t in actor.named_buffers()})
+        self.published = Weights(step, self.learner.version, tensors)
+        for producer in self.producers:
+            producer.weights.put(self.published)
+
+    def _give(self, task: Task) -> None:
+        """To the producer with the fewest tasks in hand (the first among equals)."""
+        min(self.producers, key=lambda p: len(p.outstanding)).give(task)
+
+    def _hand_out(self, upto: int) -> None:
+        """Draw the prompts of every step up to ``upto`` not yet drawn, in order."""
+        assert self.next_step is not None
+        lag = self.settings.max_staleness
+        while self.next_step <= upto:
+            rows, seeds = self.sampler.next_seeded(self.cfg.prompts_per_step)
+            task = Task(self.next_step, rows, seeds, min_weights=self.next_step - 1 - lag)
+            self.tasks_out[task.step] = task
+            self._give(task)
+            self.next_step += 1
+
+    # ------------------------------------------------------------------ the step's batch
+    def collect(self, step: int | None = None) -> Collected:
+        if step is None:
+            raise RunError("training.async produces the batches of training steps only")
+        if not self.producers:
+            self._start()
+            for task in sorted(self.tasks_out.values(), key=lambda t: t.step):
+                self._give(task)  # restored from a checkpoint: handed out again
+            if self.next_step is None:
+                self.next_step = step
+        self._publish(step - 1)
+        depth = sum(1 for s in self.arrived if s >= step)
+        self._hand_out(step + self.settings.max_staleness)
+        start = time.perf_counter()
+        produced = self._wait_for(step)
+        waited = time.perf_counter() - start
+        del self.tasks_out[step]
+        batch = produced.batch
+        assert batch is not None
+        staleness = float(step - 1 - produced.weights_step)
+        m = dict(produced.metrics)
+        m.update(
+            {
+                canonical.ROLLOUT_STALENESS: staleness,
+                canonical.ROLLOUT_STALENESS_MAX: staleness,
+                "async/queue_depth": float(depth),
+                "async/trainer_wait_s": waited,
+                "async/producer_wait_s": produced.waited_s,
+                "async/restarts": float(self.restarts),
+            }
+        )
+        device = self.learner.models.device("actor")
+        report = LabelReport([], [], [], [], slowest=produced.slowest)
+        collected = Collected(batch.to(device), produced.samples, produced.tokens, m, report)
+        collected.metrics.update(self.behaviour.at_collection(collected.batch))
+        return collected
+
+    def _wait_for(self, step: int) -> Produced:
+        from multiprocessing.connection import wait
+
+        since = time.perf_counter()
+        while step not in self.arrived:
+            readers = {p.results._reader: i for i, p in enumerate(self.producers)}  # type: ignore[attr-defined]
+            ready = wait(list(readers), timeout=POLL_S)
+            for reader in ready:
+                index = readers[reader]
+                try:
+                    message: Produced = self.producers[index].results.get(timeout=POLL_S)
+                except (queue.Empty, EOFError, OSError):
+                    continue  # a producer that died mid-message: found below
+                self._receive(index, message)
+            for index, producer in enumerate(self.producers):
+                if not producer.process.is_alive() and producer.results.empty():
+                    self._restart(index)
+            started = any(p.ready for p in self.producers)
+            if not started and time.perf_counter() - since > START_TIMEOUT_S:
+                raise RunError(
+                    f"training.async: no producer started within {START_TIMEOUT_S:.0f} s"
+                )
+        return self.arrived.pop(step)
+
+    def _receive(self, index: int, message: Produced) -> None:
+        producer = self.producers[index]
+        if message.kind == "ready":
+            producer.ready = True
+        elif message.kind == "error":
+            where = f" (step {message.step})" if message.step is not None else ""
+            raise RunError(f"training.async: producer {index}{where} failed: {message.error}")
+        elif message.kind == "batch":
+            assert message.step is not None
+            producer.outstanding.pop(message.step, None)
+            if message.step in self.tasks_out and message.step not in self.arrived:
+                self.arrived[message.step] = message
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The steps handed out and not yet trained on (their prompts and seeds): a resumed
+        run hands them out again, so no prompt is skipped and none is trained twice."""
+        return {
+            "tasks": [
+                {"step": t.step, "rows": t.rows, "seeds": t.seeds, "min_weights": t.min_weights}
+                for t in sorted(self.tasks_out.values(), key=lambda t: t.step)
+            ],
+            "next_step": self.next_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tasks_out = {t["step"]: Task(**t) for t in state.get("tasks", [])}
+        self.arrived = {}
+        self.next_step = state.get("next_step")

@@ -1,0 +1,129 @@
+"""training.async: rollout producers in processes of their own (alignzoo.engine.producers).
+
+K = 0 is the synchronous run, digit for digit (GRPO and PPO); K > 0 trains each step on its own
+prompts with samples at most K steps old, and says so in its metrics; a producer that dies is
+started again and no step is trained twice or skipped; a producer that fails fails the run with
+its error; a checkpoint keeps the steps handed out, so a resume skips no prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from alignzoo.config.loader import load_experiment
+from alignzoo.engine.loop import run_one
+
+from .conftest import back_to_checkpoint, read_jsonl, tiny_experiment
+
+VOLATILE = ("time_s", "timing/", "throughput/", "labeler/", "async/")
+ASYNC_ONLY = ("rollout/staleness", "rollout/staleness_max", "rollout/kl_behaviour")
+
+
+def _stable(rows, drop=()):
+    return [
+        {k: v for k, v in r.items() if not k.startswith(VOLATILE) and k not in drop} for r in rows
+    ]
+
+
+def _spec(algorithm="grpo", steps=4, async_=None, labeler="arithmetic", **training):
+    arm = {"algorithm": algorithm, "labeler": labeler}
+    if async_ is not None:
+        arm["training"] = {"async": async_}
+    return tiny_experiment(
+        budget={"steps": steps},
+        training={"checkpoint_every": 2, **training},
+        arms={"arm": arm},
+    )
+
+
+def _run(write_experiment, tmp_path, name, spec):
+    loaded = load_experiment(write_experiment(spec, name=f"{name}.yaml"))
+    out = tmp_path / name
+    summary = run_one(loaded, "arm", 0, out)
+    assert summary.status == "finished", summary.error
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_max_staleness_zero_is_the_synchronous_run(write_experiment, tmp_path, algorithm):
+    sync = _run(write_experiment, tmp_path, "sync", _spec(algorithm))
+    lock = _run(write_experiment, tmp_path, "k0", _spec(algorithm, async_={"max_staleness": 0}))
+    plain, produced = (read_jsonl(out / "metrics.jsonl") for out in (sync, lock))
+    assert len(plain) == len(produced) == 4
+    # Every metric of the synchronous run, to the last digit (timings aside).
+    assert _stable(produced, drop=ASYNC_ONLY) == _stable(plain)
+    assert all(
+        r["rollout/staleness"] == 0.0 and r["rollout/staleness_max"] == 0.0 for r in produced
+    )
+    assert all(r["async/restarts"] == 0.0 for r in produced)
+    for name in ("eval.jsonl", "samples.jsonl"):
+        assert _stable(read_jsonl(lock / name)) == _stable(read_jsonl(sync / name)), name
+
+
+def test_staleness_one_trains_each_step_on_its_own_prompts(write_experiment, tmp_path):
+    """K = 1 with weights sent every 2 steps (after steps 0, 2, 4): by construction, step 2's
+    batch can only come from the starting weights (those of step 2 need its batch first), step
+    3's needs weights of step 1 or later so waits for step 2's, and so on: staleness 0, 1, 0,
+    1, 0, whichever of the two producers takes which step and however fast it is."""
+    sync = _run(write_experiment, tmp_path, "sync", _spec(steps=5))
+    settings = {"max_staleness": 1, "producers": 2, "weights_every": 2}
+    ahead = _run(write_experiment, tmp_path, "k1", _spec(steps=5, async_=settings))
+    plain, produced = (read_jsonl(out / "samples.jsonl") for out in (sync, ahead))
+    assert [(r["step"], r["prompt"]) for r in produced] == [(r["step"], r["prompt"]) for r in plain]
+    rows = read_jsonl(ahead / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    # The first step trains on the starting weights' samples, as the synchronous run does.
+    first = read_jsonl(sync / "metrics.jsonl")[0]
+    assert _stable([rows[0]], drop=ASYNC_ONLY) == _stable([first])
+
+
+def test_a_killed_producer_is_started_again_and_no_step_is_lost(
+    write_experiment, tmp_path, monkeypatch
+):
+    mark = tmp_path / "kill-mark"
+    monkeypatch.setenv("ALIGNZOO_TEST_KILL_MARK", str(mark))
+    labeler = {
+        "name": "python",
+        "params": {"function": "tests.core.engine._labelers:kills_its_producer_once"},
+    }
+    spec = _spec(async_={"max_staleness": 0}, labeler=labeler)
+    spec["evaluation"]["labeler"] = "arithmetic"  # the trainer's own labeling never kills
+    out = _run(write_experiment, tmp_path, "killed", spec)
+    assert mark.exists()  # a producer was killed by SIGKILL in its first batch
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["async/restarts"] for r in rows] == [1.0] * 4, (mark.read_text(), rows)
+    # Lock-step: the batch sampled anew by the restarted producer is the one the killed
+    # producer was labeling, so the run is still the synchronous one.
+    spec_sync = _spec(labeler=labeler)
+    spec_sync["evaluation"]["labeler"] = "arithmetic"
+    sync = _run(write_experiment, tmp_path, "sync", spec_sync)
+    assert _stable(rows, drop=ASYNC_ONLY) == _stable(read_jsonl(sync / "metrics.jsonl"))
+
+
+def test_a_failing_producer_fails_the_run_with_its_error(write_experiment, tmp_path):
+    labeler = {
+        "name": "python",
+        "params": {"function": "tests.core.engine._labelers:fails_in_a_producer"},
+    }
+    spec = _spec(async_={"max_staleness": 1}, labeler=labeler)
+    spec["arms"]["arm"]["labeling"] = {"retries": 0, "on": {"error": "fail"}}
+    loaded = load_experiment(write_experiment(spec))
+    summary = run_one(loaded, "arm", 0, tmp_path / "run")
+    assert summary.status == "failed"
+    assert "producer 0" in summary.error and "fails in producers" in summary.error
+
+
+def test_a_resumed_run_hands_out_the_steps_it_had_handed_out(write_experiment, tmp_path):
+    spec = _spec(steps=6, async_={"max_staleness": 2})
+    loaded = load_experiment(write_experiment(spec))
+    out = tmp_path / "run"
+    assert run_one(loaded, "arm", 0, out).status == "finished"
+    prompts = [(r["step"], r["prompt"]) for r in read_jsonl(out / "samples.jsonl")]
+    back_to_checkpoint(out, 4)
+    assert run_one(loaded, "arm", 0, out, resume=True).status == "finished"
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # Steps 5 and 6 were handed out before the stop (K = 2): after the resume the same
+    # prompts train at the same steps, none skipped, none twice.
+    assert [(r["step"], r["prompt"]) for r in read_jsonl(out / "samples.jsonl")] == prompts
