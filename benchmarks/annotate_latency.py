@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -86,12 +87,18 @@ def work(url: str, token: str, n: int, out: dict[str, list[float]], rng: random.
             out["cycle"].append(done - start)
 
 
-def summary(name: str, seconds: list[float]) -> str:
+def percentiles(seconds: list[float]) -> dict[str, float]:
+    """p50, p95 and max in milliseconds, and the count."""
     ms = sorted(1000 * s for s in seconds)
     p95 = ms[min(len(ms) - 1, int(0.95 * len(ms)))]
+    return {"p50_ms": statistics.median(ms), "p95_ms": p95, "max_ms": ms[-1], "n": len(ms)}
+
+
+def summary(name: str, seconds: list[float]) -> str:
+    p = percentiles(seconds)
     return (
-        f"{name:>6}: p50 {statistics.median(ms):7.1f} ms  p95 {p95:7.1f} ms  "
-        f"max {ms[-1]:7.1f} ms  ({len(ms)} requests)"
+        f"{name:>6}: p50 {p['p50_ms']:7.1f} ms  p95 {p['p95_ms']:7.1f} ms  "
+        f"max {p['max_ms']:7.1f} ms  ({p['n']} requests)"
     )
 
 
@@ -99,7 +106,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=20000)
     parser.add_argument("--judgements", type=int, default=300, help="per annotator")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
+    figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "queue"
         started = time.perf_counter()
@@ -124,7 +133,8 @@ def main() -> None:
                     if server.poll() is not None:
                         raise SystemExit("the app did not start") from None
                     time.sleep(0.05)
-            print(f"start-up (process, first /api/stats): {time.perf_counter() - started:.2f} s")
+            figures["startup_s"] = time.perf_counter() - started
+            print(f"start-up (process, first /api/stats): {figures['startup_s']:.2f} s")
             out: dict[str, list[float]] = {
                 k: [] for k in ("next", "judge", "stats", "cycle", "refused")
             }
@@ -153,6 +163,18 @@ def main() -> None:
         finally:
             queue.close()
         print(f"the full agreement computation over the queue: {1000 * full:.0f} ms")
+        if args.json is not None:
+            from alignzoo import provenance
+            from alignzoo.report.results import write_results
+
+            for name in ("judge", "next", "stats", "cycle"):
+                figures[name] = percentiles(out[name])
+            figures["refused"] = len(out["refused"])
+            figures["full_agreement_ms"] = 1000 * full
+            document = {"figures": figures, "settings": {"items": args.items,
+                        "judgements": args.judgements}}  # fmt: skip
+            document["provenance"] = {"settings": [provenance.collect()]}
+            write_results(args.json, document)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ class RolloutBatch:
         policy_version: the version of the policy that sampled the batch: the optimizer steps
             its weights had taken (set by the engine for every sampled batch; None for dataset
             rows). A concatenation holds the oldest version among its parts.
+        token_versions ``[B, R]`` (long): the policy version that sampled each response token,
+            -1 on padding (set by the engine with ``policy_version``; the tokens of one
+            response may come from several versions when weights change during its sampling).
     """
 
     prompt_ids: torch.Tensor
@@ -86,6 +89,7 @@ class RolloutBatch:
     columns: dict[str, torch.Tensor] = field(default_factory=dict)
     label_info: list[dict[str, Any]] = field(default_factory=list)
     policy_version: int | None = None
+    token_versions: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

@@ -167,17 +167,19 @@ def lock_fields(checkout: Path) -> dict[str, Any]:
     locks = sorted((checkout / "requirements").glob("*.txt"))
     if not locks:
         return {"lock": None}
-    installed = {
-        _normalise(dist.metadata["Name"]): dist.version
-        for dist in metadata.distributions()
-        if dist.metadata["Name"]
-    }
+    # A package may be seen twice: setuptools' vendored copies (packaging, more-itertools, ...)
+    # join the distributions once something puts setuptools/_vendor on sys.path (vLLM's
+    # imports do). The environment matches a pin when one of them has the pinned version.
+    installed: dict[str, list[str]] = {}
+    for dist in metadata.distributions():
+        if dist.metadata["Name"]:
+            installed.setdefault(_normalise(dist.metadata["Name"]), []).append(dist.version)
     closest: list[str] | None = None
     for lock in locks:
         differs = [
-            f"{name}=={version} (installed: {installed.get(name, 'none')})"
+            f"{name}=={version} (installed: {', '.join(installed.get(name, ['none']))})"
             for name, version in sorted(_pins(lock).items())
-            if installed.get(name) != version
+            if version not in installed.get(name, [])
         ]
         if not differs:
             return {

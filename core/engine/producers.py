@@ -207,9 +207,9 @@ def _parent_gone(parent: int) -> bool:
     return os.getppid() != parent
 
 
-def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any) -> None:
+def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any, stop: Any) -> None:
     """A producer process: sample and label the tasks it takes, with fresh enough weights,
-    until it is told to stop (a None task) or its trainer is gone."""
+    until it is told to stop (``stop`` set, or a None task) or its trainer is gone."""
     parent = os.getppid()
     torch.set_num_threads(job.threads)
     try:
@@ -224,7 +224,7 @@ def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any) -> None:
             try:
                 task = tasks.get(timeout=POLL_S)
             except queue.Empty:
-                if _parent_gone(parent):
+                if stop.is_set() or _parent_gone(parent):
                     return
                 continue
             if task is None:
@@ -233,7 +233,7 @@ def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any) -> None:
                 try:
                     side.load(weights.get(timeout=POLL_S))
                 except queue.Empty:
-                    if _parent_gone(parent):
+                    if stop.is_set() or _parent_gone(parent):
                         return
             with contextlib.suppress(queue.Empty):  # newer weights already sent: use them
                 while True:
@@ -259,6 +259,8 @@ def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any) -> None:
                 )
             )
     finally:
+        if stop.is_set():  # the trainer reads no more: do not wait to hand over a batch
+            results.cancel_join_thread()
         side.close()
 
 
@@ -277,9 +279,10 @@ class _Producer:
     def __init__(self, ctx: Any, job: ProducerJob) -> None:
         self.job = job
         self.tasks, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.stopping = ctx.Event()
         self.process = ctx.Process(
             target=produce,
-            args=(job, self.tasks, self.weights, self.results),
+            args=(job, self.tasks, self.weights, self.results, self.stopping),
             name=f"alignzoo-producer-{job.index}",
         )
         self.process.start()
@@ -292,6 +295,7 @@ class _Producer:
 
     def stop(self, timeout: float) -> None:
         """Ask it to stop (a None task), wait ``timeout`` seconds, then kill it."""
+        self.stopping.set()  # a producer waiting for weights stops at once
         if self.process.is_alive() and timeout > 0:
             self.tasks.put(None)
             self.process.join(timeout)

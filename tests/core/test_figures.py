@@ -25,7 +25,9 @@ RESULTS = ROOT / "docs" / "results"
 
 PASSAGE = re.compile(r"<!-- figures: (?P<file>\S+) -->(?P<body>.*?)<!-- /figures -->", re.S)
 # A decimal number; a sign only where it starts a word ("0.83-0.86" is a range of two).
-FIGURE = re.compile(r"(?<![\w.])(?P<value>[-+−]?\d+\.(?P<decimals>\d+))(?![\d.])(?P<percent>%)?")
+FIGURE = re.compile(
+    r"(?<![\w.])(?P<value>[-+−]?\d+\.(?P<decimals>\d+))(?P<exponent>e[-+−]?\d+)?(?![\d.])(?P<percent>%)?"
+)
 ANY_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 CODE = re.compile(r"`[^`]*`")
 COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40})\b")
@@ -73,9 +75,13 @@ def unmatched(body: str, document: dict[str, Any]) -> list[str]:
     for match in FIGURE.finditer(text):
         printed = float(match.group("value").replace("−", "-"))
         decimals = len(match.group("decimals"))
+        scale = 1.0  # "2.5e-7": 2.5 at one decimal, times 10^-7
+        if match.group("exponent"):
+            scale = 10.0 ** int(match.group("exponent")[1:].replace("−", "-"))
+            printed *= scale
         if match.group("percent"):
             printed, decimals = printed / 100, decimals + 2
-        tolerance = 0.5 * 10**-decimals + 1e-12
+        tolerance = scale * 0.5 * 10**-decimals + 1e-12 * scale
         signed = match.group("value")[0] in "+-−"
         if not any(
             abs(value - printed) <= tolerance or (not signed and abs(-value - printed) <= tolerance)

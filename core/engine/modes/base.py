@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+
 from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
@@ -104,6 +106,9 @@ def sample(rows: list[dict[str, Any]], source: StepSource) -> tuple[RolloutBatch
         prompts, extras, cfg.samples_per_prompt, cfg.sampling, source.seeds, source.episodes
     )
     batch.policy_version = source.policy_version
+    if source.policy_version is not None:
+        on = batch.response_mask.bool()
+        batch.token_versions = torch.where(on, source.policy_version, -1).long()
     m["timing/generate"] = time.perf_counter() - start
     m[canonical.BATCH_PROMPTS] = float(len(rows))
     return batch, m

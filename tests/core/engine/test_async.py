@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from alignzoo.config.loader import load_experiment
+from alignzoo.engine.behaviour import Behaviour
 from alignzoo.engine.loop import run_one
 
 from .conftest import back_to_checkpoint, read_jsonl, tiny_experiment
@@ -59,12 +60,19 @@ def test_max_staleness_zero_is_the_synchronous_run(write_experiment, tmp_path, a
         assert _stable(read_jsonl(lock / name)) == _stable(read_jsonl(sync / name)), name
 
 
-def test_staleness_one_trains_each_step_on_its_own_prompts(write_experiment, tmp_path):
+def test_staleness_one_trains_each_step_on_its_own_prompts(write_experiment, tmp_path, monkeypatch):
     """K = 1 with weights sent every 2 steps (after steps 0, 2, 4): by construction, step 2's
     batch can only come from the starting weights (those of step 2 need its batch first), step
     3's needs weights of step 1 or later so waits for step 2's, and so on: staleness 0, 1, 0,
     1, 0, whichever of the two producers takes which step and however fast it is."""
     sync = _run(write_experiment, tmp_path, "sync", _spec(steps=5))
+    versions = []  # per trained batch: its policy version and each response token's
+
+    def recorded(self, batch):
+        versions.append((batch.policy_version, batch.token_versions, batch.response_mask))
+        return {}
+
+    monkeypatch.setattr(Behaviour, "at_collection", recorded)
     settings = {"max_staleness": 1, "producers": 2, "weights_every": 2}
     ahead = _run(write_experiment, tmp_path, "k1", _spec(steps=5, async_=settings))
     plain, produced = (read_jsonl(out / "samples.jsonl") for out in (sync, ahead))
@@ -72,6 +80,11 @@ def test_staleness_one_trains_each_step_on_its_own_prompts(write_experiment, tmp
     rows = read_jsonl(ahead / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    # One optimizer step per step: the weights of step s are version s.
+    assert [v for v, _, _ in versions] == [0, 0, 2, 2, 4]
+    for version, tokens, mask in versions:
+        on = mask.bool()
+        assert tokens[on].eq(version).all() and tokens[~on].eq(-1).all()
     # The first step trains on the starting weights' samples, as the synchronous run does.
     first = read_jsonl(sync / "metrics.jsonl")[0]
     assert _stable([rows[0]], drop=ASYNC_ONLY) == _stable([first])
@@ -127,3 +140,30 @@ def test_a_resumed_run_hands_out_the_steps_it_had_handed_out(write_experiment, t
     # Steps 5 and 6 were handed out before the stop (K = 2): after the resume the same
     # prompts train at the same steps, none skipped, none twice.
     assert [(r["step"], r["prompt"]) for r in read_jsonl(out / "samples.jsonl")] == prompts
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_from_producers_are_the_synchronous_ones(write_experiment, tmp_path):
+    """experiments/tool_use.yaml's calculator arm at a tiny size: the producer plays the
+    episodes (the environment and its tools in the producer's process) and, at K = 0, the
+    trainer trains on what the synchronous run trains on: the same rewards, the same trained
+    tokens (env/trained_token_frac), the same losses."""
+    from ..experiment.test_tool_use import tiny_tool_use
+
+    runs = {}
+    for name, settings in (("sync", None), ("k0", {"max_staleness": 0})):
+        spec = tiny_tool_use([0], 3)
+        arm = spec["arms"]["tool"]
+        if settings is not None:
+            arm.setdefault("training", {})["async"] = settings
+        spec["arms"] = {"arm": arm}
+        spec.pop("baseline", None)
+        spec["evaluation"]["num_prompts"] = 4
+        spec["logging"] = {"sinks": ["jsonl"]}
+        runs[name] = _run(write_experiment, tmp_path, name, spec)
+    plain, produced = (read_jsonl(runs[n] / "metrics.jsonl") for n in ("sync", "k0"))
+    assert all("env/turns" in r and 0 < r["env/trained_token_frac"] < 1 for r in produced)
+    assert _stable(produced, drop=ASYNC_ONLY) == _stable(plain)
+    assert _stable(read_jsonl(runs["k0"] / "samples.jsonl")) == _stable(
+        read_jsonl(runs["sync"] / "samples.jsonl")
+    )

@@ -230,6 +230,27 @@ def test_the_lock_an_environment_matches_is_named_with_its_hash(tmp_path: Path) 
     assert fields["lock_differs"] == [f"pydantic==0.0.1 (installed: {pydantic_version})"]
 
 
+def test_a_package_seen_twice_matches_its_pin_by_either_copy(tmp_path: Path, monkeypatch) -> None:
+    """setuptools' vendored packages join the distributions when setuptools/_vendor is on
+    sys.path (vLLM's imports put it there): an older vendored ``packaging`` beside the pinned
+    one must not make the environment differ from its lock."""
+    from importlib import metadata
+    from types import SimpleNamespace
+
+    def dist(name: str, version: str) -> SimpleNamespace:
+        return SimpleNamespace(metadata={"Name": name}, version=version)
+
+    pinned, vendored = dist("packaging", "26.4"), dist("packaging", "24.2")
+    checkout = tmp_path / "checkout"
+    (checkout / "requirements").mkdir(parents=True)
+    (checkout / "requirements" / "env.txt").write_text("packaging==26.4\n")
+    for order in ([pinned, vendored], [vendored, pinned]):
+        monkeypatch.setattr(metadata, "distributions", lambda order=order: iter(order))
+        assert provenance.lock_fields(checkout)["lock"] == "requirements/env.txt"
+    monkeypatch.setattr(metadata, "distributions", lambda: iter([vendored]))
+    assert provenance.lock_fields(checkout)["lock_differs"] == ["packaging==26.4 (installed: 24.2)"]
+
+
 def test_the_kernels_torch_may_use_and_their_limits_are_recorded(monkeypatch) -> None:
     import torch
 
