@@ -47,10 +47,10 @@ $(VENV)/.installed: pyproject.toml requirements/dev.txt
 
 setup: $(VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml requirements/vllm.txt
+$(VLLM_VENV)/.installed: pyproject.toml requirements/vllm.txt requirements/vllm.uninstall
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --require-hashes -r requirements/vllm.txt
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y $$(cat requirements/vllm.uninstall)
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 

@@ -146,12 +146,18 @@ def cpu_isa() -> dict[str, Any]:
 
 
 def _pins(lock: Path) -> dict[str, str]:
-    """``{normalised name: version}`` of a pip-compile lock's ``name==version`` lines."""
+    """``{normalised name: version}`` of a pip-compile lock's ``name==version`` lines, less the
+    packages its environment uninstalls after installing it (``<lock>.uninstall`` beside it,
+    one name per line: what ``make`` removes, e.g. torchvision from the vLLM environment)."""
     pins = {}
     for line in lock.read_text(encoding="utf-8").splitlines():
         match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", line)
         if match:
             pins[_normalise(match.group(1))] = match.group(2)
+    removed = lock.with_suffix(".uninstall")
+    if removed.is_file():
+        for name in removed.read_text(encoding="utf-8").split():
+            pins.pop(_normalise(name), None)
     return pins
 
 

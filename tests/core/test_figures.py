@@ -3,7 +3,8 @@
 A passage of README.md, docs/*.md or benchmarks/README.md that quotes a run sits between
 ``<!-- figures: docs/results/NAME.json -->`` and ``<!-- /figures -->``. Each decimal number in
 it (``0.8456``, ``-0.012``, ``1.32x``, ``47.5%``; not versions such as ``5.25.0``, and not
-inside `code`) must equal, at the precision it is printed with, a number of that results file
+inside `code`; not a model size such as ``25.8M``) must equal, at the precision it is printed
+with, a number of that results file (a figure in ``ms`` may be recorded in seconds)
 (written by ``alignzoo report --results`` or a benchmark's ``--results``; ``make figures``
 reruns them); a commit the passage names must be the commit the results file's runs came from.
 Each results file records where it came from: commit (no uncommitted changes), the lock the
@@ -26,7 +27,8 @@ RESULTS = ROOT / "docs" / "results"
 PASSAGE = re.compile(r"<!-- figures: (?P<file>\S+) -->(?P<body>.*?)<!-- /figures -->", re.S)
 # A decimal number; a sign only where it starts a word ("0.83-0.86" is a range of two).
 FIGURE = re.compile(
-    r"(?<![\w.])(?P<value>[-+−]?\d+\.(?P<decimals>\d+))(?P<exponent>e[-+−]?\d+)?(?![\d.])(?P<percent>%)?"
+    r"(?<![\w.])(?P<value>[-+−]?\d+\.(?P<decimals>\d+))(?P<exponent>e[-+−]?\d+)?"
+    r"(?![\d.]|M\b)(?P<percent>%)?(?P<ms>\s?ms\b)?"
 )
 ANY_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 CODE = re.compile(r"`[^`]*`")
@@ -82,10 +84,14 @@ def unmatched(body: str, document: dict[str, Any]) -> list[str]:
         if match.group("percent"):
             printed, decimals = printed / 100, decimals + 2
         tolerance = scale * 0.5 * 10**-decimals + 1e-12 * scale
+        candidates = [(printed, tolerance)]
+        if match.group("ms"):  # milliseconds: recorded as such, or in seconds
+            candidates.append((printed / 1000, tolerance / 1000))
         signed = match.group("value")[0] in "+-−"
         if not any(
-            abs(value - printed) <= tolerance or (not signed and abs(-value - printed) <= tolerance)
+            abs(value - want) <= tol or (not signed and abs(-value - want) <= tol)
             for value in values
+            for want, tol in candidates
         ):
             problems.append(match.group())
     commits = commits_of(document)
@@ -170,3 +176,13 @@ def test_the_check_finds_a_figure_its_file_lacks_and_a_wrong_commit() -> None:
         "commit 41c7005 (the runs came from ['28a113a9b0f0'])"
     ]
     assert provenance_problems(document)  # no lock, no CPU, no threads
+
+
+def test_units_exponents_and_model_sizes() -> None:
+    """A figure in ms matches seconds in the file (or ms); ``2.5e-7`` is checked with its
+    exponent; a model size such as ``25.8M`` is a name, not a figure."""
+    document = {"s_per_step": 0.0475, "ms": 56.28, "diff": 2.4644e-07}
+    assert unmatched("47.5 ms, 56.3 ms and 2.5e-7 on the 25.8M model", document) == []
+    assert unmatched("47.6 ms", document) == ["47.6 ms"]
+    assert unmatched("2.4e-7", document) == ["2.4e-7"]
+    assert unmatched("3.5e-7", document) == ["3.5e-7"]

@@ -13,6 +13,8 @@ from alignzoo.report.document import render_markdown
 from alignzoo.report.provenance import provenance_blocks
 from alignzoo.runfolder.runfiles import RunData
 
+ROOT = Path(__file__).resolve().parents[3]
+
 
 def test_a_session_names_versions_machine_command_and_hashes(tmp_path: Path) -> None:
     exp = tmp_path / "exp.yaml"
