@@ -352,7 +352,7 @@ def assemble(
         dropout_off=mcfg.disable_dropout,
         overlapping=overlap,
     )
-    collector = build_collector(
+    parts = (
         hooks,
         models.tokenizer,
         arm_spec.training,
@@ -362,12 +362,14 @@ def assemble(
         learner,
         labeling,
         episodes,
-        overlap,
     )
-    if arm_spec.training.async_ is not None:  # producers in processes of their own
+    settings = arm_spec.training.async_
+    collector: Collector
+    if settings is None:
+        collector = build_collector(*parts, overlap)
+    else:  # producers in processes of their own
         from alignzoo.engine.producers import AsyncCollector, ProducerJob
 
-        settings = arm_spec.training.async_
         job = ProducerJob(
             source=str(loaded.source),
             spec=spec,
@@ -378,19 +380,7 @@ def assemble(
             threads=settings.producer_threads or torch.get_num_threads(),
             index=0,
         )
-        collector = AsyncCollector(
-            hooks,
-            models.tokenizer,
-            arm_spec.training,
-            sampler,
-            mode,
-            behaviour,
-            learner,
-            labeling,
-            episodes,
-            job=job,
-            settings=settings,
-        )
+        collector = AsyncCollector(*parts, job=job, settings=settings)
     run = Run(
         context=context,
         hooks=hooks,
