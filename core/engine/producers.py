@@ -23,6 +23,7 @@ is reproducible: step t always trains on step t's prompts.
 **Failures.** A producer whose sampling or labeling raises reports the error and the run fails
 with it (as a failure in one process would); a producer that dies (killed) is started again
 and its task handed out again: no batch is trained twice, and one in flight is sampled anew.
+A producer whose trainer dies exits on its own (it looks for its parent while it waits).
 
 Metrics: ``rollout/staleness`` (mean) and ``rollout/staleness_max`` in steps,
 ``async/queue_depth`` (batches waiting when the step began), ``async/trainer_wait_s`` (the

@@ -55,3 +55,24 @@ def fails_in_a_producer(prompts, completions, **columns):
     if multiprocessing.current_process().name.startswith("alignzoo-producer"):
         raise ValueError("this labeler fails in producers")
     return [float(len(c)) for c in completions]
+
+
+def kills_the_trainer_once(prompts, completions, trainer_state=None, **columns):
+    """Labels by length; in a producer (training.async), at the step ``ALIGNZOO_TEST_KILL_STEP``
+    and only while the file ``ALIGNZOO_TEST_KILL_MARK`` does not exist, writes this producer's
+    pid to it and kills its parent, the trainer, with SIGKILL."""
+    import multiprocessing
+    import os
+    import signal
+    from pathlib import Path
+
+    mark, step = (
+        os.environ.get("ALIGNZOO_TEST_KILL_MARK"),
+        os.environ.get("ALIGNZOO_TEST_KILL_STEP"),
+    )
+    producer = multiprocessing.current_process().name.startswith("alignzoo-producer")
+    at = getattr(trainer_state, "global_step", None)
+    if mark and step and producer and at == int(step) and not Path(mark).exists():
+        Path(mark).write_text(str(os.getpid()))
+        os.kill(os.getppid(), signal.SIGKILL)
+    return [float(len(c)) for c in completions]

@@ -7,6 +7,8 @@ its error; a checkpoint keeps the steps handed out, so a resume skips no prompt.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from alignzoo.config.loader import load_experiment
@@ -167,3 +169,64 @@ def test_multi_turn_episodes_from_producers_are_the_synchronous_ones(write_exper
     assert _stable(read_jsonl(runs["k0"] / "samples.jsonl")) == _stable(
         read_jsonl(runs["sync"] / "samples.jsonl")
     )
+
+
+def test_a_killed_trainer_takes_its_producers_with_it_and_resumes_exactly(
+    write_experiment, tmp_path
+):
+    """The trainer, killed by SIGKILL while a producer labels step 3 (after the checkpoint of
+    step 2): its producer exits on its own (no orphan keeps sampling), and ``--resume`` at
+    K = 0 ends with the uninterrupted run's metrics."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    labeler = {
+        "name": "python",
+        "params": {"function": "tests.core.engine._labelers:kills_the_trainer_once"},
+    }
+    spec = _spec(async_={"max_staleness": 0}, labeler=labeler)
+    spec["evaluation"]["labeler"] = "arithmetic"
+    exp = write_experiment(spec)
+    whole = _run(write_experiment, tmp_path, "whole", spec)  # no kill: the variables unset
+
+    out, mark = tmp_path / "killed", tmp_path / "kill-mark"
+    env = {
+        **os.environ,
+        "ALIGNZOO_TEST_KILL_MARK": str(mark),
+        "ALIGNZOO_TEST_KILL_STEP": "3",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[3]),
+    }
+    code = (
+        "import sys\n"
+        "from alignzoo.config.loader import load_experiment\n"
+        "from alignzoo.engine.loop import run_one\n"
+        "if __name__ == '__main__':\n"
+        "    run_one(load_experiment(sys.argv[1]), 'arm', 0, sys.argv[2])\n"
+    )
+    trainer = subprocess.run(
+        [sys.executable, "-c", code, str(exp), str(out)], env=env, capture_output=True, text=True
+    )
+    assert trainer.returncode == -9, trainer.stderr[-2000:]  # SIGKILL, by the producer
+    producer = int(mark.read_text())
+    deadline = time.monotonic() + 30
+    while _alive(producer) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(producer), "the producer outlived its trainer"
+
+    loaded = load_experiment(exp)
+    summary = run_one(loaded, "arm", 0, out, resume=True)
+    assert summary.status == "finished", summary.error
+    resumed = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert _stable(resumed) == _stable(read_jsonl(whole / "metrics.jsonl"))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
