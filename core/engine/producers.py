@@ -322,6 +322,7 @@ class AsyncCollector(Collector):
         self.next_step: int | None = None  # the next step whose prompts are drawn
         self.published: Weights | None = None  # the last weights sent
         self.restarts = 0
+        self.ledger = Ledger()
 
     # ------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
@@ -341,7 +342,9 @@ class AsyncCollector(Collector):
         if self.published is not None:
             fresh.weights.put(self.published)
         for step in sorted(dead.outstanding):  # sampled anew: none was delivered
-            fresh.give(dead.outstanding[step])
+            task = dead.outstanding[step]
+            self.ledger.lost_in_flight += len(task.rows) * self.cfg.samples_per_prompt
+            fresh.give(task)
 
     def close(self) -> None:
         """Stop every producer (each finishes the batch in hand, within 30 s, or is killed)."""
@@ -408,6 +411,8 @@ class AsyncCollector(Collector):
                 "async/restarts": float(self.restarts),
             }
         )
+        self.ledger.trained += produced.samples
+        m.update(self.ledger.metrics(queued=sum(p.samples for p in self.arrived.values())))
         device = self.learner.models.device("actor")
         report = LabelReport([], [], [], [], slowest=produced.slowest)
         collected = Collected(batch.to(device), produced.samples, produced.tokens, m, report)
@@ -448,8 +453,11 @@ class AsyncCollector(Collector):
         elif message.kind == "batch":
             assert message.step is not None
             producer.outstanding.pop(message.step, None)
+            self.ledger.delivered += message.samples
             if message.step in self.tasks_out and message.step not in self.arrived:
                 self.arrived[message.step] = message
+            else:  # a step delivered twice (its producer died after delivering): not trained
+                self.ledger.discarded += message.samples
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -461,9 +469,50 @@ class AsyncCollector(Collector):
                 for t in sorted(self.tasks_out.values(), key=lambda t: t.step)
             ],
             "next_step": self.next_step,
+            # The batches delivered and not yet trained are not kept: a resume samples them
+            # anew, so the checkpoint counts them lost.
+            "ledger": self.ledger.resumed(queued=sum(p.samples for p in self.arrived.values())),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tasks_out = {t["step"]: Task(**t) for t in state.get("tasks", [])}
         self.arrived = {}
         self.next_step = state.get("next_step")
+        self.ledger = Ledger(**state.get("ledger", {}))
+
+
+@dataclass
+class Ledger:
+    """Every sample the producers made, in responses, over the run (checkpointed):
+
+    - ``delivered``: handed to the trainer by a producer;
+    - ``trained``: given to a training step;
+    - ``discarded``: delivered for a step that had its batch already (a producer that died
+      after delivering, whose step was sampled again): never trained twice;
+    - ``lost_in_flight``: being sampled by a producer that died (sampled again, never delivered);
+    - ``lost_queued``: delivered but not yet trained at the checkpoint a resume started from
+      (sampled again after the resume).
+
+    They balance: delivered = trained + queued + discarded + lost_queued, queued being the
+    batches delivered and waiting for their step."""
+
+    delivered: int = 0
+    trained: int = 0
+    discarded: int = 0
+    lost_in_flight: int = 0
+    lost_queued: int = 0
+
+    def metrics(self, queued: int) -> dict[str, float]:
+        return {
+            "async/samples_delivered": float(self.delivered),
+            "async/samples_trained": float(self.trained),
+            "async/samples_queued": float(queued),
+            "async/samples_discarded": float(self.discarded),
+            "async/samples_lost": float(self.lost_in_flight + self.lost_queued),
+        }
+
+    def resumed(self, queued: int) -> dict[str, int]:
+        """The ledger as a resume from now finds it: what waits in the queue is lost."""
+        state = dict(vars(self))
+        state["lost_queued"] += queued
+        return state

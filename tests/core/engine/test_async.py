@@ -82,6 +82,14 @@ def test_staleness_one_trains_each_step_on_its_own_prompts(write_experiment, tmp
     rows = read_jsonl(ahead / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    for row in rows:  # the ledger balances at every step; nothing lost or trained twice
+        assert row["async/samples_delivered"] == (
+            row["async/samples_trained"]
+            + row["async/samples_queued"]
+            + row["async/samples_discarded"]
+        )
+        assert row["async/samples_lost"] == 0.0
+    assert [r["async/samples_trained"] for r in rows] == [16.0 * k for k in range(1, 6)]
     # One optimizer step per step: the weights of step s are version s.
     assert [v for v, _, _ in versions] == [0, 0, 2, 2, 4]
     for version, tokens, mask in versions:
@@ -108,6 +116,11 @@ def test_a_killed_producer_is_started_again_and_no_step_is_lost(
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["async/restarts"] for r in rows] == [1.0] * 4, (mark.read_text(), rows)
+    # The ledger: the killed producer's batch (4 prompts x 4 samples) was lost in flight and
+    # sampled again; every delivered sample was trained, once.
+    last = rows[-1]
+    assert last["async/samples_lost"] == 16.0 and last["async/samples_discarded"] == 0.0
+    assert last["async/samples_delivered"] == last["async/samples_trained"] == 4 * 16.0
     # Lock-step: the batch sampled anew by the restarted producer is the one the killed
     # producer was labeling, so the run is still the synchronous one.
     spec_sync = _spec(labeler=labeler)
