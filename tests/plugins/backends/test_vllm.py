@@ -147,6 +147,43 @@ def test_a_grpo_arm_trains_with_the_vllm_backend(tmp_path, monkeypatch):
     assert all(row["response_length/mean"] < 4 for row in rows)
 
 
+def test_producers_sample_with_the_trainers_weights_in_their_own_vllm_engine(tmp_path, monkeypatch):
+    """training.async with the vllm backend: each producer starts its own engine and takes the
+    trainer's weights every step (K = 0), so the log-probs vLLM recorded while sampling are
+    the trainer's own on every step; the run trains on the synchronous run's prompts."""
+    import yaml
+
+    from alignzoo.config.loader import load_experiment
+    from alignzoo.engine.loop import run_one
+    from tests.core.engine.conftest import read_jsonl, tiny_experiment
+
+    monkeypatch.setenv("ALIGNZOO_CACHE", str(tmp_path / "cache"))
+    outs = {}
+    for name, training in (("sync", {}), ("k0", {"async": {"max_staleness": 0}})):
+        spec = tiny_experiment(
+            budget={"steps": 3},
+            model={"embedded": DIMS},
+            evaluation={"every": 3, "num_prompts": 4},
+            arms={
+                "grpo": {
+                    "algorithm": "grpo",
+                    "backend": {"name": "vllm", "params": {"max_model_len": 64}},
+                    "training": training,
+                }
+            },
+        )
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+        summary = run_one(load_experiment(path), "grpo", 0, tmp_path / name)
+        assert summary.status == "finished", summary.error
+        outs[name] = tmp_path / name
+    rows = read_jsonl(outs["k0"] / "metrics.jsonl")
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 0.0, 0.0]
+    assert all(row["rollout/logprob_diff"] < 1e-3 for row in rows)  # weights 1 and 2 too
+    prompts = [(r["step"], r["prompt"]) for r in read_jsonl(outs["k0"] / "samples.jsonl")]
+    assert prompts == [(r["step"], r["prompt"]) for r in read_jsonl(outs["sync"] / "samples.jsonl")]
+
+
 def test_multi_turn_episodes_keep_the_ids_vllm_sampled(backends):
     """Token in, token out with vLLM: each turn continues the episode's ids as they are, and
     the trainer's log-probs of the sampled tokens equal vLLM's (the environment's tokens are
