@@ -36,7 +36,7 @@ LOCK_ARGS ?=
 PIP_COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links $(LOCK_ARGS)
 
-.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-rlhf figures-bench figure-bench-trl figure-bench-bf16 figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async figure-async test test-fast test-vllm test-verifiers lint bench clean
+.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-rlhf figures-bench figure-bench-trl figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async figure-async test test-fast test-vllm test-verifiers lint bench clean
 
 # The lock first (hash-checked; alignzoo is not in it), then alignzoo itself, editable.
 $(VENV)/.installed: pyproject.toml requirements/dev.txt
@@ -122,7 +122,7 @@ rlhf: setup
 ## The figures the documentation quotes, rerun from scratch into $(FIGURES)/ and written to
 ## docs/results/<figure>.json (the report's tables, every run's evaluations and training curves'
 ## ends, the provenance: commit, lock, CPU and its kernels, threads); tests/core/test_figures.py
-## checks every quoted number against them. `make figures` reruns them all (about 50 minutes on
+## checks every quoted number against them. `make figures` reruns them all (about 60 minutes on
 ## 2 cores), `make figure-demo` one. Commit first: a results file from uncommitted code fails
 ## that test. The warm starts are built in $(FIGURES)/cache (and cache-avx2), not taken from
 ## another machine's cache: a warm start built on another CPU kind is another starting policy.
@@ -168,15 +168,12 @@ figure-rlhf: setup
 	$(PY) benchmarks/kl_control.py $(FIGURES)/rlhf/ab --json docs/results/rlhf-kl.json
 
 ## The benchmarks' figures (benchmarks/README.md, docs/speed.md), rerun into docs/results/bench-*.json
-## with their provenance. Timings want a quiet machine: nothing else running (about 75 minutes
+## with their provenance. Timings want a quiet machine: nothing else running (about 50 minutes
 ## on 2 cores in all). figure-bench-decode-avx2 limits every kernel to AVX2, as figure-demo-avx2.
-figures-bench: figure-bench-trl figure-bench-bf16 figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async
+figures-bench: figure-bench-trl figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async
 
 figure-bench-trl: setup
 	$(PY) benchmarks/vs_trl.py --steps 23 --repeats 2 --json docs/results/bench-vs-trl.json
-
-figure-bench-bf16: setup
-	$(PY) benchmarks/vs_trl.py --models 25m --dtype bfloat16 --steps 23 --repeats 2 --json docs/results/bench-vs-trl-bf16.json
 
 DECODE_BOUND := --models 25m --algorithms grpo --max-new-tokens 128 --steps 6 --repeats 2 --phases
 figure-bench-decode: setup
