@@ -164,8 +164,7 @@ def main() -> None:
             queue.close()
         print(f"the full agreement computation over the queue: {1000 * full:.0f} ms")
         if args.json is not None:
-            from alignzoo import provenance
-            from alignzoo.report.results import write_results
+            from alignzoo.report.results import write_measurement
 
             for name in ("judge", "next", "stats", "cycle"):
                 figures[name] = percentiles(out[name])
@@ -173,8 +172,7 @@ def main() -> None:
             figures["full_agreement_ms"] = 1000 * full
             document = {"figures": figures, "settings": {"items": args.items,
                         "judgements": args.judgements}}  # fmt: skip
-            document["provenance"] = {"settings": [provenance.collect()]}
-            write_results(args.json, document)
+            write_measurement(args.json, document)
 
 
 if __name__ == "__main__":

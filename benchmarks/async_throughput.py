@@ -113,8 +113,6 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     import vs_trl  # the 25.8M model and the data files of the TRL comparison
 
-    from alignzoo import provenance
-
     arms = {
         "sync": None,
         "k1": {"max_staleness": 1, "producer_threads": args.producer_threads},
@@ -150,14 +148,13 @@ def main() -> None:
                     flush=True,
                 )
     if args.json is not None:
-        from alignzoo.report.results import write_results
+        from alignzoo.report.results import write_measurement
 
         document = {
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
             "workloads": results,
-            "provenance": {"settings": [provenance.collect()]},
         }
-        write_results(args.json, document)
+        write_measurement(args.json, document)
 
 
 if __name__ == "__main__":

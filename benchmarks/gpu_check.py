@@ -142,12 +142,10 @@ def main() -> None:
     engine.on_run_end(run, "finished")
     print(json.dumps(report, indent=2))
     if args.json is not None:
-        from alignzoo import provenance
-        from alignzoo.report.results import write_results
+        from alignzoo.report.results import write_measurement
 
         document = {"report": report, "settings": vars(args) | {"json": None}}
-        document["provenance"] = {"settings": [provenance.collect()]}
-        write_results(args.json, document)
+        write_measurement(args.json, document)
 
 
 if __name__ == "__main__":

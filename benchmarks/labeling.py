@@ -153,8 +153,7 @@ def main() -> None:
               f"with the label store {with_store * 1e3:.2f} ms "
               f"(+{(with_store - direct) * 1e3:.2f})")  # fmt: skip
     if args.json is not None:
-        from alignzoo import provenance
-        from alignzoo.report.results import write_results
+        from alignzoo.report.results import write_measurement
 
         figures |= {
             "in_process_speedup": figures["in_process_single_ms"]
@@ -165,8 +164,7 @@ def main() -> None:
         }
         settings = {"repeats": args.repeats}
         document = {"figures": figures, "settings": settings}
-        document["provenance"] = {"settings": [provenance.collect()]}
-        write_results(args.json, document)
+        write_measurement(args.json, document)
 
 
 if __name__ == "__main__":

@@ -88,17 +88,15 @@ def main() -> None:
             print(f"{row['mode']:>12}: peak RSS {row['peak_rss_mb']:.0f} MB "
                   f"(reference: {row['reference']})")  # fmt: skip
         if args.json is not None:
-            from alignzoo import provenance
-            from alignzoo.report.results import write_results
+            from alignzoo.report.results import write_measurement
 
             document = {
                 "parameters": params,
                 "weights_mb": params * 4 / 2**20,
                 "rows": rows,
                 "difference_mb": rows[1]["peak_rss_mb"] - rows[0]["peak_rss_mb"],
-                "provenance": {"settings": [provenance.collect()]},
             }
-            write_results(args.json, document)
+            write_measurement(args.json, document)
 
 
 if __name__ == "__main__":

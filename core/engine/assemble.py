@@ -26,7 +26,14 @@ from alignzoo.engine.learner import Learner, build_learner, shard_units
 from alignzoo.engine.mirror import Mirror, mirror_for
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
-from alignzoo.engine.parts import fresh_components, labeler_hooks, labeling_stage, seed_everything
+from alignzoo.engine.parts import (
+    fresh_components,
+    labeler_hooks,
+    labeling_stage,
+    run_hooks,
+    seed_everything,
+    start_fallbacks,
+)
 from alignzoo.engine.policy import policy_path
 from alignzoo.engine.sampler import PromptSampler
 from alignzoo.engine.scoring import Scorer
@@ -266,14 +273,7 @@ def assemble(
     spec = loaded.spec
     components = fresh_components(loaded, arm)
     arm_spec = spec.arms[arm]
-    # The fallbacks and the evaluation labeler live outside the run's manager: they never
-    # take part in the training labeler's score_batch.
-    run_components = [
-        c
-        for slot, c in components.items()
-        if not slot.startswith("labeling.") and slot != EVAL_LABELER
-    ]
-    hooks = Hooks(build_plugin_manager(run_components), arm_spec.algorithm.name)
+    hooks = run_hooks(components, arm_spec.algorithm.name)
     labeling = labeling_stage(arm_spec, components, hooks, seed, out_dir)
     req = hooks.algorithm_requirements()
     mode = select_mode(req, arm_is_online(spec, arm_spec))
@@ -406,9 +406,7 @@ def assemble(
         run.eval_labeling = evaluation_stage(spec, components[EVAL_LABELER], seed)
         for slot in run.eval_labeling.slots:
             slot.call.hooks.on_run_start(_EvaluationContext(context))
-    for slot in labeling.slots[1:]:  # the fallbacks live outside the run's manager
-        if hasattr(slot.call, "hooks"):
-            slot.call.hooks.on_run_start(context)
+    start_fallbacks(labeling, context)
     run.sync_weights()
     seed_everything(seed)  # every arm enters the loop with the same RNG state for a seed
     return run

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from alignzoo.config.loader import LoadedExperiment
+from alignzoo.config.loader import EVAL_LABELER, LoadedExperiment
 from alignzoo.config.schema import ArmSpec
 from alignzoo.engine.hooks import Hooks
 from alignzoo.errors import UserError
@@ -66,3 +66,22 @@ def labeling_stage(
         else:
             store = LabelStore(Path(where).expanduser())
     return LabelingStage.build(arm_spec.labeling, chain, seed=seed, store=store)
+
+
+def run_hooks(components: dict[str, Component], algorithm: str) -> Hooks:
+    """The hooks of a run's own plugin manager: every component but the labeler fallbacks and
+    the evaluation labeler, which never take part in the training labeler's ``score_batch``."""
+    run_components = [
+        c
+        for slot, c in components.items()
+        if not slot.startswith("labeling.") and slot != EVAL_LABELER
+    ]
+    return Hooks(build_plugin_manager(run_components), algorithm)
+
+
+def start_fallbacks(labeling: LabelingStage, context: Any) -> None:
+    """``on_run_start`` for the labeler chain's fallbacks (they live outside the run's manager,
+    so its ``on_run_start`` does not reach them)."""
+    for slot in labeling.slots[1:]:
+        if hasattr(slot.call, "hooks"):
+            slot.call.hooks.on_run_start(context)

@@ -121,22 +121,21 @@ class _ProducerSide:
         from alignzoo.config.loader import load_experiment
         from alignzoo.devices import available_devices
         from alignzoo.engine import models as model_loading
-        from alignzoo.engine.hooks import Hooks
         from alignzoo.engine.modes import select_mode
-        from alignzoo.engine.parts import fresh_components, labeling_stage, seed_everything
-        from alignzoo.registry import build_plugin_manager
+        from alignzoo.engine.parts import (
+            fresh_components,
+            labeling_stage,
+            run_hooks,
+            seed_everything,
+            start_fallbacks,
+        )
         from alignzoo.types import RunContext
 
         loaded = load_experiment(job.source, arms=[job.arm], overrides=job.spec.overrides)
         loaded.spec = spec = job.spec
         arm_spec = spec.arms[job.arm]
         components = fresh_components(loaded, job.arm)
-        run_components = [
-            c
-            for slot, c in components.items()
-            if not slot.startswith("labeling.") and slot != "evaluation.labeler"
-        ]
-        self.hooks = hooks = Hooks(build_plugin_manager(run_components), arm_spec.algorithm.name)
+        self.hooks = hooks = run_hooks(components, arm_spec.algorithm.name)
         self.labeling = labeling_stage(arm_spec, components, hooks, job.seed, job.out_dir)
         self.mode = select_mode(hooks.algorithm_requirements(), online=True)
         self.cfg = arm_spec.training
@@ -163,9 +162,7 @@ class _ProducerSide:
 
             self.episodes = Episodes(arm_spec.episodes, models.tokenizer)
         hooks.on_run_start(self.context)
-        for slot in self.labeling.slots[1:]:  # fallbacks live outside the manager
-            if hasattr(slot.call, "hooks"):
-                slot.call.hooks.on_run_start(self.context)
+        start_fallbacks(self.labeling, self.context)
         self.weights: Weights | None = None
         seed_everything(job.seed)
 

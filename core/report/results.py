@@ -159,3 +159,11 @@ def write_results(path: Path, document: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(document, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def write_measurement(path: Path, document: dict[str, Any]) -> Path:
+    """Write a benchmark's figures (:func:`write_results`) with this process's provenance
+    (commit, lock, CPU and its kernels, threads), as the docs' figures check expects."""
+    from alignzoo import provenance
+
+    return write_results(path, {**document, "provenance": {"settings": [provenance.collect()]}})

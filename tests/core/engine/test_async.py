@@ -156,6 +156,16 @@ def test_a_resumed_run_hands_out_the_steps_it_had_handed_out(write_experiment, t
     # Steps 5 and 6 were handed out before the stop (K = 2): after the resume the same
     # prompts train at the same steps, none skipped, none twice.
     assert [(r["step"], r["prompt"]) for r in read_jsonl(out / "samples.jsonl")] == prompts
+    # The ledger came back with the checkpoint: what was delivered and waiting then counts as
+    # lost (sampled again after the resume), and it still balances.
+    last = rows[-1]
+    assert last["async/samples_trained"] == 6 * 16.0
+    assert last["async/samples_delivered"] == (
+        last["async/samples_trained"]
+        + last["async/samples_queued"]
+        + last["async/samples_discarded"]
+        + last["async/samples_lost"]
+    )
 
 
 @pytest.mark.slow

@@ -277,3 +277,24 @@ def test_a_process_limited_to_avx2_says_so_in_its_kernels() -> None:
     if "avx2" in flags:  # an AVX2-capable CPU runs torch's AVX2 kernels when told to
         assert isa["capability"] == "AVX2"
     assert isa["limits"]["ATEN_CPU_CAPABILITY"] == "avx2"
+
+
+def test_a_benchmarks_results_file_carries_the_provenance_the_figures_check_reads(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    from alignzoo.report.results import write_measurement
+    from tests.core.test_figures import provenance_problems
+
+    path = write_measurement(tmp_path / "bench.json", {"figures": {"s_per_step": 1.25}})
+    document = json.loads(path.read_text())
+    assert document["figures"] == {"s_per_step": 1.25}
+    (setting,) = document["provenance"]["settings"]
+    assert setting["threads"] == torch.get_num_threads()
+    assert setting["cpu_isa"]["capability"] == torch.backends.cpu.get_cpu_capability()
+    # What the check asks of a results file, but for a clean commit (this tree may be dirty).
+    clean = {k: v for k, v in setting.items() if k != "git"} | {
+        "git": {"commit": "a", "dirty": False}
+    }
+    assert provenance_problems({"provenance": {"settings": [clean]}}) == []
