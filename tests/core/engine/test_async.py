@@ -76,7 +76,7 @@ def test_staleness_one_trains_each_step_on_its_own_prompts(write_experiment, tmp
         return {}
 
     monkeypatch.setattr(Behaviour, "at_collection", recorded)
-    settings = {"max_staleness": 1, "producers": 2, "weights_every": 2}
+    settings = {"max_staleness": 1, "producers": 2, "weights_every": 2, "producer_threads": 1}
     ahead = _run(write_experiment, tmp_path, "k1", _spec(steps=5, async_=settings))
     plain, produced = (read_jsonl(out / "samples.jsonl") for out in (sync, ahead))
     assert [(r["step"], r["prompt"]) for r in produced] == [(r["step"], r["prompt"]) for r in plain]
@@ -144,7 +144,8 @@ def test_a_failing_producer_fails_the_run_with_its_error(write_experiment, tmp_p
 
 
 def test_a_resumed_run_hands_out_the_steps_it_had_handed_out(write_experiment, tmp_path):
-    spec = _spec(steps=6, async_={"max_staleness": 2})
+    # Weights every 3 steps, checkpoints every 2: cadences that do not divide each other.
+    spec = _spec(steps=6, async_={"max_staleness": 2, "weights_every": 3})
     loaded = load_experiment(write_experiment(spec))
     out = tmp_path / "run"
     assert run_one(loaded, "arm", 0, out).status == "finished"
