@@ -86,11 +86,17 @@ ROLLOUT_IS_CLIPPED = "rollout/is_clipped"
 truncated to it, or (mode mask) left out of the surrogate."""
 
 ROLLOUT_STALENESS = "rollout/staleness"
-"""Mean over the step's samples of the steps between the weights that sampled them and the
-weights that train on them (0 for a synchronous step; 1 with ``labeling.overlap``)."""
+"""Mean over the step's sampled response tokens of the steps between the weights that sampled
+them and the weights that train on them (0 for a synchronous step; 1 with
+``labeling.overlap``). A partial rollout's tokens may come from several weights."""
 
 ROLLOUT_STALENESS_MAX = "rollout/staleness_max"
-"""The largest staleness among the step's samples (``training.async``)."""
+"""The largest staleness among the step's sampled tokens (``training.async``)."""
+
+ROLLOUT_STALENESS_HIST = "rollout/staleness_hist/"
+"""Prefix of the staleness histogram: ``rollout/staleness_hist/<k>`` is the share of the step's
+sampled response tokens that are k steps old, for every k from 0 to ``max_staleness``
+(``training.async``; the shares sum to 1)."""
 
 ROLLOUT_KL_BEHAVIOUR = "rollout/kl_behaviour"
 """KL(pi_rollout || pi_old) per token (k3, on the sampled tokens): how far the weights that

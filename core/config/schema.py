@@ -342,6 +342,13 @@ class AsyncConfig(_Strict):
         description="torch threads in each producer (default: the trainer's; the same count "
         "keeps max_staleness 0 bit-identical to the synchronous run).",
     )
+    partial_rollouts: bool = Field(
+        False,
+        description="A rollout in progress when newer weights arrive goes on with them: the hf "
+        "backend's generate before each decode step (its KV cache kept), an episode before each "
+        "of the model's turns (any backend); each token keeps the version and log-prob it was "
+        "sampled with (off: a batch is sampled with the weights it started with).",
+    )
 
     @model_validator(mode="after")
     def _weights_often_enough(self) -> AsyncConfig:

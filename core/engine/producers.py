@@ -25,7 +25,14 @@ with it (as a failure in one process would); a producer that dies (killed) is st
 and its task handed out again: no batch is trained twice, and one in flight is sampled anew.
 A producer whose trainer dies exits on its own (it looks for its parent while it waits).
 
-Metrics: ``rollout/staleness`` (mean) and ``rollout/staleness_max`` in steps,
+**Partial rollouts** (``partial_rollouts: true``). While it samples a batch, a producer takes
+weights the trainer sends in the meantime at the rollout's safe points (before a decode step of
+the hf backend, before an episode's turn; :mod:`alignzoo.rollout.partial`) and goes on with
+them: the batch's tokens then come from several versions, each recorded in ``token_versions``
+with the log-prob it was drawn with. Staleness is counted per token.
+
+Metrics: ``rollout/staleness`` (mean over the sampled tokens) and ``rollout/staleness_max`` in
+steps, ``rollout/staleness_hist/<k>`` (the share of tokens k steps old, k = 0 .. K),
 ``async/queue_depth`` (batches waiting when the step began), ``async/trainer_wait_s`` (the
 trainer idle, waiting for its batch), ``async/producer_wait_s`` (the producer idle before it
 started the batch: waiting for work or weights), ``async/restarts`` (producers started again).
@@ -106,7 +113,8 @@ class Produced:
     tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     slowest: list[dict[str, Any]] = field(default_factory=list)
-    weights_step: int = 0
+    weights_step: int = 0  # the step of the weights the batch started with
+    version_steps: dict[int, int] = field(default_factory=dict)  # policy version -> its step
     waited_s: float = 0.0
     error: str | None = None
 
@@ -164,6 +172,9 @@ class _ProducerSide:
         hooks.on_run_start(self.context)
         start_fallbacks(self.labeling, self.context)
         self.weights: Weights | None = None
+        self.version_steps: dict[int, int] = {}  # every version loaded -> the step it ended
+        settings = self.cfg.async_
+        self.partial = settings is not None and settings.partial_rollouts
         seed_everything(job.seed)
 
     def load(self, weights: Weights) -> None:
@@ -177,10 +188,30 @@ class _ProducerSide:
             for name, tensor in weights.tensors.items():
                 own[name].copy_(tensor)
         self.weights = Weights(weights.step, weights.version, {})
+        self.version_steps[weights.version] = weights.step
         self.hooks.sync_weights(PolicyWeights(actor, weights.version))
 
-    def produce(self, task: Task) -> Collected:
+    def newest(self, arriving: Any) -> int:
+        """Take the newest of the weights waiting in ``arriving`` (the others are skipped);
+        the version in force."""
+        latest = None
+        with contextlib.suppress(queue.Empty):
+            while True:
+                latest = arriving.get_nowait()
+        if latest is not None:
+            self.load(latest)
         assert self.weights is not None
+        return self.weights.version
+
+    def produce(self, task: Task, arriving: Any = None) -> Collected:
+        """Sample and label ``task``; with partial rollouts, taking the weights that arrive on
+        ``arriving`` while it samples."""
+        from alignzoo.rollout import partial
+
+        assert self.weights is not None
+        feeding = contextlib.nullcontext()
+        if self.partial and arriving is not None:
+            feeding = partial.feeding(lambda: self.newest(arriving))
         source = StepSource(
             self.hooks,
             self.models.tokenizer,
@@ -191,7 +222,8 @@ class _ProducerSide:
             self.labeling,
             self.episodes,
         )
-        return self.mode.collect(task.rows, source)
+        with feeding:
+            return self.mode.collect(task.rows, source)
 
     def close(self) -> None:
         from alignzoo.runfolder import RunStatus
@@ -233,12 +265,12 @@ def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any, stop: Any)
                 except queue.Empty:
                     if stop.is_set() or _parent_gone(parent):
                         return
-            with contextlib.suppress(queue.Empty):  # newer weights already sent: use them
-                while True:
-                    side.load(weights.get_nowait())
+            side.newest(weights)  # newer weights already sent: use them
             waited = time.perf_counter() - idle
+            assert side.weights is not None
+            started = side.weights.step
             try:
-                collected = side.produce(task)
+                collected = side.produce(task, weights)
             except Exception as exc:
                 results.put(Produced(job.index, task.step, kind="error", error=_describe(exc)))
                 return
@@ -252,7 +284,8 @@ def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any, stop: Any)
                     tokens=collected.tokens,
                     metrics=collected.metrics,
                     slowest=list(report.slowest) if report is not None else [],
-                    weights_step=side.weights.step,
+                    weights_step=started,
+                    version_steps=dict(side.version_steps),
                     waited_s=waited,
                 )
             )
@@ -396,12 +429,10 @@ class AsyncCollector(Collector):
         del self.tasks_out[step]
         batch = produced.batch
         assert batch is not None
-        staleness = float(step - 1 - produced.weights_step)
         m = dict(produced.metrics)
+        m.update(staleness_metrics(batch, produced, step, self.settings.max_staleness))
         m.update(
             {
-                canonical.ROLLOUT_STALENESS: staleness,
-                canonical.ROLLOUT_STALENESS_MAX: staleness,
                 "async/queue_depth": float(depth),
                 "async/trainer_wait_s": waited,
                 "async/producer_wait_s": produced.waited_s,
@@ -476,6 +507,29 @@ class AsyncCollector(Collector):
         self.arrived = {}
         self.next_step = state.get("next_step")
         self.ledger = Ledger(**state.get("ledger", {}))
+
+
+def staleness_metrics(
+    batch: RolloutBatch, produced: Produced, step: int, max_staleness: int
+) -> dict[str, float]:
+    """Step ``step``'s staleness over its sampled response tokens: each token's age in steps
+    (the weights of step ``step - 1`` train on it) from its policy version, mean, max and the
+    histogram ``rollout/staleness_hist/<k>`` for k = 0 .. ``max_staleness``."""
+    lag = torch.full((1,), float(step - 1 - produced.weights_step))  # every token, if unrecorded
+    versions = batch.token_versions
+    if versions is not None and produced.version_steps:
+        sampled = versions[(versions >= 0) & batch.response_mask.bool().to(versions.device)]
+        if sampled.numel():
+            known = produced.version_steps
+            steps = [known.get(v, produced.weights_step) for v in sampled.cpu().tolist()]
+            lag = (step - 1) - torch.tensor(steps, dtype=torch.float64)
+    m = {
+        canonical.ROLLOUT_STALENESS: float(lag.mean()),
+        canonical.ROLLOUT_STALENESS_MAX: float(lag.max()),
+    }
+    for k in range(max_staleness + 1):
+        m[f"{canonical.ROLLOUT_STALENESS_HIST}{k}"] = float((lag == k).double().mean())
+    return m
 
 
 @dataclass

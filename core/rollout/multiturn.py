@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from alignzoo.errors import UserError
+from alignzoo.rollout import partial
 from alignzoo.rollout.codecs import BracketCodec, Codec, codec_for
 from alignzoo.rollout.episode import EpisodeStart, Message, StepResult, Turn
 
@@ -75,6 +76,7 @@ class Episode:
     ids: list[int] = field(default_factory=list)  # the response part: model and environment
     trained: list[int] = field(default_factory=list)  # 1 on the model's sampled tokens
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # policy version per token (-1: not sampled)
     turn_start: int = 0  # where the model's latest turn begins in ``ids``
     turn: Turn | None = None  # the model's latest turn, as env_step receives it
     turns: int = 0
@@ -317,6 +319,8 @@ class Episodes:
         turn_sampling = sampling.model_copy(update={"max_new_tokens": max(width, 1)})
         contexts = [e.prompt_ids + e.ids for e in live]
         seeds = None if unseeded else [derive_seed(e.seed, turn, 7) for e in live]
+        # A partial rollout takes the trainer's newer weights between turns (None: no feed).
+        version = partial.refresh()
         outputs = pm.hook.generate_ids(
             contexts=contexts,
             sampling=turn_sampling,
@@ -328,6 +332,7 @@ class Episodes:
             episode.ids += ids
             episode.trained += [1] * len(ids)
             episode.logprobs += logprobs
+            episode.versions += [-1 if version is None else version] * len(ids)
             episode.turn_start = len(episode.ids) - len(ids)
             # The turn joins the transcript as sampled, also when the token limit cuts it (its
             # tokens are trained on, so its text is what the labeler sees).
@@ -363,6 +368,7 @@ class Episodes:
         episode.ids += between[:room]
         episode.trained += [0] * len(between[:room])
         episode.logprobs += [0.0] * len(between[:room])
+        episode.versions += [-1] * len(between[:room])
         if len(between) >= room:
             episode.end("truncated", f"{self.cfg.max_tokens} tokens")
 
@@ -394,6 +400,7 @@ class Episodes:
         trained = torch.zeros((rows, width), dtype=torch.float32)
         attention = torch.zeros((rows, width), dtype=torch.long)
         logprobs = torch.zeros((rows, width), dtype=torch.float32)
+        versions = torch.full((rows, width), -1, dtype=torch.long)
         for r, e in enumerate(chosen):
             p, k = len(e.prompt_ids), len(e.ids)
             if p:
@@ -404,6 +411,7 @@ class Episodes:
                 trained[r, :k] = torch.tensor(e.trained, dtype=torch.float32)
                 attention[r, :k] = 1
                 logprobs[r, :k] = torch.tensor(e.logprobs)
+                versions[r, :k] = torch.tensor(e.versions, dtype=torch.long)
         groups = sorted({e.group for e in chosen})
         renumber = {g: i for i, g in enumerate(groups)}
         return RolloutBatch(
@@ -417,6 +425,8 @@ class Episodes:
             extras=[_extra(e) for e in chosen],
             rollout_logprobs=logprobs,
             response_attention=attention,
+            # each turn's version when a partial rollout recorded them (else the engine's)
+            token_versions=versions if partial.active() else None,
         )
 
     def _metrics(self, episodes: list[Episode], kept: list[int]) -> dict[str, float]:

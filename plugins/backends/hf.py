@@ -22,6 +22,12 @@ processes (``training.parallel: fsdp2``) always gets such a copy. Per chunk of p
 The sampled tokens' log-probs are returned as ``rollout_logprobs``; the engine compares them
 with the trainer's (``rollout/logprob_diff``).
 
+In an asynchronous producer with partial rollouts (:mod:`alignzoo.rollout.partial`), the
+decode loop of ``generate`` takes newer weights from the trainer before any decode step and goes
+on with them (the KV cache of the tokens so far kept), recording each token's policy version in
+``token_versions``. ``generate_ids`` (an episode's turn) samples each turn with one version; the
+episode runner takes newer weights between turns.
+
 The checkpoint's own ``generation_config`` (a repetition penalty, top-k 20, ...) is never used:
 the backend samples exactly with the experiment's ``SamplingParams``, so the recorded
 ``rollout_logprobs`` and the training loss refer to the same distribution.
@@ -39,6 +45,7 @@ from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
 from alignzoo.kernels.generation import cut_after_eos, encode_prompts, eos_token_ids
 from alignzoo.plugin import Backend, hookimpl
+from alignzoo.rollout import partial
 
 if TYPE_CHECKING:
     import torch
@@ -168,7 +175,7 @@ class HFBackend(Backend):
                 use_loop = decoder == "loop" and use_cache
                 if use_loop:
                     part_seeds = seeds[start : start + size] if seeds is not None else None
-                    chunks.append(self._decode_chunk(part, n, sampling, part_seeds))
+                    chunks.append(self._decode_chunk(part, n, sampling, part_seeds, refresh=True))
                 else:  # transformers' generate samples from the global RNG
                     chunks.append(self._generate_chunk(part, n, sampling))
         pad = self._pad_id()
@@ -177,6 +184,10 @@ class HFBackend(Backend):
         response_ids = _pad_rows([c[2] for c in chunks], pad, left=False)
         response_mask = _pad_rows([c[3] for c in chunks], 0, left=False)
         rollout_logprobs = _pad_rows([c[4] for c in chunks], 0, left=False)
+        token_versions = None
+        if all(len(c) > 5 and c[5] is not None for c in chunks):  # a partial rollout's versions
+            versions = _pad_rows([c[5] for c in chunks], -1, left=False).long()
+            token_versions = versions.masked_fill(response_mask == 0, -1)
 
         lengths = response_mask.sum(dim=1).long().tolist()
         responses = self.tokenizer.batch_decode(
@@ -195,6 +206,7 @@ class HFBackend(Backend):
             responses=responses,
             extras=[dict(e) for e in extras for _ in range(n)],
             rollout_logprobs=rollout_logprobs,
+            token_versions=token_versions,
         )
 
     @hookimpl
@@ -214,7 +226,7 @@ class HFBackend(Backend):
                 part = contexts[start : start + size]
                 part_seeds = seeds[start : start + size] if seeds is not None else None
                 chunk = self._decode_chunk(part, 1, sampling, part_seeds, stop_token_ids)
-                _, _, response, mask, logprobs = chunk
+                _, _, response, mask, logprobs, _ = chunk
                 for row in range(len(part)):
                     length = int(mask[row].sum())
                     out.append((response[row, :length].tolist(), logprobs[row, :length].tolist()))
@@ -238,12 +250,19 @@ class HFBackend(Backend):
         sampling: SamplingParams,
         seeds: list[int] | None = None,
         stop_token_ids: list[int] | None = None,
-    ) -> tuple[torch.Tensor, ...]:
+        refresh: bool = False,
+    ) -> tuple[torch.Tensor | None, ...]:
         """Sample n continuations of each prompt with the decode loop; tensors as
-        :meth:`_generate_chunk` returns them. With ``seeds``, prompt i's rows draw from a
-        generator seeded ``seeds[i]`` (the same tokens whatever else is in the batch).
-        ``stop_token_ids`` end a row like EOS (kept in the response)."""
+        :meth:`_generate_chunk` returns them, then each token's policy version ``[rows, T]``
+        (None unless a partial rollout recorded them). With ``seeds``, prompt i's rows draw
+        from a generator seeded ``seeds[i]`` (the same tokens whatever else is in the batch).
+        ``stop_token_ids`` end a row like EOS (kept in the response).
+
+        ``refresh``: before the prefill and each decode step, take newer weights from an
+        asynchronous producer's feed (:mod:`alignzoo.rollout.partial`, when one is installed)
+        and go on with them; the cache of the tokens so far is kept."""
         model, pad = self.model, self._pad_id()
+        version = partial.refresh() if refresh else None
         eos_ids = list(dict.fromkeys([*self._eos_ids(), *(stop_token_ids or [])]))
         device = _model_device(model)
         prompt_ids, prompt_mask = self._left_padded(prompt_tokens)
@@ -272,6 +291,7 @@ class HFBackend(Backend):
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
+        versions: list[int] = []  # the version whose logits drew each step's tokens
         for t in range(sampling.max_new_tokens):
             if sampling.temperature == 0:
                 token = logits.argmax(dim=-1)
@@ -287,9 +307,16 @@ class HFBackend(Backend):
             token = token.masked_fill(finished, pad)
             tokens.append(token)
             logprobs.append(sampled_logp.gather(1, token.unsqueeze(1)).squeeze(1))
+            if version is not None:
+                versions.append(version)
             finished = finished | torch.isin(token, eos)
             if t + 1 == sampling.max_new_tokens or bool(finished.all()):
                 break
+            if version is not None:
+                newer = partial.refresh()
+                if newer is not None and newer != version:
+                    decoder.weights_changed()
+                    version = newer
             logits = decoder.step(token.unsqueeze(1), position)
             position = position + 1
         if tokens:
@@ -301,12 +328,16 @@ class HFBackend(Backend):
         response, response_mask = cut_after_eos(response, eos_ids, pad)
         response_logprobs = response_logprobs.masked_fill(response_mask == 0, 0.0)
         ids = prompt_ids.repeat_interleave(n, dim=0)
+        token_versions = None
+        if version is not None:
+            token_versions = torch.tensor(versions, dtype=torch.long).expand(rows, -1).clone()
         return (
             ids,
             prompt_mask.repeat_interleave(n, dim=0),
             response.cpu(),
             response_mask.cpu(),
             response_logprobs.float().cpu(),
+            token_versions,
         )
 
     def _generate_chunk(
@@ -395,6 +426,10 @@ class _LeanDecoder:
     def repeat_interleave(self, n: int) -> None:
         self.cache = self.cache.repeat_interleave(n)
 
+    def weights_changed(self) -> None:
+        """The model's weights were replaced in place: pack them again at the next step."""
+        self.linear = None
+
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The next logits ``[rows, V]`` after one more token ``[rows, 1]`` at ``position``."""
         if self.pack and self.linear is None:  # the steps' rows never change: pack once
@@ -453,6 +488,9 @@ class _CacheDecoder:
         assert self.mask is not None
         self.cache.batch_repeat_interleave(n)
         self.mask = self.mask.repeat_interleave(n, dim=0)
+
+    def weights_changed(self) -> None:
+        """The model's weights were replaced in place: its forward reads them as they are."""
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         assert self.mask is not None

@@ -106,7 +106,9 @@ def sample(rows: list[dict[str, Any]], source: StepSource) -> tuple[RolloutBatch
         prompts, extras, cfg.samples_per_prompt, cfg.sampling, source.seeds, source.episodes
     )
     batch.policy_version = source.policy_version
-    if source.policy_version is not None:
+    # A partial rollout recorded each token's version as it sampled it; otherwise every token
+    # comes from the version the batch started with.
+    if source.policy_version is not None and batch.token_versions is None:
         on = batch.response_mask.bool()
         batch.token_versions = torch.where(on, source.policy_version, -1).long()
     m["timing/generate"] = time.perf_counter() - start

@@ -7,24 +7,30 @@ its error; a checkpoint keeps the steps handed out, so a resume skips no prompt.
 
 from __future__ import annotations
 
+import queue
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from alignzoo.config.loader import load_experiment
+from alignzoo.engine.assemble import assemble
 from alignzoo.engine.behaviour import Behaviour
 from alignzoo.engine.loop import run_one
+from alignzoo.engine.producers import Produced, Task, Weights, _ProducerSide, staleness_metrics
+from alignzoo.runfolder import RunStatus
 
 from .conftest import back_to_checkpoint, read_jsonl, tiny_experiment
 
 VOLATILE = ("time_s", "timing/", "throughput/", "labeler/", "async/")
-ASYNC_ONLY = ("rollout/staleness", "rollout/staleness_max", "rollout/kl_behaviour")
+ASYNC_ONLY = ("rollout/staleness", "rollout/kl_behaviour")  # staleness: _max and _hist/<k> too
 
 
 def _stable(rows, drop=()):
-    return [
-        {k: v for k, v in r.items() if not k.startswith(VOLATILE) and k not in drop} for r in rows
-    ]
+    """Each row without its timings (and the keys starting with a prefix in ``drop``)."""
+    skip = VOLATILE + tuple(drop)
+    return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]
 
 
 def _spec(algorithm="grpo", steps=4, async_=None, labeler="arithmetic", **training):
@@ -63,11 +69,15 @@ def test_max_staleness_zero_is_the_synchronous_run(write_experiment, tmp_path, a
         assert _stable(read_jsonl(lock / name)) == _stable(read_jsonl(sync / name)), name
 
 
-def test_staleness_one_trains_each_step_on_its_own_prompts(write_experiment, tmp_path, monkeypatch):
+@pytest.mark.parametrize("partial_rollouts", [False, True])
+def test_staleness_one_trains_each_step_on_its_own_prompts(
+    write_experiment, tmp_path, monkeypatch, partial_rollouts
+):
     """K = 1 with weights sent every 2 steps (after steps 0, 2, 4): by construction, step 2's
     batch can only come from the starting weights (those of step 2 need its batch first), step
     3's needs weights of step 1 or later so waits for step 2's, and so on: staleness 0, 1, 0,
-    1, 0, whichever of the two producers takes which step and however fast it is."""
+    1, 0, whichever of the two producers takes which step and however fast it is. No weights
+    are sent while a batch is sampled, so partial rollouts change nothing here."""
     sync = _run(write_experiment, tmp_path, "sync", _spec(steps=5))
     versions = []  # per trained batch: its policy version and each response token's
 
@@ -77,12 +87,15 @@ def test_staleness_one_trains_each_step_on_its_own_prompts(write_experiment, tmp
 
     monkeypatch.setattr(Behaviour, "at_collection", recorded)
     settings = {"max_staleness": 1, "producers": 2, "weights_every": 2, "producer_threads": 1}
+    settings["partial_rollouts"] = partial_rollouts
     ahead = _run(write_experiment, tmp_path, "k1", _spec(steps=5, async_=settings))
     plain, produced = (read_jsonl(out / "samples.jsonl") for out in (sync, ahead))
     assert [(r["step"], r["prompt"]) for r in produced] == [(r["step"], r["prompt"]) for r in plain]
     rows = read_jsonl(ahead / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert [r["rollout/staleness_hist/1"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert all(r["rollout/staleness_hist/0"] + r["rollout/staleness_hist/1"] == 1 for r in rows)
     for row in rows:  # the ledger balances at every step; nothing lost or trained twice
         assert row["async/samples_delivered"] == (
             row["async/samples_trained"]
@@ -99,6 +112,77 @@ def test_staleness_one_trains_each_step_on_its_own_prompts(write_experiment, tmp
     # The first step trains on the starting weights' samples, as the synchronous run does.
     first = read_jsonl(sync / "metrics.jsonl")[0]
     assert _stable([rows[0]], drop=ASYNC_ONLY) == _stable([first])
+
+
+def test_staleness_is_counted_per_token():
+    """A partial rollout's tokens from three weights: the weights of step 5 train step 6, so
+    tokens of versions 3, 4 and 6 (the weights of steps 3, 4 and 5) are 2, 1 and 0 steps old."""
+    batch = SimpleNamespace(
+        token_versions=torch.tensor([[3, 3, 4, 6, -1], [6, 6, -1, -1, -1]]),
+        response_mask=torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]),
+    )
+    produced = Produced(0, 6, weights_step=3, version_steps={3: 3, 4: 4, 6: 5})
+    m = staleness_metrics(batch, produced, step=6, max_staleness=2)
+    assert m["rollout/staleness"] == pytest.approx(5 / 6)  # (2 + 2 + 1 + 0 + 0 + 0) / 6
+    assert m["rollout/staleness_max"] == 2.0
+    hist = [m[f"rollout/staleness_hist/{k}"] for k in range(3)]
+    assert hist == pytest.approx([3 / 6, 1 / 6, 2 / 6])
+    # Without recorded versions: the weights the batch started with, for every token.
+    batch.token_versions = None
+    m = staleness_metrics(batch, produced, step=6, max_staleness=2)
+    assert (m["rollout/staleness"], m["rollout/staleness_hist/2"]) == (2.0, 1.0)
+
+
+class Arrivals:
+    """A producer's weights queue whose ``at``-th look finds ``weights`` (none before or after)."""
+
+    def __init__(self, at: int, weights: Weights) -> None:
+        self.at, self.weights, self.looks = at, weights, 0
+
+    def get_nowait(self) -> Weights:
+        self.looks += 1
+        if self.looks == self.at:
+            return self.weights
+        raise queue.Empty
+
+
+@pytest.mark.parametrize("partial_rollouts", [False, True])
+def test_a_producer_takes_weights_that_arrive_while_it_samples(
+    write_experiment, tmp_path, partial_rollouts
+):
+    """A producer's side of the arm, in this process, sampling step 2's prompts with the
+    weights of step 0 while the trainer's weights of step 1 arrive at its third look (before
+    the second decode step): with partial rollouts the first two tokens of every response are
+    version 0 and the rest version 1, and the producer records which step each version ended;
+    without, the batch is the starting weights' and the arrival waits for the next batch."""
+    settings = {"max_staleness": 1, "partial_rollouts": partial_rollouts}
+    loaded = load_experiment(write_experiment(_spec(async_=settings)))
+    run = assemble(loaded, "arm", 0, tmp_path / "run")
+    try:
+        job = run.collector.job
+        actor = run.models.actor
+        tensors = {n: t.detach().clone() for n, t in actor.named_parameters()}
+        rows, seeds = run.sampler.next_seeded(4)
+    finally:
+        run.close(RunStatus.FINISHED)
+    side = _ProducerSide(job)
+    try:
+        side.load(Weights(0, 0, tensors))
+        arrivals = Arrivals(3, Weights(1, 1, tensors))
+        collected = side.produce(Task(2, rows, seeds, min_weights=0), arrivals)
+    finally:
+        side.close()
+    batch = collected.batch
+    on = batch.response_mask.bool()
+    assert on[:, 2:].any(), "premise: responses of more than two tokens"
+    versions = batch.token_versions
+    if partial_rollouts:
+        assert versions[:, :2][on[:, :2]].eq(0).all() and versions[:, 2:][on[:, 2:]].eq(1).all()
+        assert side.version_steps == {0: 0, 1: 1} and side.weights.version == 1
+    else:
+        assert versions[on].eq(0).all() and arrivals.looks == 0
+        assert side.version_steps == {0: 0}
+    assert versions[~on].eq(-1).all()
 
 
 def test_a_killed_producer_is_started_again_and_no_step_is_lost(
