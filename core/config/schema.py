@@ -501,6 +501,13 @@ class EvaluationConfig(_Strict):
         "checkpoint, the one `alignzoo export --step best` writes; chosen on the evaluation "
         "prompts themselves, so optimistic, and the report says so).",
     )
+    target: float | None = Field(
+        None,
+        description="A value of the compared metric: the report gives each arm's time to reach "
+        "it (the steps, samples and training wall-clock of each run's first evaluation at or "
+        "past it) and compares the arms' wall-clock to it when every seed reached it. Null: no "
+        "such section.",
+    )
     stop_after_falls: PositiveInt | None = Field(
         None,
         description="End a run once its metric has been worse than its best so far for this "

@@ -83,6 +83,32 @@ class ArmRow:
     tokens_per_s: float | None
     wall_clock_s: float | None
     peak_memory_mb: float | None
+    samples_per_s: float | None = None  # each run's samples over its wall-clock, mean over seeds
+
+
+@dataclass(frozen=True)
+class Reached:
+    """Where a run first reached the target: its evaluation's step, samples and training
+    wall-clock (seconds)."""
+
+    step: int
+    samples: float
+    time_s: float
+
+
+def time_to_target(run: RunData, key: str, target: float, higher: bool) -> Reached | None:
+    """The run's first evaluation whose ``key`` is at or past ``target`` (``>=`` when higher is
+    better, else ``<=``); None when none is."""
+    for row in run.evals:
+        value = number(row.get(key))
+        if value is None or (value < target if higher else value > target):
+            continue
+        return Reached(
+            int(number(row.get("step")) or 0),
+            number(row.get("samples")) or 0.0,
+            number(row.get("time_s")) or 0.0,
+        )
+    return None
 
 
 def final_value(run: RunData, key: str) -> float | None:
@@ -180,7 +206,19 @@ def arm_row(
         tokens_per_s=mean_of("tokens_per_s"),
         wall_clock_s=mean_of("wall_clock_s"),
         peak_memory_mb=max(memory) if memory else None,
+        samples_per_s=_mean(
+            [
+                samples / seconds
+                for r in done
+                if (samples := number(r.info.get("samples"))) is not None
+                and (seconds := number(r.info.get("wall_clock_s")))
+            ]
+        ),
     )
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def fmt(value: float | None, digits: int = 4) -> str:
@@ -426,6 +464,7 @@ def _build(exp: _Experiment) -> tuple[list[Block], str]:
     blocks = [Block("h1", f"Experiment {exp.name}")]
     blocks += _overview(exp)
     blocks += _arms_table(exp, rows)
+    blocks += _time_to_target(exp)
     blocks += _comparisons(exp, rows)
     blocks += _against_start(exp, rows)
     blocks += _reward_models(exp.runs)
@@ -592,6 +631,7 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
             f"{key} (mean ± 95% CI)",
             "best step (mean)",
             "samples",
+            "samples/s",
             "tokens/s",
             "wall-clock",
             "peak memory (MB)",
@@ -605,6 +645,7 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
                 fmt_summary(r.summary),
                 "n/a" if r.best_step is None else f"{r.best_step} ({fmt(r.best_value)})",
                 fmt(r.samples),
+                fmt(r.samples_per_s),
                 fmt(r.tokens_per_s),
                 fmt_duration(r.wall_clock_s),
                 fmt(r.peak_memory_mb),
@@ -632,13 +673,114 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
         "The 95% CI is the t-interval of the mean over seeds (n/a with one seed). Best step: "
         "the evaluation step where the mean over seeds is best. Samples: responses generated "
         "(online) or read from the dataset (offline), mean over seeds, as a samples budget "
-        "counts them; under a step budget arms may differ here. tokens/s and wall-clock are "
-        "means over seeds (they depend on what else ran at the same time). Peak memory is the "
+        "counts them; under a step budget arms may differ here. samples/s (each run's samples "
+        "over its training wall-clock), tokens/s and wall-clock are means over seeds (they "
+        "depend on what else ran at the same time). Peak memory is the "
         "maximum over seeds of each run's process peak: on CPU that is the process's maximum "
         "resident memory. With --jobs > 1 every run has a process of its own; a sequential "
         "experiment runs in one process, so there a run's peak includes the runs before it.",
     )
     return [Block("h2", "Arms"), table, note]
+
+
+def _time_to_target(exp: _Experiment) -> list[Block]:
+    """``evaluation.target``: per arm, how many seeds reached it and how soon (steps, samples,
+    training wall-clock), and each arm's wall-clock to it against the baseline's when every
+    finished seed of both reached it (the report's tests, lower is better)."""
+    target = exp.spec.evaluation.target if exp.spec is not None else None
+    if target is None:
+        return []
+    key, word = exp.key, "at least" if exp.higher else "at most"
+    reached: dict[str, list[tuple[int, Reached | None]]] = {}
+    for arm in exp.arms:
+        done = [r for r in exp.runs if r.arm == arm and r.status == RunStatus.FINISHED]
+        reached[arm] = [(r.seed, time_to_target(r, key, target, exp.higher)) for r in done]
+
+    def summary(arm: str, field: str) -> str:
+        values = [float(getattr(hit, field)) for _, hit in reached[arm] if hit is not None]
+        return fmt_summary(stats.mean_ci(values)) if values else "n/a"
+
+    table = Block(
+        "table",
+        headers=["arm", "seeds that reached it", "step", "samples", "wall-clock (s)"],
+        rows=[
+            [
+                arm,
+                f"{sum(hit is not None for _, hit in reached[arm])}/{len(reached[arm])}",
+                summary(arm, "step"),
+                summary(arm, "samples"),
+                summary(arm, "time_s"),
+            ]
+            for arm in exp.arms
+        ],
+    )
+    blocks = [
+        Block("h2", f"Time to {key} {word} {target:g}"),
+        table,
+        Block(
+            "p",
+            f"Each run's first evaluation with {key} {word} {target:g} (evaluations every "
+            f"{exp.spec.evaluation.every if exp.spec is not None else '?'} steps, so a time is "
+            "late by up to one interval); mean ± 95% CI over the seeds that reached it, so an "
+            "arm whose seeds did not all reach it looks faster than it is. Wall-clock is the "
+            "run's training time at that evaluation.",
+        ),
+    ]
+    baseline = exp.baseline
+    entries: list[stats.ArmValues] = []
+    left_out: list[str] = []
+    for arm in exp.arms:
+        if arm == baseline:
+            continue
+        pairs = {seed: hit for seed, hit in reached[arm]}
+        base = {seed: hit for seed, hit in reached.get(baseline, [])}
+        short = [
+            f"{sum(h is not None for h in hits.values())}/{len(hits)} of {name}'s seeds"
+            for name, hits in ((arm, pairs), (baseline, base))
+            if not hits or any(h is None for h in hits.values())
+        ]
+        if short:
+            left_out.append(
+                f"{arm}: not compared on wall-clock ({' and '.join(short)} reached it; a "
+                "comparison needs every finished seed of both arms there)"
+            )
+            continue
+        paired = len(base) >= 2 and set(base) == set(pairs)
+        order = sorted(base) if paired else None
+        base_values = [base[s].time_s for s in (order or base)]  # type: ignore[union-attr]
+        arm_values = [pairs[s].time_s for s in (order or pairs)]  # type: ignore[union-attr]
+        entries.append(stats.ArmValues(arm, base_values, arm_values, paired))
+    found = stats.compare_arms(
+        entries, baseline=baseline, metric=f"wall-clock to {key}", higher_is_better=False
+    )
+    if found:
+        blocks.append(
+            Block(
+                "p",
+                f"Wall-clock to the target against the baseline ({baseline}), lower is better, "
+                "with the tests of the comparison below (paired by seed when both arms ran the "
+                "same seeds; Holm over the arms compared here).",
+            )
+        )
+        blocks.append(
+            Block(
+                "table",
+                headers=["arm", "difference (s)", "p", "p (Holm)", "verdict"],
+                rows=[
+                    [
+                        c.arm,
+                        fmt_signed(c.difference),
+                        fmt_p(c.p_value),
+                        fmt_p(c.p_adjusted),
+                        c.verdict,
+                    ]
+                    for c in found
+                ],
+            )
+        )
+    if left_out:
+        blocks.append(Block("ul", items=left_out))
+    return blocks
 
 
 def _comparisons(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:

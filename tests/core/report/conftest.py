@@ -24,11 +24,13 @@ def write_experiment(
     every: int = 5,
     baseline: str | None = None,
     running: tuple[tuple[str, int], ...] = (),
+    target: float | None = None,
 ) -> Path:
     """An experiment folder whose runs end at the given final eval values (one per seed).
 
     Each run evaluates at 0, every, 2*every, ...; the last evaluation is the given value, earlier
     ones climb linearly to it from 0.1. ``failed`` runs get a failed status and that error.
+    ``target``: the spec's ``evaluation.target``.
     """
     n_seeds = max(len(v) for v in finals.values())
     spec: ExperimentSpec = make_spec(
@@ -36,6 +38,9 @@ def write_experiment(
     )
     if baseline is not None:
         spec = spec.model_copy(update={"baseline": baseline})
+    if target is not None:  # evaluation.target: the report's time to it
+        evaluation = spec.evaluation.model_copy(update={"target": target})
+        spec = spec.model_copy(update={"evaluation": evaluation})
     root.mkdir(parents=True, exist_ok=True)
     (root / "experiment.yaml").write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     failed = failed or {}

@@ -64,9 +64,11 @@ def test_table_numbers_match_the_statistics(experiment_dir: Builder) -> None:
     assert row[3] == f"{mean:.4g} ± {(high - low) / 2:.3g}"
     assert row[4] == f"10 ({mean:.4g})"  # the last evaluation is the best (curves climb)
     assert row[5] == "80"  # samples: 10 steps x 8 in every seed's status.json
-    assert row[6] == f"{np.mean([500 + 100 * s for s in range(5)]):.4g}"  # tokens/s
-    assert row[7] == "30.0 s"  # mean of 10, 20, ..., 50
-    assert row[8] == "204"  # peak memory: max over seeds
+    assert row[6] == f"{np.mean([80 / (10 * (1 + s)) for s in range(5)]):.4g}"  # samples/s
+    assert row[7] == f"{np.mean([500 + 100 * s for s in range(5)]):.4g}"  # tokens/s
+    assert row[8] == "30.0 s"  # mean of 10, 20, ..., 50
+    assert row[9] == "204"  # peak memory: max over seeds
+    assert "## Time to" not in md  # no evaluation.target: no such section
 
     cmp = table_row(md, "Against the baseline (base)", "other")
     assert float(cmp[1]) == pytest.approx(np.mean(SAME_DIST) - np.mean(BASE), abs=1e-4)
@@ -364,3 +366,40 @@ def test_a_plot_names_the_arms_it_has_no_data_for(experiment_dir: Builder) -> No
         line for line in md.splitlines() if line.startswith("*Training: training reward")
     )
     assert "No data" not in reward_caption
+
+
+def test_time_to_target_per_arm_and_against_the_baseline(experiment_dir: Builder) -> None:
+    """Evaluations at steps 0, 5 and 10 climb from 0.1 to each run's final value, and seed s
+    evaluates at wall-clock 5 * (1 + s) and 10 * (1 + s): 'fast' (0.9) passes 0.4 at step 5,
+    'slow' (0.5) at step 10, 'never' (0.3) not at all. slow's wall-clock to it is 5 * (1 + s)
+    seconds behind fast's, seed by seed."""
+    seeds = 5
+    root = experiment_dir(
+        finals={"fast": [0.9] * seeds, "slow": [0.5] * seeds, "never": [0.3] * seeds},
+        target=0.4,
+    )
+    write_report(root)
+    md = (root / "report.md").read_text()
+    title = "Time to eval/exact_match at least 0.4"
+    fast, slow, never = (table_row(md, title, arm) for arm in ("fast", "slow", "never"))
+    assert (fast[1], slow[1], never[1]) == ("5/5", "5/5", "0/5")
+    assert fast[2].startswith("5 ") and slow[2].startswith("10 ")  # steps
+    assert fast[3].startswith("40 ") and slow[3].startswith("80 ")  # samples: 8 per step
+    times = {arm: [k * (1 + s) for s in range(seeds)] for arm, k in (("fast", 5), ("slow", 10))}
+    assert fast[4].startswith(f"{np.mean(times['fast']):.4g} ±")
+    assert slow[4].startswith(f"{np.mean(times['slow']):.4g} ±")
+    assert never[2:] == ["n/a", "n/a", "n/a"]
+    # slow against the baseline on wall-clock to the target: paired by seed (lower is better),
+    # the only comparison (never did not reach it, so is left out and said so).
+    compared = table_row(md, title, "slow")  # the first table's row; the comparison's follows
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in section(md, title).splitlines()
+        if line.startswith("| slow")
+    ]
+    assert len(rows) == 2 and rows[0] == compared
+    difference, p, holm, verdict = rows[1][1:]
+    assert float(difference) == pytest.approx(np.mean(times["slow"]) - np.mean(times["fast"]))
+    assert p == holm == f"{sps.ttest_rel(times['slow'], times['fast']).pvalue:.4f}"
+    assert verdict == "worse"
+    assert "never: not compared on wall-clock (0/5 of never's seeds reached it" in md
