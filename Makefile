@@ -36,7 +36,7 @@ LOCK_ARGS ?=
 PIP_COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links $(LOCK_ARGS)
 
-.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-rlhf figures-bench figure-bench-trl figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async figure-async test test-fast test-vllm test-verifiers lint bench clean
+.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-rlhf figures-bench figure-bench-trl figure-bench-decode figure-bench-decode-avx512 figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async figure-async test test-fast test-vllm test-verifiers lint bench clean
 
 # The lock first (hash-checked; alignzoo is not in it), then alignzoo itself, editable.
 $(VENV)/.installed: pyproject.toml requirements/dev.txt
@@ -131,6 +131,8 @@ rlhf: setup
 FIGURES ?= runs/figures
 FIGURE_RUNS := demo:quickstart tool-use:tool_use reasoning-gym:reasoning_gym
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+# AVX-512 without AMX (AVX512_CORE_BF16 is oneDNN's level below AMX), as a CPU with no AMX has it.
+AVX512_ONLY := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 MKL_ENABLE_INSTRUCTIONS=AVX512
 figures: $(foreach f,$(FIGURE_RUNS),figure-$(firstword $(subst :, ,$(f)))) figure-rlhf figure-demo-avx2 figure-demo-threads figure-async
 
 define figure_rule
@@ -169,8 +171,9 @@ figure-rlhf: setup
 
 ## The benchmarks' figures (benchmarks/README.md, docs/speed.md), rerun into docs/results/bench-*.json
 ## with their provenance. Timings want a quiet machine: nothing else running (about 50 minutes
-## on 2 cores in all). figure-bench-decode-avx2 limits every kernel to AVX2, as figure-demo-avx2.
-figures-bench: figure-bench-trl figure-bench-decode figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async
+## on 2 cores in all). figure-bench-decode-avx2 limits every kernel to AVX2, as figure-demo-avx2;
+## figure-bench-decode-avx512 to AVX-512 without AMX.
+figures-bench: figure-bench-trl figure-bench-decode figure-bench-decode-avx512 figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async
 
 figure-bench-trl: setup
 	$(PY) benchmarks/vs_trl.py --steps 23 --repeats 2 --json docs/results/bench-vs-trl.json
@@ -181,6 +184,9 @@ figure-bench-decode: setup
 
 figure-bench-decode-avx2: setup
 	$(AVX2_ONLY) $(PY) benchmarks/vs_trl.py $(DECODE_BOUND) --json docs/results/bench-decode-avx2.json
+
+figure-bench-decode-avx512: setup
+	$(AVX512_ONLY) $(PY) benchmarks/vs_trl.py $(DECODE_BOUND) --json docs/results/bench-decode-avx512.json
 
 figure-bench-labeling: setup
 	$(PY) benchmarks/labeling.py --json docs/results/bench-labeling.json

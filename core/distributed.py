@@ -212,6 +212,17 @@ def broadcast_object(value: T) -> T:
     return box[0]
 
 
+def scatter_object(values: list[T] | None) -> T:
+    """Rank 0's ``values[r]`` on rank r (``values[0]`` in one process); the other ranks pass
+    None."""
+    if not active():
+        assert values is not None
+        return values[0]
+    box: list[T | None] = [None]
+    _dist().scatter_object_list(box, values if is_main() else None, src=0)
+    return box[0]  # type: ignore[return-value]
+
+
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """One step's metrics over all ranks: counts summed, everything else averaged."""
     if not active():

@@ -331,7 +331,9 @@ class AsyncConfig(_Strict):
         description="K: the samples of step t come from the weights of step t - K or later "
         "(0: lock-step, the synchronous run).",
     )
-    producers: PositiveInt = Field(1, description="Producer processes (local).")
+    producers: PositiveInt = Field(
+        1, description="Producers: local processes, or Ray actors under --executor ray."
+    )
     weights_every: PositiveInt = Field(
         1,
         description="M: the trainer sends its weights to the producers every M steps (and at "

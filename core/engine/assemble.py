@@ -210,7 +210,8 @@ def evaluation_stage(spec: ExperimentSpec, component: Any, seed: int) -> Labelin
 
 
 def check_async(arm: str, arm_spec: ArmSpec, mode: DataMode) -> None:
-    """``training.async`` needs an online arm in one process, without labeling overlap."""
+    """``training.async`` needs an online arm without labeling overlap; under torchrun, one
+    trained with DDP and without an environment."""
     at = f"arms.{arm}.training.async"
     if not mode.online:
         raise UserError(
@@ -222,8 +223,17 @@ def check_async(arm: str, arm_spec: ArmSpec, mode: DataMode) -> None:
             f"{at}: labeling.overlap already labels a step ahead in one process; producers "
             "label in their own processes: use one or the other"
         )
-    if distributed.active():
-        raise UserError(f"{at}: not supported with several torchrun processes yet")
+    if distributed.active() and arm_spec.environment is not None:
+        raise UserError(
+            f"{at}: multi-turn episodes from producers are not supported with several torchrun "
+            "processes yet (an episode dropped by on_failure would move the others' share); "
+            "run the arm in one process"
+        )
+    if distributed.active() and arm_spec.training.parallel == "fsdp2":
+        raise UserError(
+            f"{at}: producers take whole weights, and an fsdp2 actor holds a shard per rank; "
+            "use training.parallel: ddp (the default) with async"
+        )
 
 
 def placement_plan(loaded: LoadedExperiment, arm: str) -> dict[str, Placement]:

@@ -17,6 +17,10 @@ each batch is sampled by the weights that train on it, and the run is the synchr
 (the same prompts and seeds in the same order; a producer samples with the trainer's thread
 count).
 
+**Data parallel.** Under torchrun rank 0 alone runs the producers, for the whole global batch,
+and hands each rank its share of the prompts (what it would have sampled itself): the labeling
+and the collection's metrics see every sample once, as in one process.
+
 **Order.** Batches are trained in step order whichever producer finishes first, so that a run
 is reproducible: step t always trains on step t's prompts.
 
@@ -51,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.collect import Collector
@@ -290,8 +295,8 @@ def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any, stop: Any)
                 )
             )
     finally:
-        if stop.is_set():  # the trainer reads no more: do not wait to hand over a batch
-            results.cancel_join_thread()
+        if stop.is_set() and hasattr(results, "cancel_join_thread"):
+            results.cancel_join_thread()  # the trainer reads no more: do not wait to hand over
         side.close()
 
 
@@ -320,6 +325,9 @@ class _Producer:
         self.ready = False
         self.outstanding: dict[int, Task] = {}  # given to it and not delivered
 
+    def alive(self) -> bool:
+        return bool(self.process.is_alive())
+
     def give(self, task: Task) -> None:
         self.outstanding[task.step] = task
         self.tasks.put(task)
@@ -338,6 +346,92 @@ class _Producer:
             q.close()
 
 
+class _RayFlag:
+    """A stop flag an actor on another node can read: set once anything is in its queue."""
+
+    def __init__(self, flag: Any) -> None:
+        self.flag = flag
+
+    def set(self) -> None:
+        self.flag.put(True)
+
+    def is_set(self) -> bool:
+        return not self.flag.empty()
+
+
+class _ProducerActor:
+    """A producer as a Ray actor: :func:`produce`, the queues Ray queues."""
+
+    def run(self, job: ProducerJob, tasks: Any, weights: Any, results: Any, stop: Any) -> None:
+        produce(job, tasks, weights, results, stop)
+
+
+class _RayProducer:
+    """The trainer's handle on one producer as a Ray actor (a run under ``--executor ray``):
+    the same three queues and stop flag, as Ray queues. In the run's placement group (bundle
+    ``1 + index``, which :class:`~alignzoo.experiment.executors.RayExecutor` reserves beside
+    the run's own) when it has one, else wherever Ray finds ``threads`` CPUs."""
+
+    def __init__(self, job: ProducerJob) -> None:
+        import ray
+        from ray.util.queue import Queue
+
+        self.job = job
+        free = {"num_cpus": 0}  # the queues hold no CPU of the run's
+        self.tasks, self.weights, self.results = (Queue(actor_options=free) for _ in range(3))
+        self.stopping = _RayFlag(Queue(actor_options=free))
+        options: dict[str, Any] = {"num_cpus": job.threads}
+        group = ray.util.get_current_placement_group()
+        if group is not None and job.index + 1 < len(group.bundle_specs):
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundle = group.bundle_specs[job.index + 1]
+            options["num_cpus"] = bundle.get("CPU", 0)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=job.index + 1
+            )
+        actor_class: Any = ray.remote(_ProducerActor)
+        self.actor = actor_class.options(**options).remote()
+        self.done = self.actor.run.remote(
+            job, self.tasks, self.weights, self.results, self.stopping
+        )
+        self.ready = False
+        self.outstanding: dict[int, Task] = {}
+
+    def alive(self) -> bool:
+        import ray
+
+        finished, _ = ray.wait([self.done], timeout=0)
+        return not finished
+
+    def give(self, task: Task) -> None:
+        self.outstanding[task.step] = task
+        self.tasks.put(task)
+
+    def stop(self, timeout: float) -> None:
+        import ray
+
+        self.stopping.set()
+        if self.alive() and timeout > 0:
+            self.tasks.put(None)
+            ray.wait([self.done], timeout=timeout)
+        if self.alive():
+            ray.kill(self.actor)
+        for q in (self.tasks, self.weights, self.results, self.stopping.flag):
+            with contextlib.suppress(Exception):  # a queue whose actor is already gone
+                q.shutdown(force=True)
+
+
+def _under_ray() -> bool:
+    """Whether this run is a Ray task (``--executor ray``): its producers are then Ray actors."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    return bool(ray.get_runtime_context().worker.mode == ray.WORKER_MODE)
+
+
 class AsyncCollector(Collector):
     """The trainer's side of ``training.async``: hands out the steps' prompts, publishes the
     weights, and returns each step's batch as its producer delivers it."""
@@ -346,7 +440,8 @@ class AsyncCollector(Collector):
         super().__init__(*args)
         self.job = job
         self.settings = settings
-        self.producers: list[_Producer] = []
+        self.producers: list[_Producer | _RayProducer] = []
+        self.on_ray = False  # producers as Ray actors (the run is a Ray task)
         self.tasks_out: dict[int, Task] = {}  # handed out, not yet trained on
         self.arrived: dict[int, Produced] = {}
         self.next_step: int | None = None  # the next step whose prompts are drawn
@@ -359,14 +454,18 @@ class AsyncCollector(Collector):
         import torch.multiprocessing as mp
 
         self._ctx = mp.get_context("spawn")
+        self.on_ray = _under_ray()
         for index in range(self.settings.producers):
-            self.producers.append(_Producer(self._ctx, replace(self.job, index=index)))
+            self.producers.append(self._new(replace(self.job, index=index)))
+
+    def _new(self, job: ProducerJob) -> _Producer | _RayProducer:
+        return _RayProducer(job) if self.on_ray else _Producer(self._ctx, job)
 
     def _restart(self, index: int) -> None:
         """Producer ``index`` died: start it again, give it the last weights and its tasks."""
         dead = self.producers[index]
         dead.stop(timeout=0)
-        fresh = _Producer(self._ctx, dead.job)
+        fresh = self._new(dead.job)
         self.producers[index] = fresh
         self.restarts += 1
         if self.published is not None:
@@ -412,8 +511,23 @@ class AsyncCollector(Collector):
 
     # ------------------------------------------------------------------ the step's batch
     def collect(self, step: int | None = None) -> Collected:
+        """Step ``step``'s batch. Under data parallelism rank 0 alone runs the producers, which
+        sample and label the whole global batch (as one process would); each rank receives its
+        share of the prompts, as :func:`~alignzoo.distributed.shard` would have given them."""
         if step is None:
             raise RunError("training.async produces the batches of training steps only")
+        if distributed.active():
+            whole = self._produce(step) if distributed.is_main() else None
+            shares = None if whole is None else _shares(whole, self.cfg.prompts_per_step)
+            collected = distributed.scatter_object(shares)
+            collected.batch = collected.batch.to(self.learner.models.device("actor"))
+        else:
+            collected = self._produce(step)
+        collected.metrics.update(self.behaviour.at_collection(collected.batch))
+        return collected
+
+    def _produce(self, step: int) -> Collected:
+        """The producers' batch of step ``step`` (the whole of it), with the async metrics."""
         if not self.producers:
             self._start()
             for task in sorted(self.tasks_out.values(), key=lambda t: t.step):
@@ -441,28 +555,17 @@ class AsyncCollector(Collector):
         )
         self.ledger.trained += produced.samples
         m.update(self.ledger.metrics(queued=sum(p.samples for p in self.arrived.values())))
-        device = self.learner.models.device("actor")
+        device = "cpu" if distributed.active() else self.learner.models.device("actor")
         report = LabelReport([], [], [], [], slowest=produced.slowest)
-        collected = Collected(batch.to(device), produced.samples, produced.tokens, m, report)
-        collected.metrics.update(self.behaviour.at_collection(collected.batch))
-        return collected
+        return Collected(batch.to(device), produced.samples, produced.tokens, m, report)
 
     def _wait_for(self, step: int) -> Produced:
-        from multiprocessing.connection import wait
-
         since = time.perf_counter()
         while step not in self.arrived:
-            readers = {p.results._reader: i for i, p in enumerate(self.producers)}  # type: ignore[attr-defined]
-            ready = wait(list(readers), timeout=POLL_S)
-            for reader in ready:
-                index = readers[reader]
-                try:
-                    message: Produced = self.producers[index].results.get(timeout=POLL_S)
-                except (queue.Empty, EOFError, OSError):
-                    continue  # a producer that died mid-message: found below
+            for index, message in self._messages():
                 self._receive(index, message)
             for index, producer in enumerate(self.producers):
-                if not producer.process.is_alive() and producer.results.empty():
+                if not producer.alive() and producer.results.empty():
                     self._restart(index)
             started = any(p.ready for p in self.producers)
             if not started and time.perf_counter() - since > START_TIMEOUT_S:
@@ -470,6 +573,29 @@ class AsyncCollector(Collector):
                     f"training.async: no producer started within {START_TIMEOUT_S:.0f} s"
                 )
         return self.arrived.pop(step)
+
+    def _messages(self) -> list[tuple[int, Produced]]:
+        """What the producers sent, waiting up to POLL_S for the first (index, message)."""
+        out: list[tuple[int, Produced]] = []
+        if self.on_ray:  # Ray queues: looked at in turn until one has something
+            deadline = time.perf_counter() + POLL_S
+            while not out and time.perf_counter() < deadline:
+                for index, producer in enumerate(self.producers):
+                    with contextlib.suppress(queue.Empty):
+                        out.append((index, producer.results.get_nowait()))
+                if not out:
+                    time.sleep(0.01)
+            return out
+        from multiprocessing.connection import wait
+
+        readers = {p.results._reader: i for i, p in enumerate(self.producers)}  # type: ignore[union-attr]
+        for reader in wait(list(readers), timeout=POLL_S):
+            index = readers[reader]
+            try:
+                out.append((index, self.producers[index].results.get(timeout=POLL_S)))
+            except (queue.Empty, EOFError, OSError):
+                continue  # a producer that died mid-message: found by its caller
+        return out
 
     def _receive(self, index: int, message: Produced) -> None:
         producer = self.producers[index]
@@ -507,6 +633,27 @@ class AsyncCollector(Collector):
         self.arrived = {}
         self.next_step = state.get("next_step")
         self.ledger = Ledger(**state.get("ledger", {}))
+
+
+def _shares(whole: Collected, prompts: int) -> list[Collected]:
+    """Each rank's share of a step's whole batch: the samples of its contiguous share of the
+    ``prompts`` prompts (group ids counted from 0 again), as each rank samples them without
+    async. Rank 0's share carries the step's metrics, counts and labeling report; the others
+    carry none (the step's reduction then sums and averages over rank 0's alone)."""
+    world = distributed.world_size()
+    per = prompts // world
+    batch = whole.batch
+    out = []
+    for rank in range(world):
+        first = rank * per
+        rows = [i for i, g in enumerate(batch.group_ids.tolist()) if first <= g < first + per]
+        share = batch.select(rows)
+        share.group_ids = share.group_ids - first
+        if rank == 0:
+            out.append(Collected(share, whole.samples, whole.tokens, whole.metrics, whole.report))
+        else:
+            out.append(Collected(share, 0, 0, {}, None))
+    return out
 
 
 def staleness_metrics(

@@ -12,7 +12,10 @@ node) the arm's components are built there, from the file, by the registry of th
   request (``num_gpus`` from the device mapper's placement), on the cluster at ``address`` or
   a local Ray started for the experiment. A task whose worker dies is retried (``retries``
   times; the retry resumes from the run's last checkpoint), then reported failed like a
-  killed local worker. The output folder must be on a filesystem every node sees.
+  killed local worker. The output folder must be on a filesystem every node sees. A run with
+  rollout producers (``training.async``) gets a placement group: its own bundle and one per
+  producer, which it starts there as Ray actors, so that a busy cluster never holds a run
+  waiting for its producers' CPUs.
 
 Every executor reports each run's :class:`~alignzoo.experiment.arm.RunResult` through
 ``done(result)`` as it ends; the runner writes the report from the run folders alone, so the
@@ -25,6 +28,7 @@ worker or in this process alike.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -277,21 +281,41 @@ class RayExecutor:
         if self.console is not None:
             self.console.print(ray_plan(jobs, ray.cluster_resources()), highlight=False)
         pending: dict[Any, RunJob] = {}
+        groups: dict[Any, Any] = {}  # a run with producers: its placement group
         try:
             for job in jobs:
-                options = {
-                    "num_cpus": job.resources.get("cpus", job.threads),
-                    "num_gpus": job.resources.get("gpus", 0.0),
+                cpus, gpus = job.resources.get("cpus", job.threads), job.resources.get("gpus", 0.0)
+                options: dict[str, Any] = {
+                    "num_cpus": cpus,
+                    "num_gpus": gpus,
                     "max_retries": self.retries,
                     "retry_exceptions": False,  # a failing run is a result, not a crash
                     "name": f"alignzoo {job.arm} seed-{job.seed}",
                 }
-                pending[task.options(**options).remote(job, fn)] = job
+                bundles = producer_bundles(loaded, job)
+                group = None
+                if bundles:  # the run and its producers reserved together: none waits for CPUs
+                    from ray.util.placement_group import placement_group
+                    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                    own = {"CPU": float(cpus)}
+                    if gpus:
+                        own["GPU"] = float(gpus)
+                    group = placement_group([own, *bundles], strategy="PACK")
+                    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=0
+                    )
+                ref = task.options(**options).remote(job, fn)
+                pending[ref] = job
+                if group is not None:
+                    groups[ref] = group
                 started(job.arm, job.seed)
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
                 for ref in ready:
                     job = pending.pop(ref)
+                    if ref in groups:
+                        ray.util.remove_placement_group(groups.pop(ref))
                     try:
                         result = ray.get(ref)
                     except ray.exceptions.RayError as exc:
@@ -308,8 +332,22 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
             raise
         finally:
+            for group in groups.values():
+                with contextlib.suppress(Exception):  # Ray already gone
+                    ray.util.remove_placement_group(group)
             if ours:
                 ray.shutdown()
+
+
+def producer_bundles(loaded: LoadedExperiment, job: RunJob) -> list[dict[str, float]]:
+    """The CPUs a run's rollout producers take as Ray actors (``training.async``): one bundle
+    per producer, of its thread count; none for an arm without producers."""
+    arm = loaded.spec.arms.get(job.arm)
+    settings = arm.training.async_ if arm is not None else None
+    if settings is None:
+        return []
+    threads = float(settings.producer_threads or job.threads)
+    return [{"CPU": threads} for _ in range(settings.producers)]
 
 
 def ray_plan(jobs: Sequence[RunJob], cluster: dict[str, float]) -> str:

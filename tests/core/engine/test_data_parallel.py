@@ -168,6 +168,36 @@ def test_a_failure_on_one_rank_stops_both_and_resume_continues_exactly(
         _same_run(folder / "one" / TWIN[arm] / "seed-0", folder / "three" / arm / "seed-0", arm)
 
 
+def test_producers_feed_every_rank_and_at_k0_two_processes_train_as_one(
+    folder: Path, engine_cache: Path
+) -> None:
+    """training.async under torchrun: rank 0's producers sample and label the global batch,
+    each rank trains on its share. At K = 0 that is the one-process synchronous run (counts
+    not doubled: label/generated and batch/responses are compared too); at K = 1 with two
+    producers every step trains its 16 samples once and the ledger balances."""
+    spec = yaml.safe_load((folder / "exp.yaml").read_text(encoding="utf-8"))
+    grpo = spec["arms"]["grpo"]
+    spec["arms"] = {
+        "grpo_k0": {**grpo, "training": {"async": {"max_staleness": 0}}},
+        "grpo_k1": {**grpo, "training": {"async": {"max_staleness": 1, "producers": 2}}},
+    }
+    (folder / "async.yaml").write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    cli = [*LAUNCH, "-m", "alignzoo", "run", "async.yaml", "--out", "async"]
+    _run(cli, _env(engine_cache), folder)
+    _same_run(folder / "one" / "grpo" / "seed-0", folder / "async" / "grpo_k0" / "seed-0", "k0")
+    rows = read_jsonl(folder / "async" / "grpo_k1" / "seed-0" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for step, row in enumerate(rows, start=1):
+        assert row["label/generated"] == 16.0 and row["batch/responses"] == 16.0
+        assert row["rollout/staleness_max"] <= 1.0
+        assert row["async/samples_trained"] == 16.0 * step
+        assert row["async/samples_delivered"] == (
+            row["async/samples_trained"]
+            + row["async/samples_queued"]
+            + row["async/samples_discarded"]
+        )
+
+
 def test_a_wall_clock_budget_stops_every_rank_after_the_same_step(
     folder: Path, engine_cache: Path
 ) -> None:

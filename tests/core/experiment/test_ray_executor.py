@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def test_the_ray_report_equals_the_local_one(tmp_path: Path, monkeypatch) -> Non
         arms={
             "grpo": {"algorithm": "grpo"},
             "rloo": {"algorithm": "rloo"},
-            # training.async in a Ray task: its producer is a process of the task's own
+            # training.async in a Ray task: its producer is a Ray actor of the run's placement
             "grpo_k0": {"algorithm": "grpo", "training": {"async": {"max_staleness": 0}}},
         },
     )
@@ -85,6 +86,56 @@ def test_the_ray_report_equals_the_local_one(tmp_path: Path, monkeypatch) -> Non
     compared = _report(tmp_path / "local")
     assert "## Against the baseline" in compared and "| rloo" in compared, compared
     assert compared == _report(tmp_path / "ray")
+
+
+def test_producers_of_a_ray_run_are_ray_actors_in_its_placement_group(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An async arm under --executor ray: its two producers label in Ray actors (the labeler
+    notes where it runs), the run trains its steps, and the placement groups reserved for
+    the run and its producers are gone afterwards."""
+    from tests.core.engine.conftest import tiny_experiment
+
+    monkeypatch.setenv("ALIGNZOO_CACHE", str(tmp_path / "cache"))
+    notes = tmp_path / "where.txt"
+    monkeypatch.setenv("ALIGNZOO_TEST_WHERE", str(notes))
+    labeler = {
+        "name": "python",
+        "params": {"function": "tests.core.engine._labelers:notes_where_it_labels"},
+    }
+    settings = {"max_staleness": 1, "producers": 2, "producer_threads": 1}
+    spec = tiny_experiment(
+        budget={"steps": 3},
+        evaluation={"every": 3, "num_prompts": 4, "labeler": "arithmetic"},
+        arms={"k1": {"algorithm": "grpo", "labeler": labeler, "training": {"async": settings}}},
+    )
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    paths = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the tests' labeler
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": paths},
+    )
+    try:
+        result = run_experiment(
+            load_experiment(path), out_dir=tmp_path / "out", executor=RayExecutor(), jobs=1
+        )
+        groups = list(ray.util.placement_group_table().values())
+    finally:
+        ray.shutdown()
+    assert not result.failed, [r.error for r in result.runs]
+    rows = (tmp_path / "out" / "k1" / "seed-0" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 2, 3]
+    # Every batch labeled by a producer, in a Ray actor; the one call elsewhere is the
+    # experiment's check of the labeler on the first row, before any run starts.
+    where = notes.read_text().splitlines()
+    assert where.count("ray actor") >= 3 and where.count("MainProcess") == 1, where
+    # One placement group: the run's bundle and one per producer (1 CPU each), removed after.
+    assert [(len(g["bundles"]), g["state"]) for g in groups] == [(3, "REMOVED")], groups
+    assert groups[0]["bundles"][1] == groups[0]["bundles"][2] == {"CPU": 1.0}, groups
 
 
 def test_a_killed_task_is_retried_and_resumes_or_fails_like_a_killed_worker(
