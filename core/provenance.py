@@ -71,13 +71,22 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+RESULTS_FOLDER = "docs/results"
+"""Where the documented figures' results files live in a checkout (outputs, not inputs)."""
+
+
 def git_state(folder: Path, scope: Path | None = None) -> dict[str, Any]:
     """``{"commit": sha, "dirty": bool}`` of the git checkout holding ``folder``; {} if none.
 
-    ``dirty``: uncommitted changes to tracked files; with ``scope`` (a file or folder of the
-    checkout), changes under it only, new files not yet added included."""
+    ``dirty``: uncommitted changes to tracked files, but for those under ``docs/results/`` (the
+    figures' own results files, which ``make figures`` and ``make figures-bench`` rewrite one
+    target after another: an earlier target's output does not change what produces the next);
+    with ``scope`` (a file or folder of the checkout), changes under it only, new files not
+    yet added included."""
     untracked = ["--untracked-files=no"] if scope is None else ["--untracked-files=normal"]
-    limit = [] if scope is None else ["--", str(scope)]
+    limit = (
+        ["--", ":(top)", f":(top,exclude){RESULTS_FOLDER}"] if scope is None else ["--", str(scope)]
+    )
     try:
         commit = subprocess.run(
             ["git", "-C", str(folder), "rev-parse", "HEAD"],

@@ -39,7 +39,9 @@ Metrics: ``rollout/staleness`` (mean over the sampled tokens) and ``rollout/stal
 steps, ``rollout/staleness_hist/<k>`` (the share of tokens k steps old, k = 0 .. K),
 ``async/queue_depth`` (batches waiting when the step began), ``async/trainer_wait_s`` (the
 trainer idle, waiting for its batch), ``async/producer_wait_s`` (the producer idle before it
-started the batch: waiting for work or weights), ``async/restarts`` (producers started again).
+started the batch: waiting for work or weights), ``async/producer_paced_s`` (of that, waiting
+for weights fresh enough), ``async/restarts`` (producers started again), and the ledger's
+``async/samples_*``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ if TYPE_CHECKING:
 
 POLL_S = 0.5
 """How often a waiting party looks whether the other is still alive."""
+
+PACED_S = 0.01
+"""A batch whose producer waited longer than this for fresh enough weights counts as paced."""
 
 START_TIMEOUT_S = 600.0
 """How long the trainer waits for a producer's first word (loading its models)."""
@@ -120,7 +125,8 @@ class Produced:
     slowest: list[dict[str, Any]] = field(default_factory=list)
     weights_step: int = 0  # the step of the weights the batch started with
     version_steps: dict[int, int] = field(default_factory=dict)  # policy version -> its step
-    waited_s: float = 0.0
+    waited_s: float = 0.0  # idle before the batch: waiting for work or for weights
+    paced_s: float = 0.0  # of which waiting for weights fresh enough for the staleness bound
     error: str | None = None
 
 
@@ -254,8 +260,8 @@ def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any, stop: Any)
         return
     results.put(Produced(job.index, kind="ready"))
     try:
+        idle = time.perf_counter()  # since the last batch went out (or the start)
         while True:
-            idle = time.perf_counter()
             try:
                 task = tasks.get(timeout=POLL_S)
             except queue.Empty:
@@ -264,14 +270,16 @@ def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any, stop: Any)
                 continue
             if task is None:
                 return
+            taken = time.perf_counter()
             while side.weights is None or side.weights.step < task.min_weights:
-                try:
+                try:  # paced: the staleness bound holds the task until fresher weights come
                     side.load(weights.get(timeout=POLL_S))
                 except queue.Empty:
                     if stop.is_set() or _parent_gone(parent):
                         return
             side.newest(weights)  # newer weights already sent: use them
-            waited = time.perf_counter() - idle
+            now = time.perf_counter()
+            waited, paced = now - idle, now - taken
             assert side.weights is not None
             started = side.weights.step
             try:
@@ -292,8 +300,10 @@ def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any, stop: Any)
                     weights_step=started,
                     version_steps=dict(side.version_steps),
                     waited_s=waited,
+                    paced_s=paced,
                 )
             )
+            idle = time.perf_counter()
     finally:
         if stop.is_set() and hasattr(results, "cancel_join_thread"):
             results.cancel_join_thread()  # the trainer reads no more: do not wait to hand over
@@ -550,10 +560,13 @@ class AsyncCollector(Collector):
                 "async/queue_depth": float(depth),
                 "async/trainer_wait_s": waited,
                 "async/producer_wait_s": produced.waited_s,
+                "async/producer_paced_s": produced.paced_s,
                 "async/restarts": float(self.restarts),
             }
         )
         self.ledger.trained += produced.samples
+        if produced.paced_s > PACED_S:
+            self.ledger.paced += produced.samples
         m.update(self.ledger.metrics(queued=sum(p.samples for p in self.arrived.values())))
         device = "cpu" if distributed.active() else self.learner.models.device("actor")
         report = LabelReport([], [], [], [], slowest=produced.slowest)
@@ -689,7 +702,9 @@ class Ledger:
       after delivering, whose step was sampled again): never trained twice;
     - ``lost_in_flight``: being sampled by a producer that died (sampled again, never delivered);
     - ``lost_queued``: delivered but not yet trained at the checkpoint a resume started from
-      (sampled again after the resume).
+      (sampled again after the resume);
+    - ``paced``: trained, from a batch whose producer had to wait for weights fresh enough for
+      the staleness bound before it started (admission control; none is dropped for it).
 
     They balance: delivered = trained + queued + discarded + lost_queued, queued being the
     batches delivered and waiting for their step."""
@@ -699,9 +714,11 @@ class Ledger:
     discarded: int = 0
     lost_in_flight: int = 0
     lost_queued: int = 0
+    paced: int = 0
 
     def metrics(self, queued: int) -> dict[str, float]:
         return {
+            "async/samples_paced": float(self.paced),
             "async/samples_delivered": float(self.delivered),
             "async/samples_trained": float(self.trained),
             "async/samples_queued": float(queued),

@@ -164,13 +164,16 @@ class LabelingStage:
         requests: list[LabelRequest],
         groups: Sequence[int] | None = None,
         normalize: bool = False,
+        evaluation: bool = False,
     ) -> LabelReport:
         """Label every request through the chain; see :class:`LabelReport`. Thread-safe: one
         pass runs at a time (with ``labeling.overlap`` a pass runs beside the main thread).
         ``normalize``: a training pass, whose values are normalised as ``labeling.normalize``
-        says (and update its running state); otherwise the values are the labelers' own."""
+        says (and update its running state); otherwise the values are the labelers' own.
+        ``evaluation``: a pass over evaluation prompts, which reports each labeler's drift and
+        leaves its running mean alone (see :meth:`_drift`)."""
         with self.lock:
-            return self._label(requests, groups, normalize)
+            return self._label(requests, groups, normalize, evaluation)
 
     # ------------------------------------------------------------------ normalisation
     def state_dict(self) -> dict[str, Any]:
@@ -259,7 +262,11 @@ class LabelingStage:
         return metrics
 
     def _label(
-        self, requests: list[LabelRequest], groups: Sequence[int] | None, normalize: bool = False
+        self,
+        requests: list[LabelRequest],
+        groups: Sequence[int] | None,
+        normalize: bool = False,
+        evaluation: bool = False,
     ) -> LabelReport:
         for slot in self.slots:
             slot.latencies = []
@@ -281,7 +288,7 @@ class LabelingStage:
                     self.exporter.record(self.slots)
             raise
         self._pass_stats(before)
-        self._drift()
+        self._drift(update=not evaluation)
         report.snapshot = {**report.metrics(), **norm_metrics}
         report.slowest = slowest_calls(self.slots)
         if self.exporter is not None:
@@ -304,10 +311,14 @@ class LabelingStage:
             slot.stats = stats
 
     # ------------------------------------------------------------------ drift
-    def _drift(self) -> None:
+    def _drift(self, update: bool = True) -> None:
         """Each labeler's drift: this pass's mean value minus the running mean of its earlier
-        passes (an exponential moving average, 0.9 / 0.1); the running means are the stage's
-        :meth:`drift_state_dict`, kept in ``run.state`` once attached (checkpointed)."""
+        training passes (an exponential moving average, 0.9 / 0.1); the running means are the
+        stage's :meth:`drift_state_dict`, kept in ``run.state`` once attached (checkpointed).
+        ``update`` False (an evaluation pass, whose prompts are not the training ones): the
+        drift is reported and the running means are left alone, so a run's training drift is
+        the same whether or not its evaluation uses this stage (an asynchronous arm's producers
+        label the training passes alone)."""
         for slot in self.slots:  # drift: once per pass, against the passes before
             slot.drift = None
             if slot.values:
@@ -315,8 +326,9 @@ class LabelingStage:
                 running = self.drift_means.get(slot.name)
                 if running is not None:
                     slot.drift = mean - running
-                    self.drift_means[slot.name] = 0.9 * running + 0.1 * mean
-                else:
+                    if update:
+                        self.drift_means[slot.name] = 0.9 * running + 0.1 * mean
+                elif update:
                     self.drift_means[slot.name] = mean
         self._publish_drift()
 
@@ -643,7 +655,9 @@ def label(
     if stage is None:
         stage = default_stage(hooks)
     groups = batch.group_ids.tolist() if batch.group_ids is not None else None
-    report = stage.label(label_requests(batch, step), groups, normalize=normalize)
+    report = stage.label(
+        label_requests(batch, step), groups, normalize=normalize, evaluation=not normalize
+    )
     values = [float(s.value) if s.outcome == Outcome.VALUE else 0.0 for s in report.scores]
     batch.scores = torch.tensor(values, dtype=torch.float32)
     batch.score_valid = torch.tensor(

@@ -44,8 +44,19 @@ def test_git_state_reports_commit_and_uncommitted_changes(tmp_path: Path) -> Non
     run("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x")
     state = provenance.git_state(tmp_path)
     assert len(state["commit"]) == 40 and state["dirty"] is False
+    # A results file rewritten by an earlier figure target is an output: still clean, from
+    # the checkout's root or a folder inside it.
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    (results / "x.json").write_text("{}")
+    run("add", "docs")
+    run("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "y")
+    (results / "x.json").write_text('{"rerun": true}')
+    assert provenance.git_state(tmp_path)["dirty"] is False
+    assert provenance.git_state(tmp_path / "docs")["dirty"] is False
     (tmp_path / "f.txt").write_text("b")
     assert provenance.git_state(tmp_path)["dirty"] is True
+    assert provenance.git_state(tmp_path / "docs")["dirty"] is True
 
 
 def test_a_large_file_is_hashed_by_its_size_and_edges(tmp_path: Path) -> None:

@@ -107,3 +107,25 @@ def test_the_drift_state_on_its_own_and_a_swapped_in_labeler_starting_over() -> 
     assert all(not v for k, v in context.state.items() if "drift" in k)  # so is the checkpoint's
     assert drifts(stage, range(2, 3)) == [{}]  # no drift on its first pass
     assert "labeler/l0/drift" in drifts(stage, range(3, 4))[0]
+
+
+def test_an_evaluation_pass_reports_its_drift_and_leaves_the_running_mean_alone() -> None:
+    """Training passes 0-2, then an evaluation pass (pass 3's values), then training pass 4:
+    pass 4's drift is the one it has with no evaluation between, and the evaluation's drift is
+    its values against the training passes' mean."""
+    plain = drifts(build(Counting()), range(5))
+    stage = build(Counting())
+    drifts(stage, range(3))
+    before = stage.drift_state_dict()
+    report = stage.label(pass_requests(3), evaluation=True).metrics()
+    assert stage.drift_state_dict() == before  # the evaluation left the running mean alone
+    assert report["labeler/l0/drift"] == plain[3]["labeler/l0/drift"]  # against the same mean
+    after = stage.label(pass_requests(4)).metrics()
+    without = build(Counting())
+    drifts(without, range(3))
+    assert (
+        after["labeler/l0/drift"] == without.label(pass_requests(4)).metrics()["labeler/l0/drift"]
+    )
+    assert (
+        after["labeler/l0/drift"] != plain[4]["labeler/l0/drift"]
+    )  # premise: pass 3 counted there
