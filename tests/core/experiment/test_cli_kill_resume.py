@@ -42,7 +42,7 @@ TINY = {
     "logging": {"sinks": ["jsonl"]},
     "arms": {"grpo": {"algorithm": "grpo"}, "rloo": {"algorithm": "rloo"}},
 }
-TIMING_COLUMNS = {"tokens/s", "wall-clock", "peak memory (MB)"}
+TIMING_COLUMNS = {"samples/s", "tokens/s", "wall-clock", "peak memory (MB)"}
 
 
 def alignzoo(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
