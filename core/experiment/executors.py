@@ -279,7 +279,7 @@ class RayExecutor:
             _init_ray(ray, self.address)
         task = ray.remote(_ray_task)
         if self.console is not None:
-            self.console.print(ray_plan(jobs, ray.cluster_resources()), highlight=False)
+            self.console.print(ray_plan(jobs, ray.cluster_resources(), loaded), highlight=False)
         pending: dict[Any, RunJob] = {}
         groups: dict[Any, Any] = {}  # a run with producers: its placement group
         try:
@@ -350,12 +350,21 @@ def producer_bundles(loaded: LoadedExperiment, job: RunJob) -> list[dict[str, fl
     return [{"CPU": threads} for _ in range(settings.producers)]
 
 
-def ray_plan(jobs: Sequence[RunJob], cluster: dict[str, float]) -> str:
-    """One line: how many runs, what each asks for, what the cluster has, how many fit at
-    once (by CPUs and GPUs)."""
+def ray_plan(
+    jobs: Sequence[RunJob], cluster: dict[str, float], loaded: LoadedExperiment | None = None
+) -> str:
+    """One line: how many runs, what each asks for (with ``loaded``, its rollout producers'
+    CPUs included: :func:`producer_bundles`), what the cluster has, how many fit at once (by
+    CPUs and GPUs)."""
     if not jobs:
         return "ray: no run to schedule"
-    cpus = max(job.resources.get("cpus", job.threads) for job in jobs)
+
+    def asks(job: RunJob) -> float:
+        own = float(job.resources.get("cpus", job.threads))
+        bundles = producer_bundles(loaded, job) if loaded is not None else []
+        return own + sum(b["CPU"] for b in bundles)
+
+    cpus = max(asks(job) for job in jobs)
     gpus = max(job.resources.get("gpus", 0.0) for job in jobs)
     have_cpus, have_gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
     fits = [int(have_cpus // cpus)] if cpus else []

@@ -13,6 +13,7 @@ import yaml
 from rich.console import Console
 
 from alignzoo.config.loader import LoadedExperiment
+from alignzoo.config.schema import AsyncConfig
 from alignzoo.errors import UserError
 from alignzoo.experiment import runner
 from alignzoo.experiment.runner import run_experiment
@@ -277,3 +278,10 @@ def test_ray_runs_ask_one_cpu_each_unless_jobs_says_otherwise(monkeypatch, tmp_p
     placed = [dataclasses.replace(j, resources={"cpus": 1.0, "gpus": 1.0}) for j in jobs]
     assert ray_plan(placed, {"CPU": 16.0, "GPU": 3.0}).endswith("up to 3 at a time")
     assert "none fits" in ray_plan(placed, {"CPU": 16.0})
+    # An arm with two rollout producers of one thread each: its runs ask 1 + 2 CPUs.
+    arms = dict(spec.arms)
+    training = arms["a"].training.model_copy(update={"async_": AsyncConfig(producers=2)})
+    arms["a"] = arms["a"].model_copy(update={"training": training})
+    loaded = LoadedExperiment(spec=spec.model_copy(update={"arms": arms}), source="x.yaml")
+    assert ray_plan(jobs, {"CPU": 6.0}, loaded).startswith("ray: 4 runs, each asking 3 CPU(s)")
+    assert ray_plan(jobs, {"CPU": 6.0}, loaded).endswith("up to 2 at a time")
