@@ -92,3 +92,38 @@ def notes_where_it_labels(prompts, completions, **columns):
     with open(os.environ["ALIGNZOO_TEST_WHERE"], "a", encoding="utf-8") as notes:
         notes.write(where + "\n")
     return [float(len(c)) for c in completions]
+
+
+CALLS = [0]
+
+
+def waits_in_a_producer_for_the_trainer(prompts, completions, **columns):
+    """Labels by length. In a producer process (training.async), its third call (step 3's
+    batch) notes whether the trainer had trained step 2 when the call began, then waits (up to
+    30 s) until the trainer has, and notes that too, in ``ALIGNZOO_TEST_WAIT_MARK``: a trainer
+    that waited for this labeling would never train step 2 meanwhile."""
+    import json
+    import multiprocessing
+    import os
+    import time
+    from pathlib import Path
+
+    if multiprocessing.current_process().name.startswith("alignzoo-producer"):
+        CALLS[0] += 1
+        if CALLS[0] == 3:
+            metrics = Path(os.environ["ALIGNZOO_TEST_METRICS"])
+
+            def trained() -> bool:
+                if not metrics.exists():
+                    return False
+                rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+                return any(row.get("step") == 2 for row in rows)
+
+            before = trained()
+            deadline = time.monotonic() + 30
+            while not trained() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            Path(os.environ["ALIGNZOO_TEST_WAIT_MARK"]).write_text(
+                json.dumps({"before": before, "meanwhile": trained()})
+            )
+    return [float(len(c)) for c in completions]

@@ -7,6 +7,7 @@ its error; a checkpoint keeps the steps handed out, so a resume skips no prompt.
 
 from __future__ import annotations
 
+import json
 import queue
 from pathlib import Path
 from types import SimpleNamespace
@@ -218,6 +219,34 @@ def test_a_killed_producer_is_started_again_and_no_step_is_lost(
     spec_sync["evaluation"]["labeler"] = "arithmetic"
     sync = _run(write_experiment, tmp_path, "sync", spec_sync)
     assert _stable(rows, drop=ASYNC_ONLY) == _stable(read_jsonl(sync / "metrics.jsonl"))
+
+
+def test_the_trainer_trains_what_is_queued_while_a_labeler_takes_its_time(
+    write_experiment, tmp_path, monkeypatch
+):
+    """K = 2, one producer: it samples steps 1, 2 and 3 in turn, and labeling step 3's batch
+    takes until the trainer has trained step 2 (up to 30 s). The trainer does, from the queue,
+    while that call is in flight: a trainer that waited on the labeling, as a synchronous
+    step does, never would. Evaluations after every step keep the trainer the slower party,
+    so that the call begins before step 2 is trained (checked)."""
+    out = tmp_path / "slow"
+    mark = tmp_path / "wait-mark"
+    monkeypatch.setenv("ALIGNZOO_TEST_METRICS", str(out / "metrics.jsonl"))
+    monkeypatch.setenv("ALIGNZOO_TEST_WAIT_MARK", str(mark))
+    labeler = {
+        "name": "python",
+        "params": {"function": "tests.core.engine._labelers:waits_in_a_producer_for_the_trainer"},
+    }
+    spec = _spec(async_={"max_staleness": 2}, labeler=labeler)
+    spec["evaluation"] = {"every": 1, "num_prompts": 32, "labeler": "arithmetic"}
+    loaded = load_experiment(write_experiment(spec))
+    assert run_one(loaded, "arm", 0, out).status == "finished"
+    seen = json.loads(mark.read_text())
+    assert not seen["before"], "premise: step 3's labeling began after step 2 was trained"
+    assert seen["meanwhile"], "the trainer did not train step 2 while step 3 was labeled"
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[2]["label/valued"] == 16.0  # the slow call's labels, as without async
 
 
 def test_a_failing_producer_fails_the_run_with_its_error(write_experiment, tmp_path):
