@@ -202,6 +202,14 @@ class _ProducerSide:
         self.version_steps[weights.version] = weights.step
         self.hooks.sync_weights(PolicyWeights(actor, weights.version))
 
+    def steps_of(self, batch: RolloutBatch) -> dict[int, int]:
+        """The step each policy version in ``batch.token_versions`` ended (what the trainer
+        needs to count the batch's staleness per token)."""
+        if batch.token_versions is None:
+            return {}
+        present = torch.unique(batch.token_versions).tolist()
+        return {v: self.version_steps[v] for v in present if v in self.version_steps}
+
     def newest(self, arriving: Any) -> int:
         """Take the newest of the weights waiting in ``arriving`` (the others are skipped);
         the version in force."""
@@ -298,7 +306,7 @@ def produce(job: ProducerJob, tasks: Any, weights: Any, results: Any, stop: Any)
                     metrics=collected.metrics,
                     slowest=list(report.slowest) if report is not None else [],
                     weights_step=started,
-                    version_steps=dict(side.version_steps),
+                    version_steps=side.steps_of(collected.batch),
                     waited_s=waited,
                     paced_s=paced,
                 )
@@ -317,13 +325,37 @@ def _describe(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- trainer side
 
 
-class _Producer:
-    """The trainer's handle on one producer process and its three queues (tasks, weights and
-    results are per producer, so that a producer killed in the middle of a queue operation
-    leaves no other producer's queue broken)."""
+class _Handle:
+    """What the trainer keeps of one producer, wherever it runs: its job, whether it said it is
+    ready, the tasks given to it and not delivered, and its queues (tasks, weights, results:
+    per producer, so that a producer killed in the middle of a queue operation leaves no other
+    producer's queue broken)."""
+
+    tasks: Any
+    weights: Any
+    results: Any
+
+    def __init__(self, job: ProducerJob) -> None:
+        self.job = job
+        self.ready = False
+        self.outstanding: dict[int, Task] = {}
+
+    def give(self, task: Task) -> None:
+        self.outstanding[task.step] = task
+        self.tasks.put(task)
+
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def stop(self, timeout: float) -> None:
+        raise NotImplementedError
+
+
+class _Producer(_Handle):
+    """A producer as a local process (spawned), with multiprocessing queues."""
 
     def __init__(self, ctx: Any, job: ProducerJob) -> None:
-        self.job = job
+        super().__init__(job)
         self.tasks, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self.stopping = ctx.Event()
         self.process = ctx.Process(
@@ -332,15 +364,9 @@ class _Producer:
             name=f"alignzoo-producer-{job.index}",
         )
         self.process.start()
-        self.ready = False
-        self.outstanding: dict[int, Task] = {}  # given to it and not delivered
 
     def alive(self) -> bool:
         return bool(self.process.is_alive())
-
-    def give(self, task: Task) -> None:
-        self.outstanding[task.step] = task
-        self.tasks.put(task)
 
     def stop(self, timeout: float) -> None:
         """Ask it to stop (a None task), wait ``timeout`` seconds, then kill it."""
@@ -376,17 +402,17 @@ class _ProducerActor:
         produce(job, tasks, weights, results, stop)
 
 
-class _RayProducer:
-    """The trainer's handle on one producer as a Ray actor (a run under ``--executor ray``):
-    the same three queues and stop flag, as Ray queues. In the run's placement group (bundle
-    ``1 + index``, which :class:`~alignzoo.experiment.executors.RayExecutor` reserves beside
-    the run's own) when it has one, else wherever Ray finds ``threads`` CPUs."""
+class _RayProducer(_Handle):
+    """A producer as a Ray actor (a run under ``--executor ray``): the same three queues and
+    stop flag, as Ray queues. In the run's placement group (bundle ``1 + index``, which
+    :class:`~alignzoo.experiment.executors.RayExecutor` reserves beside the run's own) when it
+    has one, else wherever Ray finds ``threads`` CPUs."""
 
     def __init__(self, job: ProducerJob) -> None:
         import ray
         from ray.util.queue import Queue
 
-        self.job = job
+        super().__init__(job)
         free = {"num_cpus": 0}  # the queues hold no CPU of the run's
         self.tasks, self.weights, self.results = (Queue(actor_options=free) for _ in range(3))
         self.stopping = _RayFlag(Queue(actor_options=free))
@@ -405,18 +431,12 @@ class _RayProducer:
         self.done = self.actor.run.remote(
             job, self.tasks, self.weights, self.results, self.stopping
         )
-        self.ready = False
-        self.outstanding: dict[int, Task] = {}
 
     def alive(self) -> bool:
         import ray
 
         finished, _ = ray.wait([self.done], timeout=0)
         return not finished
-
-    def give(self, task: Task) -> None:
-        self.outstanding[task.step] = task
-        self.tasks.put(task)
 
     def stop(self, timeout: float) -> None:
         import ray
@@ -450,7 +470,7 @@ class AsyncCollector(Collector):
         super().__init__(*args)
         self.job = job
         self.settings = settings
-        self.producers: list[_Producer | _RayProducer] = []
+        self.producers: list[_Handle] = []
         self.on_ray = False  # producers as Ray actors (the run is a Ray task)
         self.tasks_out: dict[int, Task] = {}  # handed out, not yet trained on
         self.arrived: dict[int, Produced] = {}
@@ -468,7 +488,7 @@ class AsyncCollector(Collector):
         for index in range(self.settings.producers):
             self.producers.append(self._new(replace(self.job, index=index)))
 
-    def _new(self, job: ProducerJob) -> _Producer | _RayProducer:
+    def _new(self, job: ProducerJob) -> _Handle:
         return _RayProducer(job) if self.on_ray else _Producer(self._ctx, job)
 
     def _restart(self, index: int) -> None:
@@ -680,9 +700,10 @@ def staleness_metrics(
     if versions is not None and produced.version_steps:
         sampled = versions[(versions >= 0) & batch.response_mask.bool().to(versions.device)]
         if sampled.numel():
+            distinct, index = torch.unique(sampled.cpu(), return_inverse=True)
             known = produced.version_steps
-            steps = [known.get(v, produced.weights_step) for v in sampled.cpu().tolist()]
-            lag = (step - 1) - torch.tensor(steps, dtype=torch.float64)
+            steps = [known.get(v, produced.weights_step) for v in distinct.tolist()]
+            lag = (step - 1) - torch.tensor(steps, dtype=torch.float64)[index]
     m = {
         canonical.ROLLOUT_STALENESS: float(lag.mean()),
         canonical.ROLLOUT_STALENESS_MAX: float(lag.max()),

@@ -279,7 +279,7 @@ class RayExecutor:
             _init_ray(ray, self.address)
         task = ray.remote(_ray_task)
         if self.console is not None:
-            self.console.print(ray_plan(jobs, ray.cluster_resources(), loaded), highlight=False)
+            self.console.print(ray_plan(jobs, ray.cluster_resources()), highlight=False)
         pending: dict[Any, RunJob] = {}
         groups: dict[Any, Any] = {}  # a run with producers: its placement group
         try:
@@ -292,7 +292,7 @@ class RayExecutor:
                     "retry_exceptions": False,  # a failing run is a result, not a crash
                     "name": f"alignzoo {job.arm} seed-{job.seed}",
                 }
-                bundles = producer_bundles(loaded, job)
+                bundles = producer_bundles(job)
                 group = None
                 if bundles:  # the run and its producers reserved together: none waits for CPUs
                     from ray.util.placement_group import placement_group
@@ -339,10 +339,10 @@ class RayExecutor:
                 ray.shutdown()
 
 
-def producer_bundles(loaded: LoadedExperiment, job: RunJob) -> list[dict[str, float]]:
+def producer_bundles(job: RunJob) -> list[dict[str, float]]:
     """The CPUs a run's rollout producers take as Ray actors (``training.async``): one bundle
     per producer, of its thread count; none for an arm without producers."""
-    arm = loaded.spec.arms.get(job.arm)
+    arm = job.spec.arms.get(job.arm)
     settings = arm.training.async_ if arm is not None else None
     if settings is None:
         return []
@@ -350,19 +350,16 @@ def producer_bundles(loaded: LoadedExperiment, job: RunJob) -> list[dict[str, fl
     return [{"CPU": threads} for _ in range(settings.producers)]
 
 
-def ray_plan(
-    jobs: Sequence[RunJob], cluster: dict[str, float], loaded: LoadedExperiment | None = None
-) -> str:
-    """One line: how many runs, what each asks for (with ``loaded``, its rollout producers'
-    CPUs included: :func:`producer_bundles`), what the cluster has, how many fit at once (by
-    CPUs and GPUs)."""
+def ray_plan(jobs: Sequence[RunJob], cluster: dict[str, float]) -> str:
+    """One line: how many runs, what each asks for (its rollout producers' CPUs included:
+    :func:`producer_bundles`), what the cluster has, how many fit at once (by CPUs and
+    GPUs)."""
     if not jobs:
         return "ray: no run to schedule"
 
     def asks(job: RunJob) -> float:
         own = float(job.resources.get("cpus", job.threads))
-        bundles = producer_bundles(loaded, job) if loaded is not None else []
-        return own + sum(b["CPU"] for b in bundles)
+        return own + sum(b["CPU"] for b in producer_bundles(job))
 
     cpus = max(asks(job) for job in jobs)
     gpus = max(job.resources.get("gpus", 0.0) for job in jobs)

@@ -520,17 +520,7 @@ def _against_baseline(exp: _Experiment, rows: dict[str, ArmRow]) -> list[stats.C
             why = "no finished run" if not rows[missing].finished else f"no finished run with {key}"
             entries.append(f"{arm}: no comparison yet ({missing} has {why}).")
             continue
-        base_seeds, arm_seeds = rows[baseline].final_by_seed, rows[arm].final_by_seed
-        if len(base_seeds) >= 2 and set(base_seeds) == set(arm_seeds):
-            # The same seeds in both arms: compare seed by seed.
-            order = sorted(base_seeds)
-            entries.append(
-                stats.ArmValues(
-                    arm, [base_seeds[s] for s in order], [arm_seeds[s] for s in order], True
-                )
-            )
-        else:
-            entries.append(stats.ArmValues(arm, base_values, values, False))
+        entries.append(arm_values(arm, rows[baseline].final_by_seed, rows[arm].final_by_seed))
     found = iter(
         stats.compare_arms(
             [e for e in entries if isinstance(e, stats.ArmValues)],
@@ -683,6 +673,18 @@ def _arms_table(exp: _Experiment, rows: dict[str, ArmRow]) -> list[Block]:
     return [Block("h2", "Arms"), table, note]
 
 
+def arm_values(
+    arm: str, baseline_by_seed: dict[int, float], arm_by_seed: dict[int, float]
+) -> stats.ArmValues:
+    """An arm's per-seed values against the baseline's: seed by seed (paired) when both have
+    the same seeds (two or more), otherwise unpaired."""
+    if len(baseline_by_seed) >= 2 and set(baseline_by_seed) == set(arm_by_seed):
+        order = sorted(baseline_by_seed)
+        base = [baseline_by_seed[s] for s in order]
+        return stats.ArmValues(arm, base, [arm_by_seed[s] for s in order], True)
+    return stats.ArmValues(arm, list(baseline_by_seed.values()), list(arm_by_seed.values()), False)
+
+
 def _time_to_target(exp: _Experiment) -> list[Block]:
     """``evaluation.target``: per arm, how many seeds reached it and how soon (steps, samples,
     training wall-clock), and each arm's wall-clock to it against the baseline's when every
@@ -729,15 +731,18 @@ def _time_to_target(exp: _Experiment) -> list[Block]:
     baseline = exp.baseline
     entries: list[stats.ArmValues] = []
     left_out: list[str] = []
+    # Each arm's wall-clock to the target per seed, when every finished seed reached it.
+    times = {
+        arm: {seed: hit.time_s for seed, hit in hits if hit is not None}
+        for arm, hits in reached.items()
+    }
     for arm in exp.arms:
         if arm == baseline:
             continue
-        pairs = {seed: hit for seed, hit in reached[arm]}
-        base = {seed: hit for seed, hit in reached.get(baseline, [])}
         short = [
-            f"{sum(h is not None for h in hits.values())}/{len(hits)} of {name}'s seeds"
-            for name, hits in ((arm, pairs), (baseline, base))
-            if not hits or any(h is None for h in hits.values())
+            f"{len(times[name])}/{len(reached[name])} of {name}'s seeds"
+            for name in (arm, baseline)
+            if not reached[name] or len(times[name]) < len(reached[name])
         ]
         if short:
             left_out.append(
@@ -745,11 +750,7 @@ def _time_to_target(exp: _Experiment) -> list[Block]:
                 "comparison needs every finished seed of both arms there)"
             )
             continue
-        paired = len(base) >= 2 and set(base) == set(pairs)
-        order = sorted(base) if paired else None
-        base_values = [base[s].time_s for s in (order or base)]  # type: ignore[union-attr]
-        arm_values = [pairs[s].time_s for s in (order or pairs)]  # type: ignore[union-attr]
-        entries.append(stats.ArmValues(arm, base_values, arm_values, paired))
+        entries.append(arm_values(arm, times[baseline], times[arm]))
     found = stats.compare_arms(
         entries, baseline=baseline, metric=f"wall-clock to {key}", higher_is_better=False
     )

@@ -185,7 +185,7 @@ class HFBackend(Backend):
         response_mask = _pad_rows([c[3] for c in chunks], 0, left=False)
         rollout_logprobs = _pad_rows([c[4] for c in chunks], 0, left=False)
         token_versions = None
-        if all(len(c) > 5 and c[5] is not None for c in chunks):  # a partial rollout's versions
+        if all(c[5] is not None for c in chunks):  # a partial rollout's versions
             versions = _pad_rows([c[5] for c in chunks], -1, left=False).long()
             token_versions = versions.masked_fill(response_mask == 0, -1)
 
@@ -342,8 +342,9 @@ class HFBackend(Backend):
 
     def _generate_chunk(
         self, prompt_tokens: list[list[int]], n: int, sampling: SamplingParams
-    ) -> tuple[torch.Tensor, ...]:
-        """Sample n continuations of each prompt; tensors on CPU: prompt ids/mask, response ids/mask/logprobs."""
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Sample n continuations of each prompt; tensors on CPU: prompt ids/mask, response
+        ids/mask/logprobs, and None for the tokens' versions (generate takes no newer weights)."""
         from transformers import GenerationConfig
 
         pad = self._pad_id()
@@ -378,7 +379,7 @@ class HFBackend(Backend):
         logprobs = recorder.finish(response)
         response, response_mask = cut_after_eos(response, eos_ids, pad)
         logprobs = logprobs.masked_fill(response_mask == 0, 0.0)
-        return ids, mask, response.cpu(), response_mask.cpu(), logprobs.float().cpu()
+        return ids, mask, response.cpu(), response_mask.cpu(), logprobs.float().cpu(), None
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id

@@ -280,6 +280,10 @@ def test_a_resumed_run_hands_out_the_steps_it_had_handed_out(write_experiment, t
     # lost (sampled again after the resume), and it still balances.
     last = rows[-1]
     assert last["async/samples_trained"] == 6 * 16.0
+    # Step 4's batch waits, by construction, for the weights of step 3 (the first sent after
+    # step 0): paced before the stop, and the count comes back with the checkpoint.
+    assert rows[3]["async/samples_paced"] >= 16.0
+    assert rows[4]["async/samples_paced"] >= rows[3]["async/samples_paced"]
     assert last["async/samples_delivered"] == (
         last["async/samples_trained"]
         + last["async/samples_queued"]

@@ -282,6 +282,8 @@ def test_ray_runs_ask_one_cpu_each_unless_jobs_says_otherwise(monkeypatch, tmp_p
     arms = dict(spec.arms)
     training = arms["a"].training.model_copy(update={"async_": AsyncConfig(producers=2)})
     arms["a"] = arms["a"].model_copy(update={"training": training})
-    loaded = LoadedExperiment(spec=spec.model_copy(update={"arms": arms}), source="x.yaml")
-    assert ray_plan(jobs, {"CPU": 6.0}, loaded).startswith("ray: 4 runs, each asking 3 CPU(s)")
-    assert ray_plan(jobs, {"CPU": 6.0}, loaded).endswith("up to 2 at a time")
+    producing = dataclasses.replace(jobs[0], spec=spec.model_copy(update={"arms": arms}))
+    plan = ray_plan([producing, *jobs[1:]], {"CPU": 6.0})
+    assert plan.startswith("ray: 4 runs, each asking 3 CPU(s)") and plan.endswith(
+        "up to 2 at a time"
+    )

@@ -117,30 +117,36 @@ def test_warped_sampling_log_probs_are_those_of_the_distribution_drawn_from(back
     assert float((raw - batch.rollout_logprobs).abs()[mask].max()) > 0.05
 
 
-def test_a_grpo_arm_trains_with_the_vllm_backend(tmp_path, monkeypatch):
+def _train_grpo_on_vllm(tmp_path, name: str, steps: int, training: dict | None = None):
+    """A tiny GRPO arm sampled by the vllm backend, trained ``steps`` steps into
+    ``tmp_path / name``; that folder."""
     import yaml
 
     from alignzoo.config.loader import load_experiment
     from alignzoo.engine.loop import run_one
-    from tests.core.engine.conftest import read_jsonl, tiny_experiment
+    from tests.core.engine.conftest import tiny_experiment
 
+    arm = {"algorithm": "grpo", "backend": {"name": "vllm", "params": {"max_model_len": 64}}}
+    if training:
+        arm["training"] = training
     spec = tiny_experiment(
-        budget={"steps": 2},
+        budget={"steps": steps},
         model={"embedded": DIMS},
-        evaluation={"every": 2, "num_prompts": 4},
-        arms={
-            "grpo": {
-                "algorithm": "grpo",
-                "backend": {"name": "vllm", "params": {"max_model_len": 64}},
-            }
-        },
+        evaluation={"every": steps, "num_prompts": 4},
+        arms={"grpo": arm},
     )
-    monkeypatch.setenv("ALIGNZOO_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "exp.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec), encoding="utf-8")
-    summary = run_one(load_experiment(path), "grpo", 0, tmp_path / "run")
+    summary = run_one(load_experiment(path), "grpo", 0, tmp_path / name)
     assert summary.status == "finished", summary.error
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    return tmp_path / name
+
+
+def test_a_grpo_arm_trains_with_the_vllm_backend(tmp_path, monkeypatch):
+    from tests.core.engine.conftest import read_jsonl
+
+    monkeypatch.setenv("ALIGNZOO_CACHE", str(tmp_path / "cache"))
+    rows = read_jsonl(_train_grpo_on_vllm(tmp_path, "run", 2) / "metrics.jsonl")
     assert len(rows) == 2
     assert all(row["rollout/logprob_diff"] < 1e-3 for row in rows)
     # The warm start answers and stops: vLLM's EOS ends responses as the hf backend's does.
@@ -151,32 +157,13 @@ def test_producers_sample_with_the_trainers_weights_in_their_own_vllm_engine(tmp
     """training.async with the vllm backend: each producer starts its own engine and takes the
     trainer's weights every step (K = 0), so the log-probs vLLM recorded while sampling are
     the trainer's own on every step; the run trains on the synchronous run's prompts."""
-    import yaml
-
-    from alignzoo.config.loader import load_experiment
-    from alignzoo.engine.loop import run_one
-    from tests.core.engine.conftest import read_jsonl, tiny_experiment
+    from tests.core.engine.conftest import read_jsonl
 
     monkeypatch.setenv("ALIGNZOO_CACHE", str(tmp_path / "cache"))
-    outs = {}
-    for name, training in (("sync", {}), ("k0", {"async": {"max_staleness": 0}})):
-        spec = tiny_experiment(
-            budget={"steps": 3},
-            model={"embedded": DIMS},
-            evaluation={"every": 3, "num_prompts": 4},
-            arms={
-                "grpo": {
-                    "algorithm": "grpo",
-                    "backend": {"name": "vllm", "params": {"max_model_len": 64}},
-                    "training": training,
-                }
-            },
-        )
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(spec), encoding="utf-8")
-        summary = run_one(load_experiment(path), "grpo", 0, tmp_path / name)
-        assert summary.status == "finished", summary.error
-        outs[name] = tmp_path / name
+    outs = {
+        name: _train_grpo_on_vllm(tmp_path, name, 3, training)
+        for name, training in (("sync", None), ("k0", {"async": {"max_staleness": 0}}))
+    }
     rows = read_jsonl(outs["k0"] / "metrics.jsonl")
     assert [r["rollout/staleness"] for r in rows] == [0.0, 0.0, 0.0]
     assert all(row["rollout/logprob_diff"] < 1e-3 for row in rows)  # weights 1 and 2 too
