@@ -334,9 +334,14 @@ def assemble(
     context.models = models
     episodes = None
     if arm_spec.environment is not None:  # each prompt becomes a multi-turn episode
-        from alignzoo.rollout.multiturn import Episodes
+        from alignzoo.rollout.multiturn import episode_runner
 
-        episodes = Episodes(arm_spec.episodes, models.tokenizer)
+        episodes = episode_runner(
+            arm_spec.episodes,
+            components.get("environment"),
+            models.tokenizer,
+            getattr(models.actor, "config", None),
+        )
 
     kind = mode.kind if not mode.online else "online"
     train = mode.tokenize(load_split(spec.data, "train", kind, models.tokenizer), models.tokenizer)

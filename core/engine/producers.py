@@ -177,9 +177,14 @@ class _ProducerSide:
         self.context.models = models
         self.episodes = None
         if arm_spec.environment is not None:
-            from alignzoo.rollout.multiturn import Episodes
+            from alignzoo.rollout.multiturn import episode_runner
 
-            self.episodes = Episodes(arm_spec.episodes, models.tokenizer)
+            self.episodes = episode_runner(
+                arm_spec.episodes,
+                components.get("environment"),
+                models.tokenizer,
+                getattr(models.actor, "config", None),
+            )
         hooks.on_run_start(self.context)
         start_fallbacks(self.labeling, self.context)
         self.weights: Weights | None = None

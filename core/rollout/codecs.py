@@ -76,6 +76,10 @@ class HermesCodec:
         """The model's turn as a transcript message (tool calls in the template's field)."""
         return _assistant_message(text, calls)
 
+    def prose(self, text: str) -> str:
+        """The turn's text without its tool calls (an OpenAI-style message's ``content``)."""
+        return self._CALL.sub("", text).strip()
+
 
 class BracketCodec:
     """``[12*34]`` calls the calculator; its answer is written ``=408`` and a newline (the
@@ -111,6 +115,10 @@ class BracketCodec:
         """Where a model turn that calls stops: right after the closing bracket."""
         return calculator.CALL_CLOSE
 
+    def prose(self, text: str) -> str:
+        """The turn's text without its calls (an OpenAI-style message's ``content``)."""
+        return calculator.strip_calls(text).strip()
+
 
 def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
     """A call from the JSON between the tags, or None and why it cannot be read."""
@@ -135,7 +143,8 @@ def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
 
 
 Codec = HermesCodec | BracketCodec
-"""A tool-call codec: ``parse`` a model turn, write it as an ``assistant_message``; ``plain``
+"""A tool-call codec: ``parse`` a model turn, write it as an ``assistant_message`` (or its
+``prose``, the text around the calls); ``plain``
 says whether it also writes the environment's messages as text (``plain_text``), for a
 tokenizer without a chat template."""
 

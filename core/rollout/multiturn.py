@@ -86,6 +86,7 @@ class Episode:
     reason: str = ""
     started: float = field(default_factory=time.monotonic)
     metrics: dict[str, float] = field(default_factory=dict)
+    annotations: dict[str, Any] = field(default_factory=dict)  # more of the sample's extra
 
     @property
     def active(self) -> bool:
@@ -452,6 +453,20 @@ class Episodes:
         return m
 
 
+def episode_runner(
+    cfg: EpisodeConfig, environment: Any, tokenizer: Any, model_config: Any = None
+) -> Episodes:
+    """The episode runner of an arm with ``environment``: an agent program's (the gateway,
+    :mod:`alignzoo.rollout.agents`) when the environment is one, else the in-process runner."""
+    settings = getattr(environment, "agent_settings", None)
+    if settings is None:
+        return Episodes(cfg, tokenizer)
+    from alignzoo.rollout.agents import AgentEpisodes
+
+    limit = getattr(model_config, "max_position_embeddings", None)
+    return AgentEpisodes(cfg, tokenizer, settings(), int(limit) if limit else None)
+
+
 async def _cancel_the_rest() -> None:
     """Cancel and await every other task of the running loop."""
     left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
@@ -478,6 +493,7 @@ def _extra(episode: Episode) -> dict[str, Any]:
         "reward": episode.reward,
         "step_rewards": [list(pair) for pair in episode.step_rewards],
     }
+    extra.update(episode.annotations)
     return extra
 
 

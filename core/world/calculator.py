@@ -50,6 +50,11 @@ def format_result(content: str) -> str:
     return f"={content}\n"
 
 
+def strip_calls(text: str) -> str:
+    """``text`` without its calls (closed or not): ``strip_calls("x[1+2]") == "x"``."""
+    return _CALL.sub("", text)
+
+
 def find_calls(text: str) -> tuple[list[str], list[str]]:
     """The expressions of the calls in ``text`` and one line per call that is not closed."""
     calls, errors = [], []

@@ -1,0 +1,749 @@
+"""Agents outside the process as episodes: a program per episode, calling the policy through
+an OpenAI-compatible gateway, every call recorded token for token.
+
+An arm whose environment is ``agent`` (:mod:`alignzoo.plugins.environments.agent`) runs each
+episode as a program of its own (a command, or a Python function): it gets the row as its
+task (``ALIGNZOO_TASK`` and stdin), an ``OPENAI_BASE_URL`` on 127.0.0.1 and an
+``OPENAI_API_KEY`` that is this episode's alone, and talks to the policy as it would to the
+OpenAI API (:mod:`alignzoo.rollout.gateway`). The episode ends when the program exits or at its
+time limit.
+
+Every call is recorded as it was sampled: the rendered prompt's token ids, the sampled ids and
+their log-probs, and the policy version. The calls of an episode become *trajectories* (one
+sample each in the batch):
+
+- A call that continues an earlier one (its messages are that call's messages, the reply the
+  gateway gave, then new messages: tool results, a user turn) is appended to the same
+  trajectory. The ids between are the text the chat template puts after the reply (rendered as
+  for in-process episodes, checked to be append-only), tokenised once: the reply's own ids are
+  kept as sampled, never re-tokenised from the text the agent sent back.
+- A call whose rendered prompt extends a trajectory's ids token for token is appended too.
+- Any other call starts a new *branch* (the template rewrote history, the agent edited or
+  dropped messages, a sub-agent's conversation): a trajectory of its own, whose prompt is the
+  call's rendered messages; earlier replies in it are context, not trained tokens. A call that
+  repeats an earlier request (a retry, another sample) forks that trajectory there, its copied
+  tokens context too. Every sampled token is trained once.
+
+Each trajectory's tokens the model sampled are trained (``response_mask`` 1), the rest is
+context, as for in-process episodes. The labeler scores each sample of an episode on the
+episode's final transcript (the last call's messages and the reply): ``responses`` is the last
+assistant message, ``extra["messages"]`` the transcript, ``extra["episode"]["reward"]`` the
+reward the agent posted to ``/v1/reward`` (the ``episode_reward`` labeler's), and
+``extra["agent"]`` its exit code, calls, branch and the tail of its output.
+
+Outcomes: ``done`` (the program exited 0 after at least one call), ``truncated`` (the
+trajectory's token budget, ``episodes.max_tokens``, or the episode's ``max_sampled_tokens``
+ran out), ``error`` (it exited non-zero, or crashed), ``timeout`` (its time limit: the process
+group is killed), ``calls_limit`` (more calls than ``max_calls``: killed), ``no_calls`` (it
+exited without calling). The last four are failures, which ``episodes.on_failure`` decides
+about; none of them stalls the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from alignzoo.errors import UserError
+from alignzoo.rollout import partial
+from alignzoo.rollout.gateway import ChatRequest, Choice, Completion, Refused, gateway_server
+from alignzoo.rollout.multiturn import (
+    ChatRenderer,
+    Episode,
+    Episodes,
+    _cancel_the_rest,
+    derive_seed,
+)
+
+if TYPE_CHECKING:
+    from alignzoo.batch import RolloutBatch
+    from alignzoo.config.schema import EpisodeConfig
+    from alignzoo.types import SamplingParams
+
+AGENT_OUTCOMES = ("done", "truncated", "error", "timeout", "calls_limit", "no_calls")
+"""How an agent episode ended (see the module docstring)."""
+FAILURES = frozenset({"error", "timeout", "calls_limit", "no_calls"})
+_TAIL = 2000  # characters of an agent's stdout / stderr kept with its samples
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """How episodes' agents run: a command or a function, their limits and concurrency."""
+
+    command: list[str] | None = None
+    function: Any = None  # fn(task, base_url, api_key), sync or async
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    time_limit_s: float = 60.0
+    max_calls: int = 32
+    max_sampled_tokens: int | None = None
+    concurrency: int = 16
+    batch_wait_s: float = 0.02
+
+
+@dataclass
+class _Point:
+    """A call recorded in a trajectory: its request's messages (normalised), the messages an
+    agent continuing it sends (request + reply), and where its reply sits in the ids."""
+
+    request: list[Any]
+    expect: list[Any]
+    before: int  # len(ids) when the reply began
+    after: int  # len(ids) after the reply
+    sampled: str  # the reply as sampled, special tokens included (for the text after it)
+
+
+@dataclass
+class _Trajectory:
+    sample: Episode
+    points: list[_Point] = field(default_factory=list)
+    tools: Any = None
+
+
+@dataclass
+class AgentEpisode:
+    """One agent's episode: its key, trajectories, calls and outcome."""
+
+    row: dict[str, Any]
+    seed: int
+    group: int
+    key: str = field(default_factory=lambda: f"az-{secrets.token_urlsafe(24)}")
+    trajectories: list[_Trajectory] = field(default_factory=list)
+    calls: int = 0
+    sampled_tokens: int = 0
+    refused: int = 0
+    reward: float | None = None
+    outcome: str = ""
+    reason: str = ""
+    started: float = 0.0
+    wall_s: float = 0.0
+    exit_code: int | None = None
+    output: str = ""
+    closed: bool = False
+    final: list[dict[str, Any]] = field(default_factory=list)  # the last call's transcript
+    process: subprocess.Popen[bytes] | None = None
+
+    def end(self, outcome: str, reason: str = "") -> None:
+        if not self.outcome:
+            self.outcome, self.reason = outcome, reason
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (a list of parts: their text joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = [p.get("text", "") for p in content if isinstance(p, dict)]
+    return "".join(str(p) for p in parts)
+
+
+def _arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _calls_of(message: dict[str, Any]) -> list[tuple[str, Any]]:
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", {}) if isinstance(call, dict) else {}
+        calls.append((str(function.get("name", "")), _arguments(function.get("arguments", {}))))
+    return calls
+
+
+def normalised(message: dict[str, Any]) -> str:
+    """What two messages must share to be the same message: role, text and tool calls (ids and
+    other fields aside), as a canonical string."""
+    role = message.get("role")
+    role = "system" if role == "developer" else role
+    text = _text(message.get("content")).strip()
+    return json.dumps([role, text, _calls_of(message)], sort_keys=True, default=str)
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI-style messages as Hugging Face chat templates take them: text content, tool-call
+    arguments as objects, ``developer`` as ``system``."""
+    out = []
+    for message in messages:
+        role = message.get("role")
+        item: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": _text(message.get("content")),
+        }
+        calls = _calls_of(message)
+        if calls:
+            item["tool_calls"] = [
+                {"type": "function", "function": {"name": name, "arguments": args}}
+                for name, args in calls
+            ]
+        if message.get("name"):
+            item["name"] = message["name"]
+        out.append(item)
+    return out
+
+
+@dataclass
+class _Pending:
+    episode: AgentEpisode
+    contexts: list[list[int]]
+    width: int
+    seeds: list[int] | None
+    done: asyncio.Future[tuple[list[tuple[list[int], list[float]]], int | None]]
+
+
+class AgentEpisodes(Episodes):
+    """The episode runner of an arm whose environment is an agent program (see the module
+    docstring); the same ``run`` as in-process episodes."""
+
+    def __init__(
+        self, cfg: EpisodeConfig, tokenizer: Any, agent: AgentSettings, context_limit: int | None
+    ) -> None:
+        super().__init__(cfg, tokenizer)
+        self.agent, self.context_limit = agent, context_limit
+
+    def run(
+        self,
+        pm: Any,
+        prompts: list[str],
+        extras: list[dict[str, Any]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: list[int] | None,
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """``n`` agent episodes per prompt; the batch (every kept trajectory, grouped by
+        prompt) and the step's ``env/*`` metrics."""
+        episodes = [
+            AgentEpisode(
+                row={**extra, "prompt": prompt},
+                seed=derive_seed(seeds[i] if seeds is not None else i, j),
+                group=i,
+            )
+            for i, (prompt, extra) in enumerate(zip(prompts, extras, strict=True))
+            for j in range(n)
+        ]
+        step = _Step(self, pm, sampling, seeds is None, episodes)
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(step.serve())
+        finally:
+            step.kill_all()
+            loop.run_until_complete(_cancel_the_rest())
+            loop.close()
+        samples, kept = self._samples(episodes)
+        return self._batch(samples, kept), self._agent_metrics(episodes, samples, kept, step)
+
+    def _samples(self, episodes: list[AgentEpisode]) -> tuple[list[Episode], list[int]]:
+        """Every trajectory as a sample, and the indices of those kept (``on_failure``)."""
+        samples: list[Episode] = []
+        failed_groups = {e.group for e in episodes if e.outcome in FAILURES}
+        kept: list[int] = []
+        for episode in episodes:
+            for branch, trajectory in enumerate(episode.trajectories):
+                sample = trajectory.sample
+                sample.outcome, sample.reason = episode.outcome, episode.reason
+                sample.reward, sample.turns = episode.reward, len(trajectory.points)
+                sample.messages = episode.final or sample.messages
+                sample.annotations["agent"] = {
+                    "exit_code": episode.exit_code,
+                    "calls": episode.calls,
+                    "branch": branch,
+                    "branches": len(episode.trajectories),
+                    "wall_s": round(episode.wall_s, 3),
+                    "output": episode.output,
+                }
+                failed = episode.outcome in FAILURES
+                policy = self.cfg.on_failure
+                keep = (
+                    policy == "keep"
+                    or (policy == "drop_sample" and not failed)
+                    or (policy == "drop_group" and episode.group not in failed_groups)
+                )
+                if keep and sample.ids:
+                    kept.append(len(samples))
+                samples.append(sample)
+        return samples, kept
+
+    def _agent_metrics(
+        self, episodes: list[AgentEpisode], samples: list[Episode], kept: list[int], step: _Step
+    ) -> dict[str, float]:
+        total = max(len(episodes), 1)
+        m: dict[str, float] = {
+            "env/episodes": float(len(episodes)),
+            "env/samples": float(len(samples)),
+            "env/kept_frac": len(kept) / max(len(samples), 1),
+            "env/agent/calls": sum(e.calls for e in episodes) / total,
+            "env/agent/branches": sum(max(len(e.trajectories) - 1, 0) for e in episodes) / total,
+            "env/agent/wall_s": sum(e.wall_s for e in episodes) / total,
+            "env/agent/sampled_tokens": sum(e.sampled_tokens for e in episodes) / total,
+            "env/agent/refused": sum(e.refused for e in episodes) / total,
+            "env/agent/unknown_key_requests": float(step.unknown_keys),
+        }
+        for outcome in AGENT_OUTCOMES:
+            m[f"env/{outcome}_frac"] = sum(e.outcome == outcome for e in episodes) / total
+        tokens = sum(len(s.ids) for s in samples)
+        if tokens:
+            m["env/trained_token_frac"] = sum(sum(s.trained) for s in samples) / tokens
+        rewards = [e.reward for e in episodes if e.reward is not None]
+        if rewards:
+            m["env/reward_mean"] = float(np.mean(rewards))
+        return m
+
+
+class _Step:
+    """One ``run``: the gateway, the agents and the batched sampling of their calls."""
+
+    def __init__(
+        self,
+        runner: AgentEpisodes,
+        pm: Any,
+        sampling: SamplingParams,
+        unseeded: bool,
+        episodes: list[AgentEpisode],
+    ) -> None:
+        self.runner, self.pm, self.sampling, self.unseeded = runner, pm, sampling, unseeded
+        self.episodes = episodes
+        self.by_key = {e.key: e for e in episodes}
+        self.pending: list[_Pending] = []
+        self.wake: asyncio.Event | None = None
+        self.live = 0  # agents running now
+        self.unknown_keys = 0
+        self.base_url = ""
+        # Sampling and function agents get threads of their own: agents blocked on their calls
+        # must never hold the thread the sampling that answers them needs.
+        self.engine = ThreadPoolExecutor(1, thread_name_prefix="alignzoo-gateway-sampling")
+        self.agents = ThreadPoolExecutor(
+            runner.agent.concurrency, thread_name_prefix="alignzoo-agent"
+        )
+
+    # ------------------------------------------------------------------ the hub's side
+    def episode_for(self, key: str) -> AgentEpisode | None:
+        episode = self.by_key.get(key)
+        return None if episode is None or episode.closed or not episode.started else episode
+
+    def refused(self, episode: AgentEpisode | None, status: int, code: str) -> None:
+        if episode is None:
+            self.unknown_keys += 1
+        else:
+            episode.refused += 1
+
+    def reward(self, episode: AgentEpisode, value: float) -> None:
+        episode.reward = value
+
+    async def complete(self, episode: AgentEpisode, request: ChatRequest) -> Completion:
+        agent, cfg = self.runner.agent, self.runner.cfg
+        if episode.outcome:
+            raise Refused(409, "episode_over", f"the episode is over ({episode.outcome})")
+        episode.calls += 1
+        if episode.calls > agent.max_calls:
+            episode.end("calls_limit", f"more than {agent.max_calls} calls")
+            raise Refused(429, "calls_limit", f"this episode may make {agent.max_calls} calls")
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        trajectory, context = self._place(episode, messages, request.tools)
+        room = cfg.max_tokens - (len(context) - len(trajectory.sample.prompt_ids))
+        width = min(self.sampling.max_new_tokens, request.token_cap() or 1 << 30, room)
+        if agent.max_sampled_tokens is not None:
+            width = min(width, agent.max_sampled_tokens - episode.sampled_tokens)
+        if self.runner.context_limit is not None:
+            if len(context) >= self.runner.context_limit:
+                raise Refused(
+                    400,
+                    "context_length_exceeded",
+                    f"the prompt is {len(context)} tokens; the model's context is "
+                    f"{self.runner.context_limit}",
+                    "messages",
+                )
+            width = min(width, self.runner.context_limit - len(context))
+        if width <= 0:
+            episode.end("truncated", "the episode's token budget is spent")
+            raise Refused(
+                400, "context_length_exceeded", "the episode's token budget is spent", "messages"
+            )
+        seeds = None
+        if not self.unseeded:
+            seeds = [derive_seed(episode.seed, episode.calls, k, 11) for k in range(request.n)]
+        loop = asyncio.get_running_loop()
+        pending = _Pending(episode, [context] * request.n, width, seeds, loop.create_future())
+        self.pending.append(pending)
+        assert self.wake is not None
+        self.wake.set()
+        outputs, version = await pending.done
+        if episode.closed or episode.outcome in FAILURES:
+            raise Refused(409, "episode_over", f"the episode is over ({episode.outcome})")
+        self._extend(trajectory, context)
+        at = len(trajectory.sample.ids)
+        choices = []
+        for k, (ids, logprobs) in enumerate(outputs):
+            # the first choice continues the trajectory, each other one is a fork of it
+            target = trajectory if k == 0 else self._fork(episode, trajectory, at)
+            choices.append(
+                self._record(episode, target, messages, request, ids[:width], logprobs, version)
+            )
+        if len(trajectory.sample.ids) >= cfg.max_tokens:
+            episode.end("truncated", f"{cfg.max_tokens} tokens")
+        return Completion(choices, prompt_tokens=len(context))
+
+    # ------------------------------------------------------------------ placing a call
+    def _place(
+        self, episode: AgentEpisode, messages: list[dict[str, Any]], tools: Any
+    ) -> tuple[_Trajectory, list[int]]:
+        """The trajectory a call extends (or the new one it starts) and the token ids it samples
+        from."""
+        runner = self.runner
+        keys = [normalised(m) for m in messages]
+        for trajectory in reversed(episode.trajectories):
+            for point in reversed(trajectory.points):
+                if keys[: len(point.expect)] == point.expect:
+                    tail = template_messages(messages[len(point.expect) :])
+                    try:
+                        between = runner.renderer.between(point.sampled, tail, tools)
+                    except UserError:  # a template that is not append-only: a new branch
+                        break
+                    target = trajectory
+                    if point.after != len(trajectory.sample.ids):
+                        target = self._fork(episode, trajectory, point.after)
+                    base = target.sample.prompt_ids + target.sample.ids
+                    return target, base + runner._encode(between)
+                if keys == point.request:  # the same request again: another sample of it
+                    target = self._fork(episode, trajectory, point.before)
+                    return target, target.sample.prompt_ids + target.sample.ids
+        rendered = runner.renderer.start(template_messages(messages), tools)
+        ids = runner._encode(rendered)
+        if isinstance(runner.renderer, ChatRenderer):
+            for trajectory in reversed(episode.trajectories):
+                sample = trajectory.sample
+                so_far = sample.prompt_ids + sample.ids
+                if ids[: len(so_far)] == so_far and trajectory.points:
+                    return trajectory, ids
+        sample = Episode(row=episode.row, seed=episode.seed, group=episode.group)
+        sample.prompt_ids, sample.prompt_text = ids, rendered
+        trajectory = _Trajectory(sample, tools=tools)
+        episode.trajectories.append(trajectory)
+        return trajectory, list(ids)
+
+    def _fork(self, episode: AgentEpisode, trajectory: _Trajectory, at: int) -> _Trajectory:
+        """A new trajectory with ``trajectory``'s first ``at`` response ids as context."""
+        source = trajectory.sample
+        sample = Episode(row=episode.row, seed=episode.seed, group=episode.group)
+        sample.prompt_ids, sample.prompt_text = list(source.prompt_ids), source.prompt_text
+        sample.ids = list(source.ids[:at])
+        sample.trained = [0] * at
+        sample.logprobs = [0.0] * at
+        sample.versions = [-1] * at
+        fork = _Trajectory(sample, tools=trajectory.tools)
+        episode.trajectories.append(fork)
+        return fork
+
+    @staticmethod
+    def _extend(trajectory: _Trajectory, context: list[int]) -> None:
+        """Append the context ids a call adds after the trajectory's (the environment's)."""
+        sample = trajectory.sample
+        extra = context[len(sample.prompt_ids) + len(sample.ids) :]
+        sample.ids += extra
+        sample.trained += [0] * len(extra)
+        sample.logprobs += [0.0] * len(extra)
+        sample.versions += [-1] * len(extra)
+
+    def _record(
+        self,
+        episode: AgentEpisode,
+        trajectory: _Trajectory,
+        messages: list[dict[str, Any]],
+        request: ChatRequest,
+        ids: list[int],
+        logprobs: list[float],
+        version: int | None,
+    ) -> Choice:
+        """Cut the reply at a stop string, read its tool calls, record it; the gateway's choice."""
+        runner, tokenizer = self.runner, self.runner.tokenizer
+        ids, logprobs, stopped = _cut_at_stop(tokenizer, ids, logprobs, request.stops())
+        sample = trajectory.sample
+        before = len(sample.ids)
+        sample.ids += ids
+        sample.trained += [1] * len(ids)
+        sample.logprobs += list(logprobs[: len(ids)])
+        sample.versions += [-1 if version is None else version] * len(ids)
+        episode.sampled_tokens += len(ids)
+        text = str(tokenizer.decode(ids, skip_special_tokens=True))
+        if stopped is not None:
+            text = text[: text.find(stopped)] if stopped in text else text
+        calls: list[dict[str, Any]] = []
+        parsed_calls: tuple[Any, ...] = ()
+        if request.tool_choice != "none":
+            parsed = runner.codec.parse(text)
+            offered = _tool_names(request.tools)
+            parsed_calls = tuple(c for c in parsed.calls if offered is None or c.name in offered)
+            if len(parsed_calls) < len(parsed.calls) or (parsed.errors and not parsed_calls):
+                parsed_calls = ()  # a call to no offered tool, or unreadable: the agent reads text
+            calls = [
+                {
+                    "id": f"call_{secrets.token_hex(8)}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+                for c in parsed_calls
+            ]
+        content = runner.codec.prose(text) if calls else text
+        eos = set(_eos_ids(tokenizer)) | set(runner.stop_ids)
+        if calls:
+            finish = "tool_calls"
+        elif stopped is not None or (ids and ids[-1] in eos):
+            finish = "stop"
+        else:
+            finish = "length"
+        reply: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            reply["tool_calls"] = calls
+        keys = [normalised(m) for m in messages]
+        sampled = str(tokenizer.decode(ids, skip_special_tokens=False))
+        trajectory.points.append(
+            _Point(keys, [*keys, normalised(reply)], before, len(sample.ids), sampled)
+        )
+        transcript = template_messages(messages)
+        transcript.append(runner.codec.assistant_message(text, parsed_calls))
+        sample.messages = transcript
+        episode.final = transcript
+        tokens = [str(tokenizer.decode([i], skip_special_tokens=False)) for i in ids]
+        return Choice(content, calls, finish, tokens, list(logprobs[: len(ids)]))
+
+    # ------------------------------------------------------------------ sampling
+    async def _sampler(self) -> None:
+        """Sample what the agents ask for, in batches: the calls that arrive within
+        ``batch_wait_s`` of each other (or once every running agent waits) go together."""
+        assert self.wake is not None
+        wait = self.runner.agent.batch_wait_s
+        while True:
+            await self.wake.wait()
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                waiting = {id(p.episode) for p in self.pending}
+                if len(waiting) >= self.live:
+                    break
+                await asyncio.sleep(0.002)
+            self.wake.clear()
+            batch, self.pending = self.pending, []
+            if not batch:
+                continue
+            try:
+                loop = asyncio.get_running_loop()
+                outputs, version = await loop.run_in_executor(
+                    self.engine, contextvars.copy_context().run, self._generate, batch
+                )
+            except Exception as exc:  # the engine failed: the calls' episodes fail with it
+                for item in batch:
+                    item.episode.end("error", f"sampling raised {type(exc).__name__}: {exc}")
+                    if not item.done.done():
+                        item.done.set_exception(
+                            Refused(503, "engine_error", f"sampling failed: {exc}")
+                        )
+                continue
+            start = 0
+            for item in batch:
+                part = outputs[start : start + len(item.contexts)]
+                start += len(item.contexts)
+                if not item.done.done():
+                    item.done.set_result((part, version))
+
+    def _generate(
+        self, batch: list[_Pending]
+    ) -> tuple[list[tuple[list[int], list[float]]], int | None]:
+        contexts = [c for item in batch for c in item.contexts]
+        seeds = None
+        if not self.unseeded:
+            seeds = [s for item in batch for s in (item.seeds or [])]
+        width = max(item.width for item in batch)
+        sampling = self.sampling.model_copy(update={"max_new_tokens": max(width, 1)})
+        version = partial.refresh()  # a partial rollout takes newer weights between calls
+        outputs = self.pm.hook.generate_ids(
+            contexts=contexts, sampling=sampling, seeds=seeds, stop_token_ids=self.runner.stop_ids
+        )
+        return list(outputs), version
+
+    # ------------------------------------------------------------------ the agents
+    async def serve(self) -> None:
+        """Serve the gateway, run every episode's agent, and stop once they have all ended."""
+        self.wake = asyncio.Event()
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+        server = gateway_server(self)
+        serving = asyncio.create_task(server.serve(sockets=[listener]))
+        sampler = asyncio.create_task(self._sampler())
+        try:
+            while not server.started:
+                if serving.done():
+                    serving.result()
+                    raise RuntimeError("the agent gateway did not start")
+                await asyncio.sleep(0.005)
+            slots = asyncio.Semaphore(self.runner.agent.concurrency)
+            with tempfile.TemporaryDirectory(prefix="alignzoo-agents-") as scratch:
+                await asyncio.gather(
+                    *(
+                        self._episode(e, slots, Path(scratch), i)
+                        for i, e in enumerate(self.episodes)
+                    )
+                )
+        finally:
+            server.should_exit = True
+            sampler.cancel()
+            await asyncio.gather(serving, sampler, return_exceptions=True)
+            listener.close()
+
+    def _environment(self, episode: AgentEpisode, task: str) -> dict[str, str]:
+        env = {**os.environ, **self.runner.agent.env}
+        env.update(OPENAI_BASE_URL=self.base_url, OPENAI_API_KEY=episode.key, ALIGNZOO_TASK=task)
+        return env
+
+    async def _episode(
+        self, episode: AgentEpisode, slots: asyncio.Semaphore, scratch: Path, index: int
+    ) -> None:
+        agent = self.runner.agent
+        task = json.dumps(episode.row, default=str)
+        async with slots:
+            episode.started = time.monotonic()
+            self.live += 1
+            try:
+                if agent.function is not None:
+                    await self._call_function(episode, task)
+                else:
+                    await self._run_command(episode, task, scratch / f"{index}")
+            finally:
+                self.live -= 1
+                episode.wall_s = time.monotonic() - episode.started
+                episode.closed = True  # its key no longer opens the gateway
+                for item in self.pending:
+                    if item.episode is episode and not item.done.done():
+                        item.done.cancel()
+
+    async def _call_function(self, episode: AgentEpisode, task: str) -> None:
+        agent = self.runner.agent
+        fn = agent.function
+        try:
+            if inspect.iscoroutinefunction(fn):
+                result = fn(json.loads(task), self.base_url, episode.key)
+            else:  # in a thread of its own (the loop's default pool is too small to wait in)
+                call = contextvars.copy_context().run
+                loop = asyncio.get_running_loop()
+                result = loop.run_in_executor(
+                    self.agents, call, fn, json.loads(task), self.base_url, episode.key
+                )
+            output = await asyncio.wait_for(result, agent.time_limit_s)
+            episode.output = "" if output is None else str(output)[-_TAIL:]
+            episode.exit_code = 0
+        except (asyncio.TimeoutError, TimeoutError):
+            episode.end("timeout", f"the agent ran past {agent.time_limit_s:g}s")
+        except Exception as exc:
+            episode.exit_code = 1
+            episode.end("error", f"the agent raised {type(exc).__name__}: {exc}"[:_TAIL])
+        if episode.exit_code == 0:
+            episode.end("done" if episode.calls else "no_calls")
+
+    async def _run_command(self, episode: AgentEpisode, task: str, base: Path) -> None:
+        agent = self.runner.agent
+        command = list(agent.command or [])
+        if command and command[0] in ("python", "python3"):
+            command[0] = sys.executable  # the interpreter running alignzoo
+        base.with_suffix(".task").write_text(task)
+        with (
+            open(base.with_suffix(".task"), "rb") as stdin,
+            open(base.with_suffix(".out"), "wb+") as stdout,
+        ):
+            try:
+                process = subprocess.Popen(
+                    command,
+                    stdin=stdin,
+                    stdout=stdout,
+                    stderr=subprocess.STDOUT,
+                    env=self._environment(episode, task),
+                    cwd=agent.cwd,
+                    start_new_session=True,  # its own process group, killed whole at the end
+                )
+            except OSError as exc:
+                episode.end("error", f"the agent did not start: {exc}")
+                return
+            episode.process = process
+            deadline = episode.started + agent.time_limit_s
+            while process.poll() is None:
+                if time.monotonic() > deadline:
+                    episode.end("timeout", f"the agent ran past {agent.time_limit_s:g}s")
+                    break
+                if episode.outcome in FAILURES:  # the gateway ended it (calls_limit)
+                    break
+                await asyncio.sleep(0.01)
+            _kill_group(process)
+            episode.exit_code = process.wait()
+            stdout.seek(0, os.SEEK_END)
+            size = stdout.tell()
+            stdout.seek(max(size - _TAIL, 0))
+            episode.output = stdout.read().decode(errors="replace")
+        if episode.exit_code == 0:
+            episode.end("done" if episode.calls else "no_calls")
+        else:
+            code = episode.exit_code
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            episode.end("error", f"the agent {how}: {episode.output[-300:]}")
+
+    def kill_all(self) -> None:
+        """Kill every agent still running (the run is ending, or failed), and let go of the
+        threads (a function agent's thread past its time limit runs on, unwaited)."""
+        for episode in self.episodes:
+            if episode.process is not None:
+                _kill_group(episode.process)
+        self.engine.shutdown(wait=False, cancel_futures=True)
+        self.agents.shutdown(wait=False, cancel_futures=True)
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """Kill the process and everything it started (its process group)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def _tool_names(tools: Any) -> set[str] | None:
+    """The names of the tools a request offers; None when it offers none (any name is read)."""
+    if not tools:
+        return None
+    return {str(t.get("function", {}).get("name", "")) for t in tools if isinstance(t, dict)}
+
+
+def _eos_ids(tokenizer: Any) -> list[int]:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def _cut_at_stop(
+    tokenizer: Any, ids: list[int], logprobs: list[float], stops: list[str]
+) -> tuple[list[int], list[float], str | None]:
+    """The sampled ids up to the token that completes the first stop string (kept: it was
+    sampled), and that string; unchanged with None when none occurs."""
+    if not stops:
+        return ids, logprobs, None
+    for end in range(1, len(ids) + 1):
+        text = str(tokenizer.decode(ids[:end], skip_special_tokens=True))
+        for stop in stops:
+            if stop in text:
+                return ids[:end], logprobs[:end], stop
+    return ids, logprobs, None
