@@ -774,6 +774,16 @@ class EpisodeConfig(_Strict):
         "stands, truncated at the failure (keep).",
     )
 
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        from alignzoo.rollout.codecs import CODECS
+
+        if value != "auto" and value not in CODECS:
+            known = ", ".join(["auto", *CODECS])
+            raise ValueError(f"unknown tool-call codec {value!r}; known: {known}")
+        return value
+
 
 class ArmSpec(_Strict):
     """One arm: a set of components plus overrides of the shared sections."""
