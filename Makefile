@@ -18,11 +18,12 @@ VERIFIERS_VENV ?= .venv-verifiers
 
 # The extras each environment's lock is compiled for (tests/core/test_locks.py reads them here).
 # .venv: alignzoo and its extras only (bench: TRL, for the parity tests; ray: the Ray executor
-# tests; reasoning-gym: its data source and labeler; textarena, openenv: their environments; s3,
+# tests; reasoning-gym: its data source and labeler; textarena, openenv: their environments;
+# agents: the OpenAI Agents SDK the agent gateway is tested with; s3,
 # s3-server: the checkpoint mirror and the S3 server its tests run against): the tests install their
 # plugin package (tests/plugin_pkg) into .test-plugins/ themselves, so `alignzoo plugins` never
 # lists test doubles.
-DEV_EXTRAS := dev tensorboard bench ray reasoning-gym textarena openenv s3 s3-server
+DEV_EXTRAS := dev tensorboard bench ray reasoning-gym textarena openenv agents s3 s3-server
 VLLM_EXTRAS := dev
 VERIFIERS_EXTRAS := dev verifiers
 

@@ -334,7 +334,7 @@ def assemble(
     context.models = models
     episodes = None
     if arm_spec.environment is not None:  # each prompt becomes a multi-turn episode
-        from alignzoo.rollout.multiturn import episode_runner
+        from alignzoo.rollout.agents import episode_runner
 
         episodes = episode_runner(
             arm_spec.episodes,

@@ -177,7 +177,7 @@ class _ProducerSide:
         self.context.models = models
         self.episodes = None
         if arm_spec.environment is not None:
-            from alignzoo.rollout.multiturn import episode_runner
+            from alignzoo.rollout.agents import episode_runner
 
             self.episodes = episode_runner(
                 arm_spec.episodes,

@@ -68,7 +68,7 @@ from alignzoo.rollout.multiturn import (
     ChatRenderer,
     Episode,
     Episodes,
-    _cancel_the_rest,
+    cancel_the_rest,
     derive_seed,
 )
 
@@ -248,7 +248,7 @@ class AgentEpisodes(Episodes):
             loop.run_until_complete(step.serve())
         finally:
             step.kill_all()
-            loop.run_until_complete(_cancel_the_rest())
+            loop.run_until_complete(cancel_the_rest())
             loop.close()
         samples, kept = self._samples(episodes)
         return self._batch(samples, kept), self._agent_metrics(episodes, samples, kept, step)
@@ -747,3 +747,15 @@ def _cut_at_stop(
             if stop in text:
                 return ids[:end], logprobs[:end], stop
     return ids, logprobs, None
+
+
+def episode_runner(
+    cfg: EpisodeConfig, environment: Any, tokenizer: Any, model_config: Any = None
+) -> Episodes:
+    """The episode runner of an arm with ``environment``: an agent program's (the gateway,
+    :mod:`alignzoo.rollout.agents`) when the environment is one, else the in-process runner."""
+    settings = getattr(environment, "agent_settings", None)
+    if settings is None:
+        return Episodes(cfg, tokenizer)
+    limit = getattr(model_config, "max_position_embeddings", None)
+    return AgentEpisodes(cfg, tokenizer, settings(), int(limit) if limit else None)

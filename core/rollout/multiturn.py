@@ -223,7 +223,7 @@ class Episodes:
             loop.run_until_complete(self._close(pm, episodes))
             # What an environment left running on the loop (a client's keep-alive, a call past
             # its timeout) is cancelled and awaited: nothing of this step outlives it.
-            loop.run_until_complete(_cancel_the_rest())
+            loop.run_until_complete(cancel_the_rest())
             loop.close()
         kept = self._kept(episodes)
         return self._batch(episodes, kept), self._metrics(episodes, kept)
@@ -453,21 +453,7 @@ class Episodes:
         return m
 
 
-def episode_runner(
-    cfg: EpisodeConfig, environment: Any, tokenizer: Any, model_config: Any = None
-) -> Episodes:
-    """The episode runner of an arm with ``environment``: an agent program's (the gateway,
-    :mod:`alignzoo.rollout.agents`) when the environment is one, else the in-process runner."""
-    settings = getattr(environment, "agent_settings", None)
-    if settings is None:
-        return Episodes(cfg, tokenizer)
-    from alignzoo.rollout.agents import AgentEpisodes
-
-    limit = getattr(model_config, "max_position_embeddings", None)
-    return AgentEpisodes(cfg, tokenizer, settings(), int(limit) if limit else None)
-
-
-async def _cancel_the_rest() -> None:
+async def cancel_the_rest() -> None:
     """Cancel and await every other task of the running loop."""
     left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
     for task in left:

@@ -393,3 +393,70 @@ def test_a_reward_the_agent_posts_is_the_episodes(chat_policy):
     rewards = [e["episode"]["reward"] for e in batch.extras]
     assert rewards == [len(r["prompt"]) / 100 for r in ROWS]
     assert metrics["env/reward_mean"] == pytest.approx(sum(rewards) / 2)
+
+
+def test_an_openai_agents_sdk_agent_trains_unchanged_but_for_its_base_url(chat_policy):
+    """The OpenAI Agents SDK (its chat-completions model, a function tool, the Runner's loop):
+    its two calls of an episode are one sample, the tool's answer between them as context."""
+    pytest.importorskip("agents", reason="the agents extra (openai-agents)")
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    _, tokenizer = chat_policy
+
+    def reply(text):  # call the tool first; answer with its result once it is there
+        last = text.rsplit("<|im_start|>", 2)[1]
+        if "<tool_response>" in last:
+            return "It is " + last.split("<tool_response>\n", 1)[1].split("\n", 1)[0] + "."
+        return tool_call("calculator", {"expression": "6*7"})
+
+    pm, _ = scripted_pm(tokenizer, reply)
+    answers = {}
+
+    def agent(task, base_url, key):
+        set_tracing_disabled(True)  # nothing leaves the machine
+
+        @function_tool
+        def calculator(expression: str) -> str:
+            """Evaluate an integer expression.
+
+            Args:
+                expression: For example 12*34.
+            """
+            a, b = expression.split("*")
+            return str(int(a) * int(b))
+
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+        model = OpenAIChatCompletionsModel(model="policy", openai_client=client)
+        solver = Agent(name="solver", instructions="Use the calculator.", tools=[calculator],
+                       model=model)  # fmt: skip
+        answers[task["prompt"]] = Runner.run_sync(solver, task["prompt"], max_turns=4).final_output
+
+    batch, metrics = run(tokenizer, pm, agent, ROWS, seeds=None, width=64)
+    assert answers == {r["prompt"]: "It is 42." for r in ROWS}
+    assert metrics["env/done_frac"] == 1.0 and metrics["env/agent/calls"] == 2.0
+    assert metrics["env/agent/branches"] == 0.0 and batch.size == 2  # one sample per episode
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for row in range(2):
+        ids = batch.response_ids[row][batch.response_mask[row].bool()].tolist()
+        first = tokenizer(tool_call("calculator", {"expression": "6*7"}))["input_ids"]
+        second = tokenizer("It is 42.")["input_ids"]
+        assert ids == [*first, end, *second, end]  # the two replies as sampled, trained
+        context = batch.response_ids[row][~batch.response_mask[row].bool()]
+        assert "<tool_response>\n42\n</tool_response>" in tokenizer.decode(context)
+        assert batch.responses[row] == "It is 42."
+
+
+def test_the_schemas_codec_names_are_the_codecs():
+    from typing import get_args
+
+    from alignzoo.config.schema import EpisodeConfig
+    from alignzoo.rollout.codecs import CODECS
+
+    names = get_args(EpisodeConfig.model_fields["codec"].annotation)
+    assert set(names) == {"auto", *CODECS}

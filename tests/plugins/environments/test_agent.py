@@ -200,7 +200,7 @@ def test_an_unknown_tool_codec_is_refused_at_validate(tmp_path):
     result = validate(tmp_path, environment, {"codec": "xml"})
     assert result.returncode == 2 and "Traceback" not in result.stderr
     output = result.stderr + result.stdout
-    assert "exp.yaml" in output and "episodes.codec" in output and "'xml'" in output
+    assert "exp.yaml" in output and "episodes.codec" in output and "'hermes'" in output
 
 
 def test_the_process_environment_is_inherited_with_the_three_added(world, tmp_path, monkeypatch):
