@@ -221,6 +221,7 @@ class AgentEpisodes(Episodes):
     ) -> None:
         super().__init__(cfg, tokenizer)
         self.agent, self.context_limit = agent, context_limit
+        self.last_outcomes: list[tuple[str, str]] = []  # the last run's (outcome, reason)s
 
     def run(
         self,
@@ -250,6 +251,7 @@ class AgentEpisodes(Episodes):
             step.kill_all()
             loop.run_until_complete(cancel_the_rest())
             loop.close()
+        self.last_outcomes = [(e.outcome, e.reason) for e in episodes]
         samples, kept = self._samples(episodes)
         return self._batch(samples, kept), self._agent_metrics(episodes, samples, kept, step)
 
@@ -414,6 +416,8 @@ class _Step:
         for trajectory in reversed(episode.trajectories):
             for point in reversed(trajectory.points):
                 if keys[: len(point.expect)] == point.expect:
+                    if not self._append_only(messages, len(point.expect), tools):
+                        break  # the template rewrote the history: a new branch
                     tail = template_messages(messages[len(point.expect) :])
                     try:
                         between = runner.renderer.between(point.sampled, tail, tools)
@@ -440,6 +444,18 @@ class _Step:
         trajectory = _Trajectory(sample, tools=tools)
         episode.trajectories.append(trajectory)
         return trajectory, list(ids)
+
+    def _append_only(self, messages: list[dict[str, Any]], kept: int, tools: Any) -> bool:
+        """Whether the chat template renders the first ``kept`` messages (an earlier call and
+        its reply) as the start of its text for all of ``messages``: false for a template
+        that rewrites earlier turns once more follow (Qwen3's drops earlier ``<think>``
+        blocks), whose later calls then sample from another history than the sample holds."""
+        renderer = self.runner.renderer
+        if not isinstance(renderer, ChatRenderer):
+            return True  # plain text: each message's text stands as written
+        before = renderer.render(template_messages(messages[:kept]), tools, generation=False)
+        after = renderer.render(template_messages(messages), tools, generation=True)
+        return after.startswith(before)
 
     def _fork(self, episode: AgentEpisode, trajectory: _Trajectory, at: int) -> _Trajectory:
         """A new trajectory with ``trajectory``'s first ``at`` response ids as context."""

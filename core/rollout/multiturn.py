@@ -110,22 +110,23 @@ class ChatRenderer:
             )
         self.tokenizer = tokenizer
 
-    def _text(self, messages: list[Message], tools: Any, generation: bool) -> str:
+    def render(self, messages: list[Message], tools: Any, generation: bool) -> str:
+        """The template's text of ``messages`` (with the next generation prompt if asked)."""
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=generation, tokenize=False
         )
         return str(text)
 
     def start(self, messages: list[Message], tools: Any) -> str:
-        return self._text(messages, tools, generation=True)
+        return self.render(messages, tools, generation=True)
 
     def between(self, turn_text: str, answer: list[Message], tools: Any) -> str:
         """The text after the model's turn (as it was sampled, special tokens included) up to
         the next assistant turn: what closes the model's message that it did not write, then
         the environment's messages and the next generation prompt."""
         probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
-        before = self._text(probe, tools, generation=False)
-        after = self._text([*probe, *answer], tools, generation=True)
+        before = self.render(probe, tools, generation=False)
+        after = self.render([*probe, *answer], tools, generation=True)
         if not after.startswith(before):
             raise UserError(
                 "the chat template is not append-only: rendering more messages changes the "
@@ -141,7 +142,7 @@ class ChatRenderer:
         """The token that closes an assistant message (``<|im_end|>``) when it is one special
         token: sampling a turn stops there."""
         probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
-        before = self._text(probe, None, generation=False)
+        before = self.render(probe, None, generation=False)
         closing = before[before.rindex(_PROBE) + len(_PROBE) :]
         ids = self.tokenizer(closing, add_special_tokens=False)["input_ids"]
         special = set(self.tokenizer.all_special_ids) | set(

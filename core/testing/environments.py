@@ -13,6 +13,15 @@ turns drawn by hypothesis (any text, well-formed and malformed tool calls), and 
 - ``episodes_independent``: two episodes run interleaved give what each gives alone (no state
   shared between episodes through the component).
 - ``close``: ``env_close`` after any of this does not raise.
+
+An ``agent`` environment (a program per episode behind the gateway, no hooks of its own) is
+checked as the engine runs it instead, against a tiny untrained embedded policy on the hf
+backend (its text is noise: an agent must survive any reply):
+
+- ``agent_runs``: each of two episodes per row starts the program, which calls the gateway and
+  ends within its time limit (done, or truncated by the token budget);
+- ``agent_recorded``: the batch trains exactly the tokens the backend sampled for its calls,
+  each once, in samples of its episodes alone.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from alignzoo.plugin import hookimpl
 from alignzoo.registry import build_plugin_manager
 from alignzoo.rollout.episode import EpisodeStart, StepResult, ToolCall, Turn
 from alignzoo.testing.contract import (
@@ -85,6 +95,8 @@ def check_environment(
     instance = build_for_check(label, factory, "environment")
     if isinstance(instance, CheckResult):
         return [instance, *[CheckResult(n, False, "not run: did not build") for n in CHECKS[1:]]]
+    if hasattr(instance, "agent_settings"):
+        return [CheckResult("instantiate", True, label), *check_agent(instance, rows)]
     hook = build_plugin_manager([instance]).hook
     samples = rows or [DEFAULT_ROW]
     deterministic = getattr(type(instance), "deterministic", True)
@@ -198,3 +210,67 @@ def check_environment(
         else CheckResult("close", False, "not judged: an earlier check failed")
     )
     return results
+
+
+def check_agent(environment: Any, rows: list[dict[str, Any]] | None = None) -> list[CheckResult]:
+    """The agent checks (see the module docstring) of an ``agent`` environment instance."""
+    from types import SimpleNamespace
+
+    from alignzoo.config.schema import EmbeddedModelConfig, EpisodeConfig
+    from alignzoo.plugins.backends.hf import HFBackend
+    from alignzoo.rollout.agents import FAILURES, AgentEpisodes
+    from alignzoo.types import SamplingParams
+    from alignzoo.world.model import build_model
+    from alignzoo.world.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tiny = EmbeddedModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    model = build_model(tiny, tokenizer)
+    backend = HFBackend()
+    backend.on_run_start(SimpleNamespace(tokenizer=tokenizer, device=lambda r: "cpu", actor=model))
+    sampled: list[int] = []
+
+    class Counting:
+        kind = "backend"
+
+        @hookimpl
+        def generate_ids(self, contexts, sampling, seeds, stop_token_ids):  # type: ignore[no-untyped-def]
+            out = backend.generate_ids(contexts, sampling, seeds, stop_token_ids)
+            sampled.extend(len(ids) for ids, _ in out)
+            return out
+
+    samples = rows or [DEFAULT_ROW]
+    runner = AgentEpisodes(
+        EpisodeConfig(codec="brackets", max_tokens=256, on_failure="keep"),
+        tokenizer,
+        environment.agent_settings(),
+        None,
+    )
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16)
+    prompts = [str(r.get("prompt", "")) for r in samples]
+    try:
+        batch, metrics = runner.run(
+            build_plugin_manager([Counting()]), prompts, samples, 2, sampling, [0] * len(samples)
+        )
+    except Exception as exc:
+        why = f"the episodes raised {type(exc).__name__}: {exc}"
+        return [CheckResult("agent_runs", False, why), CheckResult("agent_recorded", False, why)]
+    ends = runner.last_outcomes
+    failed = [(outcome, reason) for outcome, reason in ends if outcome in FAILURES]
+    if failed:
+        outcome, reason = failed[0]
+        detail = f"{len(failed)} of {len(ends)} episodes failed; the first {outcome}: {reason}"
+        runs = CheckResult("agent_runs", False, detail)
+    else:
+        calls = metrics["env/agent/calls"]
+        runs = CheckResult("agent_runs", True, f"{len(ends)} episodes, {calls:g} calls each")
+    trained = int(batch.response_mask.sum()) if batch.size else 0
+    if trained != sum(sampled):
+        recorded = CheckResult(
+            "agent_recorded", False, f"{trained} trained tokens for {sum(sampled)} sampled"
+        )
+    else:
+        recorded = CheckResult(
+            "agent_recorded", True, f"{trained} sampled tokens, each trained once"
+        )
+    return [runs, recorded]

@@ -460,3 +460,58 @@ def test_the_schemas_codec_names_are_the_codecs():
 
     names = get_args(EpisodeConfig.model_fields["codec"].annotation)
     assert set(names) == {"auto", *CODECS}
+
+
+def qwen3_style(tokenizer):
+    """The tokenizer with the template changed as Qwen3's is: an assistant message before the
+    last user message loses its ``<think>...</think>`` block (not append-only)."""
+    import copy
+
+    from .bpe_chat import TOOL_TEMPLATE
+
+    changed = copy.deepcopy(tokenizer)
+    last_user = (
+        "{%- set ns = namespace(last_user=0) %}{%- for m in messages %}"
+        "{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+        "{%- endfor %}"
+    )
+    plain = "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    assert plain in TOOL_TEMPLATE
+    thinking = (
+        "{%- set content = m.content %}"
+        "{%- if m.role == 'assistant' and loop.index0 < ns.last_user %}"
+        "{%- set content = m.content.split('</think>')[-1] %}{%- endif %}"
+        "{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}"
+    )
+    changed.chat_template = last_user + TOOL_TEMPLATE.replace(plain, thinking)
+    return changed
+
+
+@pytest.mark.parametrize("template", ["append-only", "qwen3-style"])
+def test_a_template_that_rewrites_earlier_turns_starts_a_branch(chat_policy, template):
+    _, tokenizer = chat_policy
+    if template == "qwen3-style":
+        tokenizer = qwen3_style(tokenizer)
+    pm, _ = scripted_pm(tokenizer, lambda text: "<think>hmm</think>ok")
+
+    def agent(task, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = api.chat.completions.create(model="policy", messages=messages)
+        assert reply.choices[0].message.content == "<think>hmm</think>ok"
+        messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "more"}]  # fmt: skip
+        api.chat.completions.create(model="policy", messages=messages)
+
+    batch, metrics = run(tokenizer, pm, agent, ROWS[:1], seeds=None, width=32)
+    if template == "append-only":  # the premise: the same calls continue one sample
+        assert batch.size == 1 and metrics["env/agent/branches"] == 0.0
+        return
+    assert batch.size == 2 and metrics["env/agent/branches"] == 1.0
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>hmm</think>ok"},
+         {"role": "user", "content": "more"}], add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    assert "hmm" not in rendered  # the second call sampled from the history the template wrote
+    prompts = [tokenizer.decode(batch.prompt_ids[r][batch.prompt_mask[r].bool()]) for r in (0, 1)]
+    assert rendered in prompts

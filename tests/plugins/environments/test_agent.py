@@ -215,3 +215,17 @@ def test_the_process_environment_is_inherited_with_the_three_added(world, tmp_pa
     assert os.environ.get("OPENAI_API_KEY", "") == "" or not os.environ[
         "OPENAI_API_KEY"
     ].startswith("az-")
+
+
+def test_the_contract_suite_runs_an_agent_and_names_how_a_broken_one_fails(tmp_path):
+    from alignzoo.testing.environments import check_environment
+
+    example = {"command": ["python", str(ROOT / "examples/agents/calculator_agent.py")]}
+    results = {r.name: r for r in check_environment("agent", example)}
+    assert list(results) == ["instantiate", "agent_runs", "agent_recorded"]
+    assert all(r.passed for r in results.values()), [r.detail for r in results.values()]
+    broken = agent_program(tmp_path, "broken", "ask(); raise RuntimeError('my bug')")
+    results = {r.name: r for r in check_environment("agent", {"command": ["python", str(broken)]})}
+    assert not results["agent_runs"].passed
+    assert "2 of 2 episodes failed" in results["agent_runs"].detail
+    assert "RuntimeError: my bug" in results["agent_runs"].detail
