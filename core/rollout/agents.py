@@ -545,40 +545,46 @@ class _Step:
     # ------------------------------------------------------------------ sampling
     async def _sampler(self) -> None:
         """Sample what the agents ask for, in batches: the calls that arrive within
-        ``batch_wait_s`` of each other (or once every running agent waits) go together."""
+        ``batch_wait_s`` of each other (or once every running agent waits) go together. When
+        it stops, every call it has not answered is refused (none is left waiting)."""
         assert self.wake is not None
         wait = self.runner.agent.batch_wait_s
-        while True:
-            await self.wake.wait()
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                waiting = {id(p.episode) for p in self.pending}
-                if len(waiting) >= self.live:
-                    break
-                await asyncio.sleep(0.002)
-            self.wake.clear()
-            batch, self.pending = self.pending, []
-            if not batch:
-                continue
-            try:
-                loop = asyncio.get_running_loop()
-                outputs, version = await loop.run_in_executor(
-                    self.engine, contextvars.copy_context().run, self._generate, batch
-                )
-            except Exception as exc:  # the engine failed: the calls' episodes fail with it
-                for item in batch:
-                    item.episode.end("error", f"sampling raised {type(exc).__name__}: {exc}")
-                    if not item.done.done():
-                        item.done.set_exception(
-                            Refused(503, "engine_error", f"sampling failed: {exc}")
-                        )
-                continue
-            start = 0
+        batch: list[_Pending] = []
+        try:
+            while True:
+                await self.wake.wait()
+                deadline = time.monotonic() + wait
+                while time.monotonic() < deadline:
+                    waiting = {id(p.episode) for p in self.pending}
+                    if len(waiting) >= self.live:
+                        break
+                    await asyncio.sleep(0.002)
+                self.wake.clear()
+                batch, self.pending = self.pending, []
+                if batch:
+                    await self._sample(batch)
+                batch = []
+        finally:
+            for item in [*batch, *self.pending]:
+                _refuse(item, Refused(409, "episode_over", "the step is over"))
+
+    async def _sample(self, batch: list[_Pending]) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            outputs, version = await loop.run_in_executor(
+                self.engine, contextvars.copy_context().run, self._generate, batch
+            )
+        except Exception as exc:  # the engine failed: the calls' episodes fail with it
             for item in batch:
-                part = outputs[start : start + len(item.contexts)]
-                start += len(item.contexts)
-                if not item.done.done():
-                    item.done.set_result((part, version))
+                item.episode.end("error", f"sampling raised {type(exc).__name__}: {exc}")
+                _refuse(item, Refused(503, "engine_error", f"sampling failed: {exc}"))
+            return
+        start = 0
+        for item in batch:
+            part = outputs[start : start + len(item.contexts)]
+            start += len(item.contexts)
+            if not item.done.done():
+                item.done.set_result((part, version))
 
     def _generate(
         self, batch: list[_Pending]
@@ -649,8 +655,8 @@ class _Step:
                 episode.wall_s = time.monotonic() - episode.started
                 episode.closed = True  # its key no longer opens the gateway
                 for item in self.pending:
-                    if item.episode is episode and not item.done.done():
-                        item.done.cancel()
+                    if item.episode is episode:
+                        _refuse(item, Refused(409, "episode_over", "the episode is over"))
 
     async def _call_function(self, episode: AgentEpisode, task: str) -> None:
         agent = self.runner.agent
@@ -721,13 +727,21 @@ class _Step:
             episode.end("error", f"the agent {how}: {episode.output[-300:]}")
 
     def kill_all(self) -> None:
-        """Kill every agent still running (the run is ending, or failed), and let go of the
-        threads (a function agent's thread past its time limit runs on, unwaited)."""
+        """Kill every agent still running (the run is ending, or failed), wait for a generation
+        in flight, and let go of the agents' threads (a function agent's thread past its time
+        limit runs on, unwaited)."""
         for episode in self.episodes:
             if episode.process is not None:
                 _kill_group(episode.process)
-        self.engine.shutdown(wait=False, cancel_futures=True)
+        # a generation in flight finishes before the caller may touch the policy again
+        self.engine.shutdown(wait=True, cancel_futures=True)
         self.agents.shutdown(wait=False, cancel_futures=True)
+
+
+def _refuse(item: _Pending, refusal: Refused) -> None:
+    """Answer a waiting call with ``refusal`` (nothing when it is answered already)."""
+    if not item.done.done():
+        item.done.set_exception(refusal)
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:

@@ -351,5 +351,11 @@ def gateway_server(hub: Hub) -> Any:
         def capture_signals(self) -> Any:
             yield
 
-    config = uvicorn.Config(gateway_app(hub), log_level="warning", access_log=False, lifespan="off")
+    config = uvicorn.Config(
+        gateway_app(hub),
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=5,  # a connection an agent left open never holds up the step
+    )
     return Server(config)

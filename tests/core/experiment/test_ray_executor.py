@@ -85,6 +85,41 @@ def test_the_ray_report_equals_the_local_one(tmp_path: Path, monkeypatch) -> Non
     assert compared == _report(tmp_path / "ray")
 
 
+def test_an_agent_arm_runs_its_gateway_inside_the_ray_task(tmp_path: Path, monkeypatch) -> None:
+    """An arm whose environment is an agent program, under --executor ray: the gateway and
+    the agents' programs live in the run's Ray task, and every episode's agent calls it."""
+    from tests.core.engine.conftest import tiny_experiment
+
+    monkeypatch.setenv("ALIGNZOO_CACHE", str(tmp_path / "cache"))
+    agent = Path(__file__).resolve().parents[3] / "examples/agents/calculator_agent.py"
+    environment = {"name": "agent", "params": {"command": ["python", str(agent)]}}
+    spec = tiny_experiment(
+        budget={"steps": 2},
+        training={"prompts_per_step": 2, "samples_per_prompt": 2},
+        evaluation={"every": 2, "num_prompts": 2},
+        arms={
+            "grpo": {
+                "algorithm": "grpo",
+                "environment": environment,
+                "episodes": {"codec": "brackets", "max_tokens": 32},
+            }
+        },
+    )
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    result = run_experiment(
+        load_experiment(path), out_dir=tmp_path / "ray", executor=RayExecutor(), jobs=1
+    )
+    assert not result.failed, [r.error for r in result.runs]
+    rows = [
+        json.loads(line) for line in (tmp_path / "ray" / "grpo" / "seed-0" / "metrics.jsonl").open()
+    ]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["env/episodes"] == 4.0 and row["env/agent/calls"] >= 1
+        assert row["env/error_frac"] == 0.0 and row["env/timeout_frac"] == 0.0
+
+
 def test_producers_of_a_ray_run_are_ray_actors_in_its_placement_group(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -255,6 +255,59 @@ def test_a_bpe_chat_models_episodes_do_not_drift_with_vllm(tmp_path):
         engine.on_run_end(run, "finished")
 
 
+def test_an_outside_agents_calls_train_on_the_ids_vllm_sampled(tmp_path):
+    """The agent gateway served by vLLM: an agent using the openai SDK continues its
+    conversation with a tool message and a user message; each episode is one sample whose
+    trained ids are the ids vLLM sampled for its three calls, the messages between tokenised
+    once, and the trainer's log-probs of the sampled ids equal vLLM's."""
+    import openai
+
+    from alignzoo.config.schema import EpisodeConfig
+    from alignzoo.plugins.backends.vllm import VLLMBackend
+    from alignzoo.registry import build_plugin_manager
+    from alignzoo.rollout.agents import AgentEpisodes, AgentSettings
+    from tests.core.rollout.bpe_chat import (
+        CALCULATOR,
+        Recorder,
+        check_token_in_token_out,
+        save_bpe_chat_policy,
+    )
+
+    def agent(task, base_url, key):
+        api = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        messages = [{"role": "user", "content": task["prompt"]}]
+        for follow in ({"role": "tool", "tool_call_id": "c", "content": "408"},
+                       {"role": "user", "content": "and then?"}, None):  # fmt: skip
+            reply = api.chat.completions.create(model="policy", messages=messages,
+                                                tools=[CALCULATOR])  # fmt: skip
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+            if follow is not None:
+                messages.append(follow)
+
+    folder = save_bpe_chat_policy(tmp_path / "policy")
+    model, tokenizer = load_policy(folder)
+    run = cpu_run(folder, model, tokenizer, tmp_path)
+    engine = VLLMBackend({"max_model_len": 512})
+    engine.on_run_start(run)
+    try:
+        engine.sync_weights(PolicyWeights(model, 0))
+        recorder = Recorder(engine)
+        runner = AgentEpisodes(
+            EpisodeConfig(max_tokens=200), tokenizer, AgentSettings(function=agent), 512
+        )
+        rows = [{"prompt": "What is 12*34?"}, {"prompt": "Weather in Paris?"}]
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+        batch, metrics = runner.run(
+            build_plugin_manager([recorder]), [r["prompt"] for r in rows], rows, 2, sampling,
+            [5, 6],
+        )  # fmt: skip
+        assert metrics["env/done_frac"] == 1.0 and metrics["env/agent/calls"] == 3.0
+        assert batch.size == 4 and metrics["env/agent/branches"] == 0.0
+        check_token_in_token_out(batch, recorder, tokenizer, model, atol=1e-3)
+    finally:
+        engine.on_run_end(run, "finished")
+
+
 def test_the_quickstarts_grpo_arm_trains_with_vllm_once_its_heads_fit(tmp_path, monkeypatch):
     """The embedded world's default shape (64 wide, 4 heads: head size 16) is refused by
     validate with the reason and the fix, before any model loads; with 2 heads (head size 32)

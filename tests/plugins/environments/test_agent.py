@@ -172,27 +172,23 @@ def validate(tmp_path: Path, environment: dict, episodes: dict | None = None):
     [
         ({"command": ["no-such-agent-program"]}, "'no-such-agent-program' is not on PATH"),
         ({"command": ["python", "agents/missing.py"]}, "'agents/missing.py' does not exist"),
-        ({"command": ["./not-executable.sh"]}, "is not executable"),
+        ({"command": ["./not-executable.sh"]}, "is not executable (chmod +x)"),
         ({}, "set exactly one of command"),
         ({"command": ["python"], "function": "x.py:f"}, "set exactly one of command"),
         ({"command": ["python"], "max_calls": 0}, "max_calls"),
     ],
 )
 def test_an_agent_that_cannot_run_is_refused_at_validate(tmp_path, params, says):
-    script = ROOT / "not-executable.sh"
-    environment = {"name": "agent", "params": params}
     if params.get("command") == ["./not-executable.sh"]:
+        script = tmp_path / "not-executable.sh"
         script.write_text("#!/bin/sh\n")
         script.chmod(0o644)
-    try:
-        result = validate(tmp_path, environment)
-    finally:
-        script.unlink(missing_ok=True)
-    assert result.returncode == 2, result.stdout + result.stderr
+        params = {"command": [str(script)]}
+    result = validate(tmp_path, {"name": "agent", "params": params})
+    output = result.stderr + result.stdout
+    assert result.returncode == 2, output
     assert "Traceback" not in result.stderr
-    assert "exp.yaml" in result.stderr + result.stdout
-    assert says in result.stderr + result.stdout
-    assert "environment" in result.stderr + result.stdout
+    assert "exp.yaml" in output and says in output and "environment" in output
 
 
 def test_an_unknown_tool_codec_is_refused_at_validate(tmp_path):
