@@ -70,6 +70,7 @@ from alignzoo.rollout.multiturn import (
     Episodes,
     cancel_the_rest,
     derive_seed,
+    episode_slots,
 )
 
 if TYPE_CHECKING:
@@ -235,13 +236,8 @@ class AgentEpisodes(Episodes):
         """``n`` agent episodes per prompt; the batch (every kept trajectory, grouped by
         prompt) and the step's ``env/*`` metrics."""
         episodes = [
-            AgentEpisode(
-                row={**extra, "prompt": prompt},
-                seed=derive_seed(seeds[i] if seeds is not None else i, j),
-                group=i,
-            )
-            for i, (prompt, extra) in enumerate(zip(prompts, extras, strict=True))
-            for j in range(n)
+            AgentEpisode(row=row, seed=seed, group=group)
+            for row, seed, group in episode_slots(prompts, extras, n, seeds)
         ]
         step = _Step(self, pm, sampling, seeds is None, episodes)
         loop = asyncio.new_event_loop()

@@ -60,6 +60,18 @@ def derive_seed(*parts: int) -> int:
     return int(sequence.generate_state(1, np.uint64)[0] >> 1)
 
 
+def episode_slots(
+    prompts: list[str], extras: list[dict[str, Any]], n: int, seeds: list[int] | None
+) -> list[tuple[dict[str, Any], int, int]]:
+    """``(row, seed, group)`` of each of the ``n`` episodes per prompt: the row with its
+    prompt, the episode's seed (from its prompt's seed and its index), the prompt's index."""
+    return [
+        ({**extra, "prompt": prompt}, derive_seed(seeds[i] if seeds is not None else i, j), i)
+        for i, (prompt, extra) in enumerate(zip(prompts, extras, strict=True))
+        for j in range(n)
+    ]
+
+
 @dataclass
 class Episode:
     """One episode in flight: its token ids, masks, transcript and outcome."""
@@ -201,13 +213,8 @@ class Episodes:
         """``n`` episodes per prompt; the batch (grouped by prompt, failed episodes left out
         as ``on_failure`` says) and the step's ``env/*`` metrics."""
         episodes = [
-            Episode(
-                row={**extra, "prompt": prompt},
-                seed=derive_seed(seeds[i] if seeds is not None else i, j),
-                group=i,
-            )
-            for i, (prompt, extra) in enumerate(zip(prompts, extras, strict=True))
-            for j in range(n)
+            Episode(row=row, seed=seed, group=group)
+            for row, seed, group in episode_slots(prompts, extras, n, seeds)
         ]
         loop = asyncio.new_event_loop()
         try:

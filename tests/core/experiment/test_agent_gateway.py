@@ -1,6 +1,6 @@
 """experiments/agent_gateway.yaml end to end at a tiny size: the example agent, unchanged, trains
 through the gateway as a program per episode (command:), in-process (function:) and from
-asynchronous producers, and the report compares the arms. Nothing here depends on how far a
+asynchronous producers, in worker processes (--jobs 2), and the report compares the arms. Nothing here depends on how far a
 few steps move the policy: the experiment's result at full size is the README's, from a run
 recorded in docs/results/agent-gateway.json."""
 
@@ -66,7 +66,8 @@ def test_the_agent_trains_as_a_program_in_process_and_from_async_producers(tmp_p
     path.write_text(yaml.safe_dump(spec))
     monkeypatch.setenv("ALIGNZOO_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(ROOT)  # the shipped experiment names the agent relative to the checkout
-    result = run_experiment(load_experiment(path), out_dir=tmp_path / "out")
+    # --jobs 2: each run in a worker process of its own, its gateway and agents with it
+    result = run_experiment(load_experiment(path), out_dir=tmp_path / "out", jobs=2)
     assert not result.failed, [r.error for r in result.runs]
     for arm in ("tool", "broken_tool", "program", "producers"):
         folder = tmp_path / "out" / arm / "seed-0"

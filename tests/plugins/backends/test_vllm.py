@@ -4,6 +4,7 @@ sync; sampled log-probs that match the trainer's forward pass; a GRPO arm that t
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -210,21 +211,12 @@ def test_multi_turn_episodes_keep_the_ids_vllm_sampled(backends):
     assert float(diff.max()) < 1e-3, float(diff.max())
 
 
-def test_a_bpe_chat_models_episodes_do_not_drift_with_vllm(tmp_path):
-    """The drift property of tests/core/rollout/test_bpe_drift.py with vLLM sampling: a Qwen2
-    BPE tokenizer with merges and a Qwen2.5-style tool-calling template; the ids trained on
-    are the ids vLLM sampled, the environment's answers tokenised once between them, and the
-    trainer's log-probs of the sampled ids equal vLLM's."""
-    from alignzoo.config.schema import EpisodeConfig
+@contextmanager
+def bpe_chat_engine(tmp_path):
+    """A vLLM engine on the BPE chat policy (tests/core/rollout/bpe_chat.py), its weights the
+    policy's: ``(engine, model, tokenizer)``."""
     from alignzoo.plugins.backends.vllm import VLLMBackend
-    from alignzoo.registry import build_plugin_manager
-    from alignzoo.rollout.multiturn import Episodes
-    from tests.core.rollout.bpe_chat import (
-        Answers,
-        Recorder,
-        check_token_in_token_out,
-        save_bpe_chat_policy,
-    )
+    from tests.core.rollout.bpe_chat import save_bpe_chat_policy
 
     folder = save_bpe_chat_policy(tmp_path / "policy")
     model, tokenizer = load_policy(folder)
@@ -233,6 +225,26 @@ def test_a_bpe_chat_models_episodes_do_not_drift_with_vllm(tmp_path):
     engine.on_run_start(run)
     try:
         engine.sync_weights(PolicyWeights(model, 0))
+        yield engine, model, tokenizer
+    finally:
+        engine.on_run_end(run, "finished")
+
+
+def test_a_bpe_chat_models_episodes_do_not_drift_with_vllm(tmp_path):
+    """The drift property of tests/core/rollout/test_bpe_drift.py with vLLM sampling: a Qwen2
+    BPE tokenizer with merges and a Qwen2.5-style tool-calling template; the ids trained on
+    are the ids vLLM sampled, the environment's answers tokenised once between them, and the
+    trainer's log-probs of the sampled ids equal vLLM's."""
+    from alignzoo.config.schema import EpisodeConfig
+    from alignzoo.registry import build_plugin_manager
+    from alignzoo.rollout.multiturn import Episodes
+    from tests.core.rollout.bpe_chat import (
+        Answers,
+        Recorder,
+        check_token_in_token_out,
+    )
+
+    with bpe_chat_engine(tmp_path) as (engine, model, tokenizer):
         recorder = Recorder(engine)
         pm = build_plugin_manager([recorder, Answers()])
         episodes = Episodes(EpisodeConfig(max_turns=4, max_tokens=160), tokenizer)
@@ -251,8 +263,6 @@ def test_a_bpe_chat_models_episodes_do_not_drift_with_vllm(tmp_path):
             # vLLM's CPU kernels sum in another order than the trainer's: 1e-3, as above.
             drifted += check_token_in_token_out(batch, recorder, tokenizer, model, atol=1e-3)
         assert drifted >= 1, "premise broken: every sampled episode re-tokenises to its own ids"
-    finally:
-        engine.on_run_end(run, "finished")
 
 
 def test_an_outside_agents_calls_train_on_the_ids_vllm_sampled(tmp_path):
@@ -263,14 +273,12 @@ def test_an_outside_agents_calls_train_on_the_ids_vllm_sampled(tmp_path):
     import openai
 
     from alignzoo.config.schema import EpisodeConfig
-    from alignzoo.plugins.backends.vllm import VLLMBackend
     from alignzoo.registry import build_plugin_manager
     from alignzoo.rollout.agents import AgentEpisodes, AgentSettings
     from tests.core.rollout.bpe_chat import (
         CALCULATOR,
         Recorder,
         check_token_in_token_out,
-        save_bpe_chat_policy,
     )
 
     def agent(task, base_url, key):
@@ -284,13 +292,7 @@ def test_an_outside_agents_calls_train_on_the_ids_vllm_sampled(tmp_path):
             if follow is not None:
                 messages.append(follow)
 
-    folder = save_bpe_chat_policy(tmp_path / "policy")
-    model, tokenizer = load_policy(folder)
-    run = cpu_run(folder, model, tokenizer, tmp_path)
-    engine = VLLMBackend({"max_model_len": 512})
-    engine.on_run_start(run)
-    try:
-        engine.sync_weights(PolicyWeights(model, 0))
+    with bpe_chat_engine(tmp_path) as (engine, model, tokenizer):
         recorder = Recorder(engine)
         runner = AgentEpisodes(
             EpisodeConfig(max_tokens=200), tokenizer, AgentSettings(function=agent), 512
@@ -304,8 +306,6 @@ def test_an_outside_agents_calls_train_on_the_ids_vllm_sampled(tmp_path):
         assert metrics["env/done_frac"] == 1.0 and metrics["env/agent/calls"] == 3.0
         assert batch.size == 4 and metrics["env/agent/branches"] == 0.0
         check_token_in_token_out(batch, recorder, tokenizer, model, atol=1e-3)
-    finally:
-        engine.on_run_end(run, "finished")
 
 
 def test_the_quickstarts_grpo_arm_trains_with_vllm_once_its_heads_fit(tmp_path, monkeypatch):
