@@ -53,6 +53,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from jinja2 import TemplateError
 
 from alignzoo.errors import UserError
 from alignzoo.rollout import partial
@@ -109,6 +111,7 @@ class _Point:
     before: int  # len(ids) when the reply began
     after: int  # len(ids) after the reply
     sampled: str  # the reply as sampled, special tokens included (for the text after it)
+    tools: str  # the tools the call offered (canonical JSON): a call offering others differs
 
 
 @dataclass
@@ -116,6 +119,32 @@ class _Trajectory:
     sample: Episode
     points: list[_Point] = field(default_factory=list)
     tools: Any = None
+
+
+@dataclass
+class _Plan:
+    """Where a call goes: onto ``trajectory`` (a fork of its first ``fork_at`` response ids
+    when set; a trajectory not yet recorded when ``new``), sampling from ``context``;
+    ``placed``: the trajectory's length when the call was placed."""
+
+    trajectory: _Trajectory
+    context: list[int]
+    fork_at: int | None = None
+    new: bool = False
+    placed: int = 0
+
+
+@dataclass
+class _Reply:
+    """A sampled reply as read: ids and log-probs (cut at a stop string), text, what each
+    token adds to the text (for streaming), tool calls, finish reason."""
+
+    ids: list[int]
+    logprobs: list[float]
+    text: str
+    deltas: list[str]
+    calls: tuple[Any, ...]
+    finish: str
 
 
 @dataclass
@@ -160,7 +189,7 @@ def _arguments(value: Any) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON (or too deep to read): as written
             return value
     return value
 
@@ -247,6 +276,8 @@ class AgentEpisodes(Episodes):
             step.kill_all()
             loop.run_until_complete(cancel_the_rest())
             loop.close()
+        if step.engine_error is not None:  # as an in-process episode's generate_ids would
+            raise step.engine_error
         self.last_outcomes = [(e.outcome, e.reason) for e in episodes]
         samples, kept = self._samples(episodes)
         return self._batch(samples, kept), self._agent_metrics(episodes, samples, kept, step)
@@ -277,7 +308,7 @@ class AgentEpisodes(Episodes):
                     or (policy == "drop_sample" and not failed)
                     or (policy == "drop_group" and episode.group not in failed_groups)
                 )
-                if keep and sample.ids:
+                if keep and any(sample.trained):  # a sample holds a sampled token at least
                     kept.append(len(samples))
                 samples.append(sample)
         return samples, kept
@@ -327,12 +358,10 @@ class _Step:
         self.live = 0  # agents running now
         self.unknown_keys = 0
         self.base_url = ""
-        # Sampling and function agents get threads of their own: agents blocked on their calls
-        # must never hold the thread the sampling that answers them needs.
+        self.engine_error: Exception | None = None  # the backend's failure, raised after the step
+        # Sampling gets a thread of its own: agents blocked on their calls must never hold the
+        # thread the sampling that answers them needs.
         self.engine = ThreadPoolExecutor(1, thread_name_prefix="alignzoo-gateway-sampling")
-        self.agents = ThreadPoolExecutor(
-            runner.agent.concurrency, thread_name_prefix="alignzoo-agent"
-        )
 
     # ------------------------------------------------------------------ the hub's side
     def episode_for(self, key: str) -> AgentEpisode | None:
@@ -357,11 +386,18 @@ class _Step:
             episode.end("calls_limit", f"more than {agent.max_calls} calls")
             raise Refused(429, "calls_limit", f"this episode may make {agent.max_calls} calls")
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        trajectory, context = self._place(episode, messages, request.tools)
-        room = cfg.max_tokens - (len(context) - len(trajectory.sample.prompt_ids))
+        tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
+        try:
+            plan = self._place(episode, messages, tools)
+        except (TemplateError, TypeError, ValueError) as exc:  # what the template refuses
+            raise Refused(
+                400, "invalid_messages", f"the chat template cannot render them: {exc}", "messages"
+            ) from None
+        context = plan.context
+        room = cfg.max_tokens - (len(context) - len(plan.trajectory.sample.prompt_ids))
         width = min(self.sampling.max_new_tokens, request.token_cap() or 1 << 30, room)
-        if agent.max_sampled_tokens is not None:
-            width = min(width, agent.max_sampled_tokens - episode.sampled_tokens)
+        if agent.max_sampled_tokens is not None:  # shared by the request's n choices
+            width = min(width, (agent.max_sampled_tokens - episode.sampled_tokens) // request.n)
         if self.runner.context_limit is not None:
             if len(context) >= self.runner.context_limit:
                 raise Refused(
@@ -388,29 +424,32 @@ class _Step:
         outputs, version = await pending.done
         if episode.closed or episode.outcome in FAILURES:
             raise Refused(409, "episode_over", f"the episode is over ({episode.outcome})")
+        # Only now does the call change the record: a refused call leaves nothing behind.
+        trajectory = self._settle(episode, plan)
         self._extend(trajectory, context)
         at = len(trajectory.sample.ids)
         choices = []
         for k, (ids, logprobs) in enumerate(outputs):
             # the first choice continues the trajectory, each other one is a fork of it
             target = trajectory if k == 0 else self._fork(episode, trajectory, at)
-            choices.append(
-                self._record(episode, target, messages, request, ids[:width], logprobs, version)
-            )
+            reply = self._reply(request, ids[:width], logprobs)
+            choices.append(self._record(episode, target, messages, tools, reply, version))
         if len(trajectory.sample.ids) >= cfg.max_tokens:
             episode.end("truncated", f"{cfg.max_tokens} tokens")
         return Completion(choices, prompt_tokens=len(context))
 
     # ------------------------------------------------------------------ placing a call
-    def _place(
-        self, episode: AgentEpisode, messages: list[dict[str, Any]], tools: Any
-    ) -> tuple[_Trajectory, list[int]]:
-        """The trajectory a call extends (or the new one it starts) and the token ids it samples
-        from."""
+    def _place(self, episode: AgentEpisode, messages: list[dict[str, Any]], tools: Any) -> _Plan:
+        """Where a call goes (the trajectory it continues, from which point, or a new one) and
+        the token ids it samples from; nothing is changed until the call is answered."""
         runner = self.runner
         keys = [normalised(m) for m in messages]
+        offered = _tools_key(tools)
         for trajectory in reversed(episode.trajectories):
+            sample = trajectory.sample
             for point in reversed(trajectory.points):
+                if point.tools != offered:  # other tools: another prompt than the sample's
+                    continue
                 if keys[: len(point.expect)] == point.expect:
                     if not self._append_only(messages, len(point.expect), tools):
                         break  # the template rewrote the history: a new branch
@@ -419,27 +458,38 @@ class _Step:
                         between = runner.renderer.between(point.sampled, tail, tools)
                     except UserError:  # a template that is not append-only: a new branch
                         break
-                    target = trajectory
-                    if point.after != len(trajectory.sample.ids):
-                        target = self._fork(episode, trajectory, point.after)
-                    base = target.sample.prompt_ids + target.sample.ids
-                    return target, base + runner._encode(between)
+                    base = sample.prompt_ids + sample.ids[: point.after]
+                    fork = point.after if point.after != len(sample.ids) else None
+                    context = base + runner._encode(between)
+                    return _Plan(trajectory, context, fork, placed=len(sample.ids))
                 if keys == point.request:  # the same request again: another sample of it
-                    target = self._fork(episode, trajectory, point.before)
-                    return target, target.sample.prompt_ids + target.sample.ids
+                    context = sample.prompt_ids + sample.ids[: point.before]
+                    return _Plan(trajectory, context, point.before, placed=len(sample.ids))
         rendered = runner.renderer.start(template_messages(messages), tools)
         ids = runner._encode(rendered)
         if isinstance(runner.renderer, ChatRenderer):
             for trajectory in reversed(episode.trajectories):
                 sample = trajectory.sample
                 so_far = sample.prompt_ids + sample.ids
-                if ids[: len(so_far)] == so_far and trajectory.points:
-                    return trajectory, ids
+                same_tools = trajectory.points and trajectory.points[-1].tools == offered
+                if same_tools and ids[: len(so_far)] == so_far:
+                    return _Plan(trajectory, ids, placed=len(sample.ids))
         sample = Episode(row=episode.row, seed=episode.seed, group=episode.group)
         sample.prompt_ids, sample.prompt_text = ids, rendered
-        trajectory = _Trajectory(sample, tools=tools)
-        episode.trajectories.append(trajectory)
-        return trajectory, list(ids)
+        return _Plan(_Trajectory(sample, tools=tools), list(ids), new=True)
+
+    def _settle(self, episode: AgentEpisode, plan: _Plan) -> _Trajectory:
+        """The trajectory an answered call is recorded on: the new one it starts, a fork at its
+        point, or the one it continues (forked where it was placed if another call of the
+        episode grew it in the meantime)."""
+        if plan.new:
+            episode.trajectories.append(plan.trajectory)
+            return plan.trajectory
+        if plan.fork_at is not None:
+            return self._fork(episode, plan.trajectory, plan.fork_at)
+        if len(plan.trajectory.sample.ids) != plan.placed:
+            return self._fork(episode, plan.trajectory, plan.placed)
+        return plan.trajectory
 
     def _append_only(self, messages: list[dict[str, Any]], kept: int, tools: Any) -> bool:
         """Whether the chat template renders the first ``kept`` messages (an earlier call and
@@ -476,67 +526,90 @@ class _Step:
         sample.logprobs += [0.0] * len(extra)
         sample.versions += [-1] * len(extra)
 
+    def _reply(self, request: ChatRequest, ids: list[int], logprobs: list[float]) -> _Reply:
+        """A sampled reply read: cut after the token that completes a stop string, its text
+        (and per token what it adds), its tool calls, its finish reason."""
+        runner, tokenizer = self.runner, self.runner.tokenizer
+        pieces = _increments(tokenizer, ids)
+        text, stopped = "".join(pieces), False
+        stops = request.stops()
+        if stops:
+            shown = ""
+            for k, piece in enumerate(pieces):
+                shown += piece
+                found = [shown.find(stop) for stop in stops if stop in shown]
+                if found:
+                    ids, logprobs, pieces = ids[: k + 1], logprobs[: k + 1], pieces[: k + 1]
+                    text, stopped = shown[: min(found)], True
+                    break
+        deltas, left = [], len(text)  # the pieces, clipped to the text (the stop string off)
+        for piece in pieces:
+            deltas.append(piece[: max(left, 0)])
+            left -= len(piece)
+        calls: tuple[Any, ...] = ()
+        if request.tool_choice != "none":
+            parsed = runner.codec.parse(text)
+            offered = _tool_names([t.model_dump() for t in request.tools or []] or None)
+            calls = tuple(c for c in parsed.calls if offered is None or c.name in offered)
+            if len(calls) < len(parsed.calls) or (parsed.errors and not calls):
+                calls = ()  # a call to no offered tool, or unreadable: the agent reads text
+        eos = set(_eos_ids(tokenizer)) | set(runner.stop_ids)
+        if calls:
+            finish = "tool_calls"
+        elif stopped or (ids and ids[-1] in eos):
+            finish = "stop"
+        else:
+            finish = "length"
+        return _Reply(list(ids), list(logprobs[: len(ids)]), text, deltas, calls, finish)
+
     def _record(
         self,
         episode: AgentEpisode,
         trajectory: _Trajectory,
         messages: list[dict[str, Any]],
-        request: ChatRequest,
-        ids: list[int],
-        logprobs: list[float],
+        tools: Any,
+        reply: _Reply,
         version: int | None,
     ) -> Choice:
-        """Cut the reply at a stop string, read its tool calls, record it; the gateway's choice."""
+        """Append a reply to its trajectory as sampled; the gateway's choice."""
         runner, tokenizer = self.runner, self.runner.tokenizer
-        ids, logprobs, stopped = _cut_at_stop(tokenizer, ids, logprobs, request.stops())
         sample = trajectory.sample
         before = len(sample.ids)
-        sample.ids += ids
-        sample.trained += [1] * len(ids)
-        sample.logprobs += list(logprobs[: len(ids)])
-        sample.versions += [-1 if version is None else version] * len(ids)
-        episode.sampled_tokens += len(ids)
-        text = str(tokenizer.decode(ids, skip_special_tokens=True))
-        if stopped is not None:
-            text = text[: text.find(stopped)] if stopped in text else text
-        calls: list[dict[str, Any]] = []
-        parsed_calls: tuple[Any, ...] = ()
-        if request.tool_choice != "none":
-            parsed = runner.codec.parse(text)
-            offered = _tool_names(request.tools)
-            parsed_calls = tuple(c for c in parsed.calls if offered is None or c.name in offered)
-            if len(parsed_calls) < len(parsed.calls) or (parsed.errors and not parsed_calls):
-                parsed_calls = ()  # a call to no offered tool, or unreadable: the agent reads text
-            calls = [
-                {
-                    "id": f"call_{secrets.token_hex(8)}",
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
-                }
-                for c in parsed_calls
-            ]
-        content = runner.codec.prose(text) if calls else text
-        eos = set(_eos_ids(tokenizer)) | set(runner.stop_ids)
+        sample.ids += reply.ids
+        sample.trained += [1] * len(reply.ids)
+        sample.logprobs += reply.logprobs
+        sample.versions += [-1 if version is None else version] * len(reply.ids)
+        episode.sampled_tokens += len(reply.ids)
+        calls = [
+            {
+                "id": f"call_{secrets.token_hex(8)}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for c in reply.calls
+        ]
+        content = runner.codec.prose(reply.text) if calls else reply.text
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
-            finish = "tool_calls"
-        elif stopped is not None or (ids and ids[-1] in eos):
-            finish = "stop"
-        else:
-            finish = "length"
-        reply: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            reply["tool_calls"] = calls
+            message["tool_calls"] = calls
         keys = [normalised(m) for m in messages]
-        sampled = str(tokenizer.decode(ids, skip_special_tokens=False))
+        sampled = str(tokenizer.decode(reply.ids, skip_special_tokens=False))
         trajectory.points.append(
-            _Point(keys, [*keys, normalised(reply)], before, len(sample.ids), sampled)
+            _Point(
+                keys,
+                [*keys, normalised(message)],
+                before,
+                len(sample.ids),
+                sampled,
+                _tools_key(tools),
+            )
         )
         transcript = template_messages(messages)
-        transcript.append(runner.codec.assistant_message(text, parsed_calls))
+        transcript.append(runner.codec.assistant_message(reply.text, reply.calls))
         sample.messages = transcript
         episode.final = transcript
-        tokens = [str(tokenizer.decode([i], skip_special_tokens=False)) for i in ids]
-        return Choice(content, calls, finish, tokens, list(logprobs[: len(ids)]))
+        tokens = [str(tokenizer.decode([i], skip_special_tokens=False)) for i in reply.ids]
+        return Choice(content, calls, reply.finish, tokens, reply.logprobs, reply.deltas)
 
     # ------------------------------------------------------------------ sampling
     async def _sampler(self) -> None:
@@ -570,7 +643,8 @@ class _Step:
             outputs, version = await loop.run_in_executor(
                 self.engine, contextvars.copy_context().run, self._generate, batch
             )
-        except Exception as exc:  # the engine failed: the calls' episodes fail with it
+        except Exception as exc:  # the engine failed: its calls fail, and the run after the step
+            self.engine_error = self.engine_error or exc
             for item in batch:
                 item.episode.end("error", f"sampling raised {type(exc).__name__}: {exc}")
                 _refuse(item, Refused(503, "engine_error", f"sampling failed: {exc}"))
@@ -660,12 +734,8 @@ class _Step:
         try:
             if inspect.iscoroutinefunction(fn):
                 result = fn(json.loads(task), self.base_url, episode.key)
-            else:  # in a thread of its own (the loop's default pool is too small to wait in)
-                call = contextvars.copy_context().run
-                loop = asyncio.get_running_loop()
-                result = loop.run_in_executor(
-                    self.agents, call, fn, json.loads(task), self.base_url, episode.key
-                )
+            else:  # a daemon thread of its own: one that never returns cannot hold the exit
+                result = _in_daemon_thread(fn, json.loads(task), self.base_url, episode.key)
             output = await asyncio.wait_for(result, agent.time_limit_s)
             episode.output = "" if output is None else str(output)[-_TAIL:]
             episode.exit_code = 0
@@ -723,15 +793,44 @@ class _Step:
             episode.end("error", f"the agent {how}: {episode.output[-300:]}")
 
     def kill_all(self) -> None:
-        """Kill every agent still running (the run is ending, or failed), wait for a generation
-        in flight, and let go of the agents' threads (a function agent's thread past its time
-        limit runs on, unwaited)."""
+        """Kill every agent still running (the run is ending, or failed) and wait for a
+        generation in flight (a function agent's thread past its time limit runs on, a daemon
+        that never holds up the exit)."""
         for episode in self.episodes:
             if episode.process is not None:
                 _kill_group(episode.process)
         # a generation in flight finishes before the caller may touch the policy again
         self.engine.shutdown(wait=True, cancel_futures=True)
-        self.agents.shutdown(wait=False, cancel_futures=True)
+
+
+def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future[Any]:
+    """``fn(*args)`` in a daemon thread (with this context's variables); its result or error
+    on the returned future of the running loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def target() -> None:
+        result, error = None, None
+        try:
+            result = context.run(fn, *args)
+        except Exception as exc:
+            error = exc
+        except BaseException as exc:  # SystemExit in an agent: its failure, not the run's
+            error = RuntimeError(f"{type(exc).__name__}: {exc}")
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, daemon=True, name="alignzoo-agent").start()
+    return future
 
 
 def _refuse(item: _Pending, refusal: Refused) -> None:
@@ -760,19 +859,28 @@ def _eos_ids(tokenizer: Any) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def _cut_at_stop(
-    tokenizer: Any, ids: list[int], logprobs: list[float], stops: list[str]
-) -> tuple[list[int], list[float], str | None]:
-    """The sampled ids up to the token that completes the first stop string (kept: it was
-    sampled), and that string; unchanged with None when none occurs."""
-    if not stops:
-        return ids, logprobs, None
+def _increments(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Per sampled token, the text it adds to the reply: special tokens add none, and a token
+    that ends inside a character adds nothing until the character is whole. Joined, they are
+    the reply's text. Decoded in windows that restart after each newline (as transformers'
+    streamers do), so a long reply costs about its length, not its square."""
+    out: list[str] = []
+    start, shown = 0, ""
     for end in range(1, len(ids) + 1):
-        text = str(tokenizer.decode(ids[:end], skip_special_tokens=True))
-        for stop in stops:
-            if stop in text:
-                return ids[:end], logprobs[:end], stop
-    return ids, logprobs, None
+        text = str(tokenizer.decode(ids[start:end], skip_special_tokens=True))
+        if text.endswith("\ufffd") or not text.startswith(shown):
+            out.append("")
+            continue
+        out.append(text[len(shown) :])
+        shown = text
+        if text.endswith("\n"):
+            start, shown = end, ""
+    return out
+
+
+def _tools_key(tools: Any) -> str:
+    """The tools a call offers, as canonical JSON (the same for the same tools)."""
+    return json.dumps(tools or [], sort_keys=True, default=str)
 
 
 def episode_runner(

@@ -44,6 +44,44 @@ MODEL_NAME = "policy"
 """The name ``/v1/models`` lists (any ``model`` a request names is served by the policy)."""
 
 
+class FunctionCall(BaseModel):
+    """A tool call's function: its name and arguments (a JSON string, as the API writes it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallMessage(BaseModel):
+    """A tool call of an assistant message, as the agent sends it back."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(BaseModel):
+    """A tool's function: its name, description and JSON-schema parameters."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    """A tool a request offers (``{"type": "function", "function": {...}}``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "function"
+    function: FunctionSpec
+
+
 class ChatMessage(BaseModel):
     """One message of a chat request, as the OpenAI API takes it."""
 
@@ -52,7 +90,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
 
 
@@ -63,7 +101,7 @@ class ChatRequest(BaseModel):
 
     model: str = MODEL_NAME
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -98,6 +136,7 @@ class Choice:
     finish_reason: str  # stop | length | tool_calls
     tokens: list[str]  # each sampled token's text
     logprobs: list[float]  # each sampled token's log-prob
+    deltas: list[str]  # per sampled token, what it adds to ``text`` (streamed content)
 
 
 @dataclass
@@ -168,7 +207,7 @@ async def _json_body(request: Any) -> Any:
         return json.loads(body)
     except RecursionError:
         raise Refused(400, "invalid_json", "the JSON body is nested too deeply") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or a number past Python's digit limit
         raise Refused(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
 
 
@@ -250,9 +289,9 @@ def completion_chunks(
             calls = [{"index": k, **call} for k, call in enumerate(choice.tool_calls)]
             chunks.append(chunk(index, {"tool_calls": calls}))
         else:
-            for k, token in enumerate(choice.tokens):
+            for k, delta in enumerate(choice.deltas):  # the content as the answer gives it
                 logprobs = _logprobs(choice, k, k + 1) if request.logprobs else None
-                chunks.append(chunk(index, {"content": token}, logprobs=logprobs))
+                chunks.append(chunk(index, {"content": delta}, logprobs=logprobs))
         chunks.append(chunk(index, {}, finish_reason=choice.finish_reason))
     if (request.stream_options or {}).get("include_usage"):
         last = chunks[-1] if chunks else chunk(0, {})

@@ -20,8 +20,8 @@ backend (its text is noise: an agent must survive any reply):
 
 - ``agent_runs``: each of two episodes per row starts the program, which calls the gateway and
   ends within its time limit (done, or truncated by the token budget);
-- ``agent_recorded``: the batch trains exactly the tokens the backend sampled for its calls,
-  each once, in samples of its episodes alone.
+- ``agent_recorded``: every run of trained tokens in the batch is (the start of) a reply the
+  backend sampled, and no more tokens are trained than were sampled.
 """
 
 from __future__ import annotations
@@ -217,7 +217,6 @@ def check_agent(environment: Any, rows: list[dict[str, Any]] | None = None) -> l
     from types import SimpleNamespace
 
     from alignzoo.config.schema import EmbeddedModelConfig, EpisodeConfig
-    from alignzoo.plugins.backends.hf import HFBackend
     from alignzoo.rollout.agents import FAILURES, AgentEpisodes
     from alignzoo.types import SamplingParams
     from alignzoo.world.model import build_model
@@ -226,9 +225,10 @@ def check_agent(environment: Any, rows: list[dict[str, Any]] | None = None) -> l
     tokenizer = build_tokenizer()
     tiny = EmbeddedModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
     model = build_model(tiny, tokenizer)
-    backend = HFBackend()
+    _, make_backend = component_factory("backend", "hf")  # the registered hf backend
+    backend = make_backend()
     backend.on_run_start(SimpleNamespace(tokenizer=tokenizer, device=lambda r: "cpu", actor=model))
-    sampled: list[int] = []
+    sampled: list[list[int]] = []
 
     class Counting:
         kind = "backend"
@@ -236,7 +236,7 @@ def check_agent(environment: Any, rows: list[dict[str, Any]] | None = None) -> l
         @hookimpl
         def generate_ids(self, contexts, sampling, seeds, stop_token_ids):  # type: ignore[no-untyped-def]
             out = backend.generate_ids(contexts, sampling, seeds, stop_token_ids)
-            sampled.extend(len(ids) for ids, _ in out)
+            sampled.extend(list(ids) for ids, _ in out)
             return out
 
     samples = rows or [DEFAULT_ROW]
@@ -264,13 +264,30 @@ def check_agent(environment: Any, rows: list[dict[str, Any]] | None = None) -> l
     else:
         calls = metrics["env/agent/calls"]
         runs = CheckResult("agent_runs", True, f"{len(ends)} episodes, {calls:g} calls each")
-    trained = int(batch.response_mask.sum()) if batch.size else 0
-    if trained != sum(sampled):
+    trained, foreign = 0, 0
+    for row in range(batch.size):
+        mask = batch.response_mask[row].tolist()
+        ids = batch.response_ids[row].tolist()
+        run: list[int] = []
+        for token, flag in [*zip(ids, mask, strict=True), (None, 0.0)]:
+            if flag:
+                run.append(token)
+                continue
+            if run:
+                trained += len(run)
+                if not any(reply[: len(run)] == run for reply in sampled):
+                    foreign += 1
+                run = []
+    total = sum(len(reply) for reply in sampled)
+    if foreign or trained > total:
         recorded = CheckResult(
-            "agent_recorded", False, f"{trained} trained tokens for {sum(sampled)} sampled"
+            "agent_recorded",
+            False,
+            f"{foreign} trained runs the backend did not sample; {trained} trained tokens "
+            f"for {total} sampled",
         )
     else:
         recorded = CheckResult(
-            "agent_recorded", True, f"{trained} sampled tokens, each trained once"
+            "agent_recorded", True, f"{trained} trained tokens, each sampled by the backend"
         )
     return [runs, recorded]

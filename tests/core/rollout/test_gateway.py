@@ -53,6 +53,7 @@ class Scripted:
     def __init__(self, tokenizer, reply):
         self.tokenizer, self.reply = tokenizer, reply
         self.contexts: list[list[int]] = []
+        self.outputs: dict[tuple[int, ...], list[list[int]]] = {}  # context -> replies from it
 
     @hookimpl
     def generate_ids(self, contexts, sampling, seeds, stop_token_ids):
@@ -63,8 +64,32 @@ class Scripted:
             text = self.reply(self.tokenizer.decode(context))
             ids = [*self.tokenizer(text, add_special_tokens=False)["input_ids"], end]
             ids = ids[: sampling.max_new_tokens]
+            self.outputs.setdefault(tuple(context), []).append(ids)
             out.append((ids, [-0.5] * len(ids)))
         return out
+
+
+def assert_each_trained_run_was_sampled_there(batch, backend):
+    """Every run of trained tokens is (the start of) a reply the backend sampled from exactly
+    the ids before it in its sample; returns the number of trained tokens."""
+    trained = 0
+    for row in range(batch.size):
+        prompt = batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist()
+        length = int(batch.response_attention[row].sum())
+        ids = batch.response_ids[row, :length].tolist()
+        mask = batch.response_mask[row, :length].tolist()
+        position = 0
+        while position < length:
+            end = position
+            while end < length and mask[end] == mask[position]:
+                end += 1
+            if mask[position]:
+                run = ids[position:end]
+                replies = backend.outputs.get(tuple(prompt + ids[:position]), [])
+                assert any(r[: len(run)] == run for r in replies), f"row {row} [{position}:{end}]"
+                trained += len(run)
+            position = end
+    return trained
 
 
 def run(tokenizer, pm, agent, rows, n=1, seeds=(3, 4), cfg=None, limit=None, width=10, **settings):
@@ -515,3 +540,194 @@ def test_a_template_that_rewrites_earlier_turns_starts_a_branch(chat_policy, tem
     assert "hmm" not in rendered  # the second call sampled from the history the template wrote
     prompts = [tokenizer.decode(batch.prompt_ids[r][batch.prompt_mask[r].bool()]) for r in (0, 1)]
     assert rendered in prompts
+
+
+def test_two_calls_in_flight_on_one_sample_become_two_samples_each_sampled_in_place(chat_policy):
+    """The same continuation sent twice at once (a client retry after its own timeout, two
+    sub-calls): each reply is trained in the context it was sampled from."""
+    import threading
+    import time
+
+    _, tokenizer = chat_policy
+
+    def slow(text):  # a call arriving meanwhile is placed before this one is recorded
+        time.sleep(0.3)
+        return f"reply {len(backend.contexts)}"
+
+    pm, backend = scripted_pm(tokenizer, slow)
+
+    def agent(task, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = api.chat.completions.create(model="policy", messages=messages)
+        follow = [*messages, reply.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "user", "content": "more"}]  # fmt: skip
+        calls = [threading.Thread(target=api.chat.completions.create,
+                                  kwargs={"model": "policy", "messages": follow})
+                 for _ in range(2)]  # fmt: skip
+        for call in calls:
+            call.start()
+        for call in calls:
+            call.join()
+
+    batch, metrics = run(tokenizer, pm, agent, ROWS[:1], seeds=None, width=16)
+    assert metrics["env/agent/calls"] == 3.0 and batch.size == 2
+    trained = assert_each_trained_run_was_sampled_there(batch, backend)
+    assert trained == sum(len(r) for rs in backend.outputs.values() for r in rs)  # each once
+
+
+def test_a_streamed_reply_is_the_answers_text_and_continues_its_sample(chat_policy):
+    _, tokenizer = chat_policy
+    pm, backend = scripted_pm(tokenizer, lambda text: "héllo wörld. Bye 字")
+    got = {}
+
+    def agent(task, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": "hi"}]
+        plain = api.chat.completions.create(model="policy", messages=messages)
+        chunks = list(api.chat.completions.create(model="policy", messages=messages,
+                                                  stream=True, logprobs=True))  # fmt: skip
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        got["texts"] = (plain.choices[0].message.content, streamed)
+        got["logprobs"] = sum(len(c.choices[0].logprobs.content) for c in chunks
+                              if c.choices and c.choices[0].logprobs)  # fmt: skip
+        api.chat.completions.create(model="policy", messages=[
+            *messages, {"role": "assistant", "content": streamed}, {"role": "user", "content": "x"}
+        ])  # fmt: skip
+
+    batch, metrics = run(tokenizer, pm, agent, ROWS[:1], seeds=None, width=64)
+    assert got["texts"] == ("héllo wörld. Bye 字", "héllo wörld. Bye 字")
+    first = next(iter(backend.outputs.values()))[0]
+    assert got["logprobs"] == len(first)  # one log-prob per sampled token, <|im_end|> too
+    # the streamed text, sent back, continued the (second, repeated-request) sample
+    assert batch.size == 2 and metrics["env/agent/branches"] == 1.0
+    assert assert_each_trained_run_was_sampled_there(batch, backend) == 3 * len(first)
+
+
+def test_a_call_offering_other_tools_is_a_branch(chat_policy):
+    _, tokenizer = chat_policy
+    pm, backend = scripted_pm(tokenizer, lambda text: "ok")
+    search = {"type": "function", "function": {"name": "search", "parameters": {}}}
+
+    def agent(task, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = api.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
+        follow = [*messages, reply.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "user", "content": "more"}]  # fmt: skip
+        api.chat.completions.create(model="policy", messages=follow, tools=[CALCULATOR, search])
+
+    batch, metrics = run(tokenizer, pm, agent, ROWS[:1], seeds=None, width=16)
+    assert batch.size == 2 and metrics["env/agent/branches"] == 1.0
+    prompts = [tokenizer.decode(batch.prompt_ids[r][batch.prompt_mask[r].bool()]) for r in (0, 1)]
+    assert sum('"search"' in p for p in prompts) == 1  # the branch's prompt lists the new tool
+    assert_each_trained_run_was_sampled_there(batch, backend)
+
+
+def test_a_refused_call_leaves_nothing_and_n_choices_share_the_token_budget(chat_policy):
+    _, tokenizer = chat_policy
+    pm, _ = scripted_pm(tokenizer, lambda text: "a long reply of many many words " * 3)
+    statuses = []
+
+    def agent(task, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": "hi"}]
+        api.chat.completions.create(model="policy", messages=messages, n=3)
+        try:
+            api.chat.completions.create(model="policy", messages=messages)
+        except openai.BadRequestError as exc:
+            statuses.append((exc.status_code, exc.code))
+
+    batch, metrics = run(tokenizer, pm, agent, ROWS[:1], seeds=None, width=64,
+                         max_sampled_tokens=9)  # fmt: skip
+    assert statuses == [(400, "context_length_exceeded")]
+    assert metrics["env/agent/sampled_tokens"] == 9 and batch.size == 3  # 3 tokens a choice
+    assert all(int(batch.response_mask[r].sum()) == 3 for r in range(3))  # none empty
+    assert metrics["env/truncated_frac"] == 1.0
+
+
+def test_requests_that_break_the_models_or_the_template_get_400(chat_policy):
+    import copy
+
+    from .bpe_chat import TOOL_TEMPLATE
+
+    _, tokenizer = chat_policy
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = (
+        "{%- for m in messages %}{%- if loop.index0 > 0 and m.role == 'user' and "
+        "messages[loop.index0 - 1].role == 'user' %}"
+        "{{- raise_exception('roles must alternate') }}{%- endif %}{%- endfor %}" + TOOL_TEMPLATE
+    )
+    pm, _ = scripted_pm(strict, lambda text: "ok")
+    codes = {}
+
+    def agent(task, base_url, key):
+        auth = {"Authorization": f"Bearer {key}"}
+        user = {"role": "user", "content": "hi"}
+        bodies = {
+            "call without a function object": {"messages": [user, {"role": "assistant",
+                "tool_calls": [{"function": "x"}]}, user]},
+            "tool without a function object": {"messages": [user], "tools": [{"function": "x"}]},
+            "number past the digit limit": '{"messages": [], "n": ' + "1" * 5000 + "}",
+            "roles the template refuses": {"messages": [user, user]},
+            "nested arguments": {"messages": [user, {"role": "assistant", "tool_calls": [
+                {"function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]},
+                {"role": "tool", "content": "1"}]},
+        }  # fmt: skip
+        with httpx.Client(base_url=base_url, headers=auth) as http:
+            for name, body in bodies.items():
+                text = body if isinstance(body, str) else json.dumps(body)
+                response = http.post("/chat/completions", content=text)
+                codes[name] = (response.status_code, response.json()["error"]["code"]
+                               if response.status_code >= 400 else None)  # fmt: skip
+
+    run(strict, pm, agent, ROWS[:1], seeds=None)
+    assert codes == {
+        "call without a function object": (400, "invalid_request"),
+        "tool without a function object": (400, "invalid_request"),
+        "number past the digit limit": (400, "invalid_json"),
+        "roles the template refuses": (400, "invalid_messages"),
+        "nested arguments": (200, None),  # arguments it cannot read are kept as written
+    }
+
+
+def test_a_failing_backend_fails_the_step_without_stalling_it(chat_policy):
+    _, tokenizer = chat_policy
+
+    class Broken:
+        kind = "backend"
+
+        @hookimpl
+        def generate_ids(self, contexts, sampling, seeds, stop_token_ids):
+            raise MemoryError("out of memory in the engine")
+
+    def agent(task, base_url, key):
+        client(base_url, key).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}]
+        )
+
+    with pytest.raises(MemoryError, match="out of memory"):
+        run(tokenizer, build_plugin_manager([Broken()]), agent, ROWS, seeds=None)
+
+
+def test_a_function_agent_that_never_returns_times_out_in_a_daemon_thread(chat_policy):
+    import threading
+    import time
+
+    _, tokenizer = chat_policy
+    pm, _ = scripted_pm(tokenizer, lambda text: "ok")
+    release = threading.Event()
+
+    def agent(task, base_url, key):
+        client(base_url, key).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}]
+        )
+        release.wait(600)  # hangs past the time limit
+
+    started = time.monotonic()
+    batch, metrics = run(tokenizer, pm, agent, ROWS[:1], seeds=None, time_limit_s=1.0)
+    assert metrics["env/timeout_frac"] == 1.0 and batch.size == 0
+    assert time.monotonic() - started < 30
+    hung = [t for t in threading.enumerate() if t.name == "alignzoo-agent"]
+    assert hung and all(t.daemon for t in hung)  # never holds up the interpreter's exit
+    release.set()
