@@ -34,6 +34,8 @@ class RolloutBatch:
             policy over the backend's (``training.rollout_correction``), applied by
             policy-gradient algorithms to their surrogate; None when the correction is off.
         ref_logprobs ``[B, R]``: log-probs under the frozen reference policy.
+        teacher_logprobs ``[B, R]``: log-probs of the sampled tokens under the teacher
+            (``model.teacher``), for distillation algorithms; None otherwise.
         values ``[B, R]``: critic values at rollout time (PPO).
         scores ``[B]``: the labeler's sequence rewards; score_valid ``[B]`` bool.
         labels ``[B]``: 1.0 chosen / desirable, 0.0 rejected / undesirable (preference data).
@@ -75,6 +77,7 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     score_valid: torch.Tensor | None = None

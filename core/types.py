@@ -57,6 +57,9 @@ class AlgorithmRequirements:
             ``batch.rollout_is_weights`` when they are set (truncated importance sampling
             between the rollout backend's and the trainer's probabilities), so the arm may turn
             on ``training.rollout_correction``.
+        teacher: load the arm's ``model.teacher`` (frozen, on the reference's device) and fill
+            ``batch.teacher_logprobs``: the teacher's log-prob of each sampled token (on-policy
+            distillation).
     """
 
     reference: bool = False
@@ -66,6 +69,7 @@ class AlgorithmRequirements:
     old_logprobs_in_advantages: bool = False
     rollout_correction: bool = False
     weights: bool = False
+    teacher: bool = False
 
 
 @dataclass(frozen=True)

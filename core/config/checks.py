@@ -67,6 +67,15 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
             )
         )
     issues += _environment_issues(arm, locator)
+    if algorithm is not None and arm.requirements.teacher and spec.model.teacher is None:
+        issues.append(
+            locator.issue(
+                (*at, "model", "teacher"),
+                f"{spec.algorithm.name} distills from a teacher and the arm has none: set "
+                "model.teacher: {path: <a checkpoint folder with the policy's tokenizer>} or "
+                "{embedded: {...}} (the embedded world's teacher)",
+            )
+        )
     greedy = spec.training.sampling.temperature == 0 and algorithm is not None
     if greedy and (arm.requirements.data == "online" or arm.online):
         issues.append(

@@ -108,6 +108,29 @@ class EmbeddedModelConfig(_Strict):
     seed: int = Field(0, description="Seed of the embedded model's initialisation and warm start.")
 
 
+class TeacherConfig(_Strict):
+    """The teacher of a distillation algorithm (``opd``): a frozen model whose log-probs of the
+    policy's own sampled tokens the algorithm learns from. It must share the policy's
+    tokenizer; it is placed on the reference's device and never trained or checkpointed."""
+
+    path: str | None = Field(
+        None,
+        description="A local folder written by save_pretrained (an AutoModelForCausalLM with the "
+        "policy's tokenizer).",
+    )
+    embedded: EmbeddedModelConfig | None = Field(
+        None,
+        description="The embedded world's teacher, built and cached like the warm start: the "
+        "embedded policy's settings with these changed (larger, or sft_slip: 0).",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TeacherConfig:
+        if (self.path is None) == (self.embedded is None):
+            raise ValueError("set exactly one of path (a local checkpoint) or embedded")
+        return self
+
+
 class ModelConfig(_Strict):
     """Which models a run loads."""
 
@@ -119,6 +142,12 @@ class ModelConfig(_Strict):
         None,
         description="Local folder of an AutoModelForSequenceClassification: the reward_model "
         "labeler's params.path unless it gives one, and a 'reward' role for the device mapper.",
+    )
+    teacher: TeacherConfig | None = Field(
+        None,
+        description="The teacher of a distillation algorithm (opd): a local checkpoint or the "
+        "embedded world's teacher; its log-probs of the policy's samples fill "
+        "batch.teacher_logprobs.",
     )
     embedded: EmbeddedModelConfig = Field(
         default_factory=EmbeddedModelConfig,

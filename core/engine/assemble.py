@@ -34,7 +34,7 @@ from alignzoo.engine.parts import (
     seed_everything,
     start_fallbacks,
 )
-from alignzoo.engine.policy import policy_path
+from alignzoo.engine.policy import policy_path, teacher_path
 from alignzoo.engine.sampler import PromptSampler
 from alignzoo.engine.scoring import Scorer
 from alignzoo.engine.sinks import Sinks
@@ -156,9 +156,10 @@ class Run:
 
 
 def needed_roles(req: AlgorithmRequirements, arm: ArmSpec) -> list[str]:
-    """The roles this run has: actor, rollout and labeler always; ref, critic, reward on demand."""
+    """The roles this run has: actor, rollout and labeler always; ref (the reference and the
+    teacher), critic, reward on demand."""
     roles = ["actor", "rollout", "labeler"]
-    if req.reference:
+    if req.reference or req.teacher:  # the teacher sits on the reference's device
         roles.append("ref")
     if req.critic:
         roles.append("critic")
@@ -328,6 +329,9 @@ def assemble(
     path = policy_path(mcfg, spec.data, log)
     models = model_loading.load_models(path, mcfg, devices, req.reference, req.critic, seed)
     models.placements = placements
+    if req.teacher:
+        where = teacher_path(mcfg, spec.data, log)
+        models.teacher = model_loading.load_teacher(where, mcfg, models.device("ref"), models)
     note = model_loading.precision_note(mcfg, models.device("actor"))
     if note is not None:
         log(note)

@@ -82,10 +82,12 @@ def mask_outside_support(batch: RolloutBatch, outside: torch.Tensor) -> dict[str
 
 
 def frozen_views(scorer: Scorer, batch: RolloutBatch) -> None:
-    """The reference's log-probs and the critic's values of the batch (for the arms that have
-    them), at the weights of the snapshot."""
+    """The reference's and the teacher's log-probs and the critic's values of the batch (for
+    the arms that have them), at the weights of the snapshot."""
     if scorer.models.reference is not None:
         batch.ref_logprobs = scorer.reference_logprobs(batch)
+    if scorer.models.teacher is not None:
+        batch.teacher_logprobs = scorer.teacher_logprobs(batch)
     if scorer.models.critic is not None:
         batch.values = scorer.values(batch)
 

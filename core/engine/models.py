@@ -28,6 +28,7 @@ class Models:
 
     ``actor`` is the trainable policy (a peft model under LoRA); ``reference`` the frozen
     starting policy (None when the algorithm needs none); ``critic`` the value model (PPO);
+    ``teacher`` the frozen teacher of a distillation algorithm (on the reference's device);
     ``devices`` maps each role (actor, ref, critic, reward, rollout, labeler) to the device the
     device mapper placed it on, ``placements`` to its full :class:`~alignzoo.types.Placement`; ``autocast`` is the mixed-precision context of forward passes.
     Everything else (the learner, the stages, the hooks' ``run``) reads the models from here.
@@ -40,6 +41,7 @@ class Models:
     placements: dict[str, Placement] = field(default_factory=dict)
     reference: torch.nn.Module | None = None
     critic: torch.nn.Module | None = None
+    teacher: torch.nn.Module | None = None  # model.teacher, for distillation algorithms
     autocast: Callable[[], Any] = contextlib.nullcontext
 
     def device(self, role: str) -> str:
@@ -303,6 +305,24 @@ def load_reference(path: str, cfg: ModelConfig, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     model = _from_pretrained(AutoModelForCausalLM, path, "reference", **_load_kwargs(cfg, device))
+    return freeze(model.to(device))
+
+
+def load_teacher(path: str, cfg: ModelConfig, device: str, policy: Models) -> Any:
+    """The frozen teacher (``model.teacher``) from ``path``, refused with both tokenizers named
+    when its tokenizer is not the policy's (its log-probs would score other tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    teacher_tokenizer = load_tokenizer(path)
+    own, theirs = policy.tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if own != theirs:
+        differ = len(set(own.items()) ^ set(theirs.items()))
+        raise UserError(
+            f"model.teacher: the teacher's tokenizer ({path}, {len(theirs)} tokens) is not the "
+            f"policy's ({policy.policy_path}, {len(own)} tokens; {differ} token ids differ): "
+            "distillation compares log-probs token by token, so both must tokenize alike"
+        )
+    model = _from_pretrained(AutoModelForCausalLM, path, "teacher", **_load_kwargs(cfg, device))
     return freeze(model.to(device))
 
 

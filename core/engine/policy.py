@@ -8,6 +8,7 @@ Its own module because it reads data (:mod:`alignzoo.engine.datasets`) as well a
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from alignzoo.config.schema import DataConfig, ModelConfig
 from alignzoo.engine.datasets import load_split
@@ -45,3 +46,25 @@ def policy_path(model_cfg: ModelConfig, data: DataConfig, log: Callable[[str], N
             distributed.barrier()
         return path
     return model_cfg.policy
+
+
+def teacher_path(model_cfg: ModelConfig, data: DataConfig, log: Callable[[str], None]) -> str:
+    """The folder the arm's ``model.teacher`` loads from: its path, or the embedded world's
+    teacher (the embedded policy's settings with the teacher's, built and cached like the
+    warm start)."""
+    teacher = model_cfg.teacher
+    if teacher is None:
+        raise UserError(
+            "model.teacher: this arm's algorithm distills from a teacher; give one "
+            "(model.teacher: {path: <checkpoint folder>} or {embedded: {...}})"
+        )
+    if teacher.path is not None:
+        if not Path(teacher.path).expanduser().is_dir():
+            raise UserError(
+                f"model.teacher.path: {teacher.path!r} is not a folder (a local checkpoint "
+                "written by save_pretrained)"
+            )
+        return str(Path(teacher.path).expanduser())
+    built = model_cfg.model_copy(update={"policy": "embedded", "embedded": teacher.embedded})
+    log("model.teacher: the embedded world's teacher")
+    return policy_path(built, data, log)

@@ -56,6 +56,17 @@ class Scorer:
             self.micro_batch_size,
         )
 
+    def teacher_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The teacher's per-token log-probs of the sampled tokens ``[B, R]``, at the sampling
+        temperature (as the reference's: the distributions compared are the tempered ones)."""
+        teacher, autocast = self.models.teacher, self.models.autocast
+        assert teacher is not None
+        return no_grad_map(
+            lambda b: policy_forward(teacher, b, autocast=autocast, truncate=False)[0],
+            batch,
+            self.micro_batch_size,
+        )
+
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         """The critic's values ``[B, R]`` (without dropout, like the behaviour log-probs)."""
         critic, autocast = self.models.critic, self.models.autocast

@@ -325,6 +325,11 @@ ON_POLICY_LOGPROB = -1.0
 """Every log-prob of the ``direction`` check's batch (policy, behaviour and reference alike)."""
 
 
+TEACHER_PREFERS, TEACHER_DOUBTS = -0.5, -2.0
+"""The teacher's log-prob of each token of a group's best sample, and of the others', in the
+``direction`` check's batch (a distillation algorithm raises what its teacher prefers)."""
+
+
 def directional(case: BatchCase, data: str) -> BatchCase:
     """``case`` made into the ``direction`` check's batch (see the module docstring): on
     policy, log-probs :data:`ON_POLICY_LOGPROB`, values 0, no weights; online scores 1 for the
@@ -350,6 +355,11 @@ def directional(case: BatchCase, data: str) -> BatchCase:
             scores.append(0.0 if group in seen else 1.0)
             seen.add(group)
         updates["scores"] = tuple(scores)
+        if case.teacher_logprobs is not None:  # the teacher agrees: it prefers the best sample
+            updates["teacher_logprobs"] = tuple(
+                tuple(TEACHER_PREFERS if s == 1.0 else TEACHER_DOUBTS for _ in range(case.width))
+                for s in scores
+            )
     return dataclasses.replace(case, **updates)
 
 

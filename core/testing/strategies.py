@@ -13,6 +13,7 @@ hypothesis draws or from explicit numbers:
   per-sample columns of online, preference and unpaired data.
 - :func:`batch_cases`: a whole :class:`BatchCase` for given :class:`AlgorithmRequirements`
   (fills ``old_logprobs``/``scores`` for online data, ``ref_logprobs`` for a reference,
+  ``teacher_logprobs`` for a teacher,
   ``values`` for a critic, ``labels`` for preference/unpaired data, the unpaired mode's
   ``mismatched_*`` sequence log-probs, ``entropy``), and :func:`batches` which builds it into
   tensors.
@@ -73,6 +74,7 @@ TOKEN_FIELDS = (
     "logprobs",
     "old_logprobs",
     "ref_logprobs",
+    "teacher_logprobs",
     "values",
     "policy_values",
     "entropy",
@@ -106,6 +108,7 @@ def make_batch(
     labels: Any = None,
     ref_logprobs: Any = None,
     old_logprobs: Any = None,
+    teacher_logprobs: Any = None,
     values: Any = None,
     scores: Any = None,
     weights: Any = None,
@@ -171,6 +174,7 @@ def make_batch(
         extras=[{} for _ in range(size)],
         old_logprobs=opt(old_logprobs),
         ref_logprobs=opt(ref_logprobs),
+        teacher_logprobs=opt(teacher_logprobs),
         values=opt(values),
         scores=score_tensor,
         score_valid=None if score_tensor is None else torch.ones(size, dtype=torch.bool),
@@ -217,6 +221,7 @@ class BatchCase:
     logprobs: Rows
     old_logprobs: Rows | None = None
     ref_logprobs: Rows | None = None
+    teacher_logprobs: Rows | None = None
     values: Rows | None = None
     policy_values: Rows | None = None
     entropy: Rows | None = None
@@ -252,6 +257,7 @@ class BatchCase:
             labels=self.labels,
             ref_logprobs=self.ref_logprobs,
             old_logprobs=self.old_logprobs,
+            teacher_logprobs=self.teacher_logprobs,
             values=self.values,
             scores=self.scores,
             weights=self.weights,
@@ -449,6 +455,8 @@ def batch_cases(
         case["scores"] = _column(draw, rewards(), size)
     if requirements.reference:
         case["ref_logprobs"] = _rows(draw, values_of, size, width)
+    if requirements.teacher:
+        case["teacher_logprobs"] = _rows(draw, values_of, size, width)
     if requirements.critic:
         value_strategy = st.floats(-5.0, 5.0, width=32)
         case["values"] = _rows(draw, value_strategy, size, width)
@@ -487,6 +495,7 @@ def padding_fill(
         "logprobs": logp,
         "old_logprobs": logp,
         "ref_logprobs": logp,
+        "teacher_logprobs": logp,
         "values": st.floats(-10.0, 10.0, width=32),
         "policy_values": st.floats(-10.0, 10.0, width=32),
         "entropy": st.floats(0.0, 10.0, width=32),
