@@ -117,7 +117,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
 
 @pytest.mark.slow
 def test_opd_trains_from_the_embedded_worlds_teacher(tmp_path):
-    teacher = {"embedded": {**TINY, "sft_steps": 80}}
+    teacher = {"embedded": {"sft_steps": 80}}  # the policy's tiny settings, trained longer
     result = alignzoo("run", str(experiment(tmp_path, teacher)), "--out", str(tmp_path / "out"),
                       cache=tmp_path / "cache")  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -128,5 +128,8 @@ def test_opd_trains_from_the_embedded_worlds_teacher(tmp_path):
         assert row["opd/teacher_logprob"] < 0 and row["actor/pg_loss"] == pytest.approx(
             row["opd/reverse_kl"], abs=1e-4
         )
-    # the teacher and the policy are two warm starts of the cache (built once each)
-    assert len(list((tmp_path / "cache" / "embedded").glob("*/config.json"))) == 2
+    # the teacher and the policy are two warm starts of the cache (built once each), the
+    # teacher with the policy's settings but for what it changes
+    configs = list((tmp_path / "cache" / "embedded").glob("*/config.json"))
+    assert len(configs) == 2
+    assert {json.loads(c.read_text())["hidden_size"] for c in configs} == {TINY["hidden_size"]}
