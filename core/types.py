@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
-DataMode = Literal["online", "preference", "unpaired"]
+DataMode = Literal["online", "preference", "unpaired", "demonstrations"]
 LossAggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
@@ -40,6 +40,8 @@ class AlgorithmRequirements:
             completions labelled desirable/undesirable). Preference and unpaired algorithms
             read a dataset offline, or run online when the experiment's data section (or the
             arm) says ``online: true``: pairs, or good/bad samples, drawn and labelled in the loop.
+            ``"demonstrations"`` (prompt/completion rows the policy imitates, SFT) is read
+            offline only.
         entropy: compute the current policy's per-token entropy with gradients in
             ``outputs.entropy`` (for an entropy term in the loss). The reported ``entropy``
             metric is computed by the engine for every arm either way.

@@ -15,6 +15,8 @@ The columns are TRL's standard names, by kind of data (each data mode of
 online     ``prompt``
 preference ``prompt``, ``chosen``, ``rejected``
 unpaired   ``prompt``, ``completion``, ``label`` (bool; 0/1 accepted)
+demonstr.  ``prompt``, ``completion`` (or ``messages``: the last assistant turn is the
+           completion)
 ========== ===============================
 
 **Conversational data** (TRL's conversational formats): ``prompt``, ``chosen``, ``rejected`` and
@@ -35,8 +37,8 @@ the eval split is always complete (``evaluation.num_prompts`` shortens it).
 
 Embedded data per mode: online -> ``prompt``, ``answer``; preference -> ``chosen`` is the
 correct answer and ``rejected`` a nearby wrong number; unpaired -> two rows per prompt, the
-correct answer (``label`` true) then the wrong one (false). Completions carry no EOS; the engine
-appends it.
+correct answer (``label`` true) then the wrong one (false); demonstrations -> the correct
+answer as the completion. Completions carry no EOS; the engine appends it.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from alignzoo.types import DataMode
 
 Split = Literal["train", "eval"]
 
-KINDS = ("online", "preference", "unpaired")
+KINDS = ("online", "preference", "unpaired", "demonstrations")
 SPLIT_NAMES: dict[str, tuple[str, ...]] = {
     "train": ("train",),
     "eval": ("eval", "validation", "test"),
@@ -144,6 +146,11 @@ def _embedded(data: DataConfig, split: Split, mode: DataMode) -> datasets.Datase
                 "rejected": wrong_answer(ex["prompt"], ex["answer"]),
                 "answer": ex["answer"],
             }
+            for ex in examples
+        ]
+    elif mode == "demonstrations":
+        rows = [
+            {"prompt": ex["prompt"], "completion": ex["answer"], "answer": ex["answer"]}
             for ex in examples
         ]
     else:
@@ -276,6 +283,8 @@ def _check(
         required.remove("prompt")  # implicit: the common prefix of chosen and rejected
     if "prompt" not in found and mode == "online" and "messages" in found:
         required[required.index("prompt")] = "messages"
+    if "prompt" not in found and mode == "demonstrations" and "messages" in found:
+        required = ["messages"]  # a conversation: its last assistant turn is the completion
     missing = [c for c in required if c not in found]
     if missing:
         raise UserError(
@@ -371,7 +380,16 @@ def render(
     rows = [dict(row) for row in dataset]
     if implicit:
         rows = [split_implicit_prompt(row) for row in rows]
-    if "prompt" not in rows[0] and "messages" in rows[0]:
+    if "prompt" not in rows[0] and "messages" in rows[0] and mode == "demonstrations":
+        for i, row in enumerate(rows):
+            messages = list(row.pop("messages"))
+            if len(messages) < 2 or messages[-1].get("role") != "assistant":
+                raise UserError(
+                    f"{source}: row {i + 1}: column 'messages': a demonstration ends with the "
+                    "assistant turn to imitate, after at least one message"
+                )
+            row["prompt"], row["completion"] = messages[:-1], messages[-1:]
+    elif "prompt" not in rows[0] and "messages" in rows[0]:
         for row in rows:
             messages = list(row.pop("messages"))
             while len(messages) > 1 and messages[-1].get("role") == "assistant":

@@ -34,7 +34,7 @@ The properties (check names):
   behaviour policy equal to the policy, values 0; the group structure and lengths drawn):
   online algorithms raise the log-probability of each group's best-scored sample (scores 1 and
   0; in a group of one a baseline may take its whole signal) and raise it more than the
-  others'; preference algorithms raise each pair's chosen-minus-rejected margin; unpaired ones raise the desirable completions and lower the undesirable. A loss with
+  others'; preference algorithms raise each pair's chosen-minus-rejected margin; unpaired ones raise the desirable completions and lower the undesirable; imitation (demonstrations) raises every demonstrated completion. A loss with
   its sign flipped, or advantages with theirs, fails it.
 - ``weights_honoured``: for an algorithm whose requirements declare ``weights``, a sample
   (a pair, for preference data) given weight 0 in ``batch.weights`` gets no gradient, and
@@ -404,6 +404,10 @@ def _prop_direction(factory: Callable[[], Any], case: BatchCase, data: str) -> N
         for i, (group, label) in enumerate(zip(built.group_ids, built.labels, strict=True)):
             if label == 0.0 and not step[chosen[group]] - step[i] > 0:
                 raise fail(i, "does not raise the chosen-minus-rejected margin of this pair")
+    elif data == "demonstrations":
+        for i in range(built.size):
+            if not step[i] > 0:
+                raise fail(i, "does not raise a demonstrated completion's log-probability")
     else:
         assert built.labels is not None
         for i, label in enumerate(built.labels):

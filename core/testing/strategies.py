@@ -417,6 +417,7 @@ def batch_cases(
       ``old_logprobs``.
     - ``data="preference"``: 1-4 shuffled pairs (:func:`preference_pairs`), ``labels``.
     - ``data="unpaired"``: 1-8 samples with ``labels`` (:func:`unpaired_labels`).
+    - ``data="demonstrations"``: 1-8 samples, a group each, nothing but the log-probs.
     - ``reference``: ``ref_logprobs``; ``critic``: ``values`` and ``policy_values``;
       ``entropy``: ``entropy``; unpaired data: ``mismatched_logprobs`` (and
       ``mismatched_ref_logprobs`` with a reference), sequence log-probs in [-50·R, 0].
@@ -433,6 +434,10 @@ def batch_cases(
         size = draw(st.integers(1, 8))
         labels = draw(unpaired_labels(size))
         groups = draw(st.lists(st.integers(0, size), min_size=size, max_size=size))
+    elif requirements.data == "demonstrations":  # one demonstration per sample, no labels
+        size = draw(st.integers(1, 8))
+        labels = None
+        groups = list(range(size))
     else:
         groups = draw(group_ids())
         size = len(groups)

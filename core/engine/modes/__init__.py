@@ -12,6 +12,8 @@ online pairs       per prompt, best vs worst sample (DPO)  :mod:`~alignzoo.engin
 offline preference prompt / chosen / rejected rows         :mod:`~alignzoo.engine.modes.preference`
 online unpaired    sampled, labelled desirable or not (KTO) :mod:`~alignzoo.engine.modes.unpaired`
 offline unpaired   prompt / completion / label rows        :mod:`~alignzoo.engine.modes.unpaired`
+offline            prompt / completion rows imitated (SFT) :mod:`~alignzoo.engine.modes.demonstrations`
+demonstrations
 ================== ======================================= =====================================
 
 A mode owns the dataset columns it reads, how it builds the step's :class:`RolloutBatch`
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from alignzoo.engine.modes import preference, samples, unpaired
+from alignzoo.engine.modes import demonstrations, preference, samples, unpaired
 from alignzoo.engine.modes.base import (
     Collected,
     DataMode,
@@ -69,13 +71,16 @@ def _mode_classes() -> dict[tuple[str, bool], type[DataMode]]:
         ("preference", False): preference.OfflinePreference,
         ("unpaired", True): unpaired.OnlineUnpaired,
         ("unpaired", False): unpaired.OfflineUnpaired,
+        ("demonstrations", False): demonstrations.OfflineDemonstrations,
     }
 
 
 def select_mode(requirements: AlgorithmRequirements, online: bool) -> DataMode:
     """The data mode for an algorithm's data kind, sampled online or read offline (online data
     is always sampled)."""
-    key = (requirements.data, online or requirements.data == "online")
+    # online data is always sampled; demonstrations are always read (no online mode for them)
+    kind = requirements.data
+    key = (kind, (online or kind == "online") and kind != "demonstrations")
     modes = _mode_classes()
     if key not in modes:
         raise RunError(f"no data mode for data kind {requirements.data!r}")
@@ -83,9 +88,12 @@ def select_mode(requirements: AlgorithmRequirements, online: bool) -> DataMode:
 
 
 def required_columns(kind: str) -> tuple[str, ...]:
-    """The columns a data file of ``kind`` (online, preference, unpaired) must have: those of
-    the mode that reads such a file (the online one for prompts, the offline one otherwise)."""
+    """The columns a data file of ``kind`` (online, preference, unpaired, demonstrations) must
+    have: those of the mode that reads such a file (the online one for prompts, the offline one
+    otherwise)."""
     mode = _mode_classes().get((kind, kind == "online"))
     if mode is None:
-        raise ValueError(f"mode must be one of online, preference, unpaired, got {kind!r}")
+        raise ValueError(
+            f"mode must be one of online, preference, unpaired, demonstrations, got {kind!r}"
+        )
     return mode.columns

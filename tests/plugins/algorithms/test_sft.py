@@ -1,0 +1,142 @@
+"""Supervised fine-tuning (plugins/algorithms/sft.py) and the demonstrations data mode: the loss
+is the completion's negative log-likelihood, equal to transformers' own causal-LM loss with
+the prompt's labels masked (what TRL's SFTTrainer trains on with its completion-only loss); the
+contract; demonstrations read from text and from conversations, refused when malformed; a tiny
+run on the embedded world."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from alignzoo.engine.modes.demonstrations import demonstrations_batch
+from alignzoo.kernels.forward import policy_forward
+from alignzoo.plugins.algorithms.sft import SFT
+from alignzoo.testing.contract import check_algorithm
+from alignzoo.testing.strategies import make_batch
+from tests.core.tiny_world import build_world
+
+TINY = {
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "sft_steps": 20,
+}
+ROWS = [
+    {"prompt": "12+7=", "completion": "19"},
+    {"prompt": "100+250=", "completion": "350"},
+    {"prompt": "3+4=", "completion": "7"},
+]
+
+
+def test_the_loss_is_the_completions_token_mean_nll_and_per_sequence_on_request():
+    logprobs = [[-1.0, -2.0, -3.0], [-4.0, 0.0, 0.0]]
+    mask = [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    for aggregation, expected in (
+        ("token-mean", 10.0 / 4),
+        ("seq-mean-token-mean", (2.0 + 4.0) / 2),
+    ):
+        batch, outputs = make_batch(logprobs, mask=mask)
+        out = SFT({"loss_aggregation": aggregation}).compute_loss(
+            batch, outputs, batch.loss_context()
+        )
+        assert float(out.loss.detach()) == pytest.approx(expected), aggregation
+        assert out.metrics["sft/nll"] == pytest.approx(10.0 / 4)
+
+
+def test_sft_passes_the_algorithm_contract():
+    failed = [r for r in check_algorithm("sft", max_examples=15) if not r.passed]
+    assert failed == [], [(r.name, r.detail) for r in failed]
+
+
+def test_the_loss_equals_transformers_causal_lm_loss_with_the_prompt_masked():
+    """A second implementation: the model's own ``labels=`` loss, the prompt's (and padding's)
+    labels -100, as TRL's completion-only SFT computes it."""
+    model, tokenizer = build_world()
+    model.eval()
+    batch = demonstrations_batch(tokenizer, ROWS, max_new_tokens=16)
+    logprobs, _ = policy_forward(model, batch)
+    ours = SFT().compute_loss(batch, type("O", (), {"logprobs": logprobs})(), batch.loss_context())
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
+    attention = torch.cat([batch.prompt_mask, batch.response_mask.long()], dim=1)
+    labels = torch.where(attention.bool(), ids, -100)
+    labels[:, : batch.prompt_ids.shape[1]] = -100  # the prompt is context, never a target
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    theirs = model(
+        input_ids=ids, attention_mask=attention, position_ids=position_ids, labels=labels
+    ).loss
+    assert float(ours.loss) == pytest.approx(float(theirs), abs=1e-5)
+    # the completions end with EOS: what the model learns to stop with
+    assert all(row[row_mask.bool()][-1] == tokenizer.eos_token_id
+               for row, row_mask in zip(batch.response_ids, batch.response_mask, strict=True))  # fmt: skip
+
+
+def experiment(tmp_path: Path, data: dict | None = None, steps: int = 2) -> Path:
+    spec = {
+        "name": "sft",
+        "seeds": [0],
+        "budget": {"steps": steps},
+        "model": {"embedded": TINY},
+        "data": data or {"task": {"train_size": 32, "eval_size": 4}},
+        "training": {"prompts_per_step": 4, "sampling": {"max_new_tokens": 4}},
+        "evaluation": {"every": steps},
+        "logging": {"sinks": ["jsonl"]},
+        "arms": {"sft": {"algorithm": "sft"}},
+    }
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def alignzoo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**__import__("os").environ, "ALIGNZOO_CACHE": str(tmp_path / "cache")}
+    return subprocess.run(
+        [sys.executable, "-m", "alignzoo", *args], capture_output=True, text=True, env=env
+    )
+
+
+def test_demonstrations_missing_a_completion_or_its_assistant_turn_are_refused(tmp_path):
+    from alignzoo.config.schema import DataConfig
+    from alignzoo.engine.datasets import load_split
+    from alignzoo.errors import UserError
+    from tests.core.rollout.bpe_chat import build_bpe_chat_tokenizer
+
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"prompt": "1+1="}) + "\n")
+    with pytest.raises(UserError, match=r"missing column.*completion"):
+        load_split(DataConfig(train=str(text), eval="embedded"), "train", "demonstrations")
+    chat = tmp_path / "chat.jsonl"
+    good = {
+        "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    }
+    bad = {"messages": [{"role": "user", "content": "hello?"}]}
+    chat.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    tokenizer = build_bpe_chat_tokenizer()
+    with pytest.raises(UserError, match=r"row 2: column 'messages'.*assistant turn"):
+        load_split(DataConfig(train=str(chat), eval="embedded"), "train", "demonstrations",
+                   tokenizer)  # fmt: skip
+    chat.write_text(json.dumps(good) + "\n")
+    rows = load_split(DataConfig(train=str(chat), eval="embedded"), "train", "demonstrations",
+                      tokenizer)  # fmt: skip
+    (row,) = list(rows)
+    assert row["prompt"].endswith("<|im_start|>assistant\n")  # rendered with the template
+    assert row["completion"].startswith("4<|im_end|>")  # what the template adds after it
+
+
+@pytest.mark.slow
+def test_sft_trains_on_the_embedded_worlds_demonstrations(tmp_path):
+    result = alignzoo(tmp_path, "run", str(experiment(tmp_path)), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "out/sft/seed-0/metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # four demonstrations a step, read not sampled: the loss is their nll
+        assert row["samples"] == 4 * row["step"] and row["loss"] == pytest.approx(row["sft/nll"])
+    evals = [json.loads(line) for line in (tmp_path / "out/sft/seed-0/eval.jsonl").open()]
+    assert [e["step"] for e in evals] == [0, 2]  # evaluated as every arm is
