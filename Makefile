@@ -130,7 +130,7 @@ rlhf: setup
 ## figure-demo-avx2 runs the demo with every kernel limited to AVX2 (torch's dispatch, oneDNN,
 ## MKL), which is how an AVX-512 or AMX CPU gives an AVX2-only CPU's numbers.
 FIGURES ?= runs/figures
-FIGURE_RUNS := demo:quickstart tool-use:tool_use reasoning-gym:reasoning_gym agent-gateway:agent_gateway
+FIGURE_RUNS := demo:quickstart tool-use:tool_use reasoning-gym:reasoning_gym agent-gateway:agent_gateway distillation:distillation
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # AVX-512 without AMX (AVX512_CORE_BF16 is oneDNN's level below AMX), as a CPU with no AMX has it.
 AVX512_ONLY := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 MKL_ENABLE_INSTRUCTIONS=AVX512
