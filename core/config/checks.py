@@ -66,6 +66,14 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
                 "only to preference or unpaired-feedback algorithms (dpo, simpo, kto, ...)",
             )
         )
+    if spec.online is True and algorithm is not None and arm.requirements.data == "demonstrations":
+        issues.append(
+            locator.issue(
+                (*at, "online"),
+                f"{spec.algorithm.name} imitates demonstrations read from data.train (prompt / "
+                "completion rows); there is nothing to sample, so leave 'online' unset",
+            )
+        )
     issues += _environment_issues(arm, locator)
     if algorithm is not None and arm.requirements.teacher and spec.model.teacher is None:
         issues.append(

@@ -140,3 +140,14 @@ def test_sft_trains_on_the_embedded_worlds_demonstrations(tmp_path):
         assert row["samples"] == 4 * row["step"] and row["loss"] == pytest.approx(row["sft/nll"])
     evals = [json.loads(line) for line in (tmp_path / "out/sft/seed-0/eval.jsonl").open()]
     assert [e["step"] for e in evals] == [0, 2]  # evaluated as every arm is
+
+
+def test_an_sft_arm_asked_to_sample_is_refused_at_validate(tmp_path):
+    path = experiment(tmp_path)
+    spec = yaml.safe_load(path.read_text())
+    spec["arms"]["sft"]["online"] = True
+    path.write_text(yaml.safe_dump(spec))
+    result = alignzoo(tmp_path, "validate", str(path))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "arms.sft.online" in output and "exp.yaml" in output
+    assert "nothing to sample" in output and "Traceback" not in output
