@@ -97,6 +97,7 @@ def check_data(loaded: LoadedExperiment) -> None:
                     )
                 )  # fmt: skip
         issues += _model_issues(loaded, arm)
+        issues += _teacher_issues(loaded, arm)
         mirror = spec.arms[arm].training.checkpoint_mirror
         if mirror:
             from alignzoo.engine.mirror import open_mirror
@@ -131,6 +132,39 @@ def _model_issues(loaded: LoadedExperiment, arm: str) -> list[ConfigIssue]:
     if not problem:
         return []
     return [ConfigIssue(loaded.source, None, f"arms.{arm}.backend", f"arm {arm}: {problem}")]
+
+
+def _teacher_issues(loaded: LoadedExperiment, arm: str) -> list[ConfigIssue]:
+    """A teacher given as a folder must exist and tokenize as the policy does (distillation
+    compares log-probs token by token); both tokenizers are named when they differ."""
+    model = loaded.spec.arms[arm].model
+    teacher = model.teacher
+    if teacher is None or teacher.path is None:
+        return []  # none, or the embedded world's (the policy's own tokenizer)
+    field = f"arms.{arm}.model.teacher.path"
+    folder = Path(teacher.path).expanduser()
+    if not folder.is_dir():
+        why = f"{teacher.path!r} is not a folder (a local checkpoint written by save_pretrained)"
+        return [ConfigIssue(loaded.source, None, field, why)]
+    try:
+        own_tokenizer = _tokenizer(model.policy)
+        if own_tokenizer is None:
+            return []  # a hub policy: compared when the run loads it
+        from transformers import AutoTokenizer
+
+        theirs = AutoTokenizer.from_pretrained(str(folder)).get_vocab()
+    except (OSError, ValueError) as exc:
+        return [ConfigIssue(loaded.source, None, field, f"cannot read a tokenizer: {exc}")]
+    own = own_tokenizer.get_vocab()
+    if own == theirs:
+        return []
+    differ = len(set(own.items()) ^ set(theirs.items()))
+    why = (
+        f"the teacher's tokenizer ({teacher.path}, {len(theirs)} tokens) is not the policy's "
+        f"({model.policy}, {len(own)} tokens; {differ} token ids differ): distillation "
+        "compares log-probs token by token, so both must tokenize alike"
+    )
+    return [ConfigIssue(loaded.source, None, field, why)]
 
 
 DRY_RESPONSE = "a response"

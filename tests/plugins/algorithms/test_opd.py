@@ -133,3 +133,18 @@ def test_opd_trains_from_the_embedded_worlds_teacher(tmp_path):
     configs = list((tmp_path / "cache" / "embedded").glob("*/config.json"))
     assert len(configs) == 2
     assert {json.loads(c.read_text())["hidden_size"] for c in configs} == {TINY["hidden_size"]}
+
+
+def test_validate_names_both_tokenizers_of_a_teacher_that_tokenizes_otherwise(tmp_path):
+    from tests.core.rollout.bpe_chat import save_bpe_chat_policy
+
+    folder = save_bpe_chat_policy(tmp_path / "chat")
+    result = alignzoo("validate", str(experiment(tmp_path, {"path": str(folder)})),
+                      cache=tmp_path / "cache")  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output
+    assert "model.teacher.path" in output and str(folder) in output and "embedded" in output
+    assert "is not the policy's" in output
+    missing = alignzoo("validate", str(experiment(tmp_path, {"path": str(tmp_path / "none")})),
+                       cache=tmp_path / "cache")  # fmt: skip
+    assert missing.returncode == 2 and "is not a folder" in missing.stdout + missing.stderr
