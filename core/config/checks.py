@@ -84,6 +84,16 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
                 "{embedded: {...}} (the embedded world's teacher)",
             )
         )
+    teacher = spec.model.teacher
+    if teacher is not None and teacher.embedded is not None and spec.model.policy != "embedded":
+        issues.append(
+            locator.issue(
+                (*at, "model", "teacher", "embedded"),
+                "the embedded world's teacher tokenizes as the embedded policy does, not as "
+                f"the policy {spec.model.policy!r}; give the teacher as a path (a checkpoint "
+                "with the policy's tokenizer)",
+            )
+        )
     greedy = spec.training.sampling.temperature == 0 and algorithm is not None
     if greedy and (arm.requirements.data == "online" or arm.online):
         issues.append(

@@ -70,7 +70,10 @@ class BuiltArm:
 
     @property
     def online(self) -> bool:
-        """The arm's ``online`` setting, else the data section's."""
+        """The arm's ``online`` setting, else the data section's; never for an arm whose
+        algorithm imitates demonstrations (they are read, not sampled)."""
+        if "algorithm" in self.components and self.requirements.data == "demonstrations":
+            return False
         return self.data_online if self.spec.online is None else self.spec.online
 
     @functools.cached_property

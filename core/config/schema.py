@@ -149,6 +149,18 @@ class ModelConfig(_Strict):
         "embedded world's teacher; its log-probs of the policy's samples fill "
         "batch.teacher_logprobs.",
     )
+
+    @model_validator(mode="after")
+    def _teacher_from_the_policy(self) -> ModelConfig:
+        # The embedded teacher is the embedded policy's settings with the ones it gives,
+        # resolved here once: a dumped experiment (every field written) reads back the same.
+        teacher = self.teacher
+        if teacher is not None and teacher.embedded is not None:
+            given = {k: getattr(teacher.embedded, k) for k in teacher.embedded.model_fields_set}
+            resolved = self.embedded.model_copy(update=given)
+            self.teacher = teacher.model_copy(update={"embedded": resolved})
+        return self
+
     embedded: EmbeddedModelConfig = Field(
         default_factory=EmbeddedModelConfig,
         description="The embedded default policy, used when policy is 'embedded'.",

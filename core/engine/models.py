@@ -99,14 +99,15 @@ def _quiet_transformers() -> contextlib.AbstractContextManager[Any]:
     return quiet()
 
 
-def load_tokenizer(path: str) -> Any:
-    """AutoTokenizer from ``path``; a pad token is guaranteed (EOS when the model has none)."""
+def load_tokenizer(path: str, field: str = "model.policy") -> Any:
+    """AutoTokenizer from ``path``; a pad token is guaranteed (EOS when the model has none).
+    ``field``: the experiment field a loading error names."""
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise UserError(f"model.policy: cannot load a tokenizer from {path!r}: {exc}") from None
+        raise UserError(f"{field}: cannot load a tokenizer from {path!r}: {exc}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -220,7 +221,8 @@ def _from_pretrained(auto_cls: Any, path: str, what: str, **kwargs: Any) -> Any:
         with _quiet_transformers():
             return auto_cls.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
-        raise UserError(f"model.policy: cannot load the {what} from {path!r}: {exc}") from None
+        field = "model.teacher" if what == "teacher" else "model.policy"
+        raise UserError(f"{field}: cannot load the {what} from {path!r}: {exc}") from None
 
 
 def load_actor(path: str, cfg: ModelConfig, device: str) -> Any:
@@ -313,7 +315,7 @@ def load_teacher(path: str, cfg: ModelConfig, device: str, policy: Models) -> An
     when its tokenizer is not the policy's (its log-probs would score other tokens)."""
     from transformers import AutoModelForCausalLM
 
-    teacher_tokenizer = load_tokenizer(path)
+    teacher_tokenizer = load_tokenizer(path, "model.teacher")
     own, theirs = policy.tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if own != theirs:
         differ = len(set(own.items()) ^ set(theirs.items()))

@@ -65,9 +65,7 @@ def teacher_path(model_cfg: ModelConfig, data: DataConfig, log: Callable[[str], 
                 "written by save_pretrained)"
             )
         return str(Path(teacher.path).expanduser())
-    assert teacher.embedded is not None
-    changed = {k: getattr(teacher.embedded, k) for k in teacher.embedded.model_fields_set}
-    embedded = model_cfg.embedded.model_copy(update=changed)  # the policy's, with the teacher's
-    built = model_cfg.model_copy(update={"policy": "embedded", "embedded": embedded})
+    # teacher.embedded: the policy's embedded settings with the teacher's (resolved by the schema)
+    built = model_cfg.model_copy(update={"policy": "embedded", "embedded": teacher.embedded})
     log("model.teacher: the embedded world's teacher")
     return policy_path(built, data, log)

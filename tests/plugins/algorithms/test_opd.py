@@ -148,3 +148,31 @@ def test_validate_names_both_tokenizers_of_a_teacher_that_tokenizes_otherwise(tm
     missing = alignzoo("validate", str(experiment(tmp_path, {"path": str(tmp_path / "none")})),
                        cache=tmp_path / "cache")  # fmt: skip
     assert missing.returncode == 2 and "is not a folder" in missing.stdout + missing.stderr
+
+
+def test_the_embedded_teacher_is_resolved_once_so_a_dumped_experiment_reads_back_the_same():
+    from alignzoo.config.schema import ModelConfig
+
+    model = ModelConfig.model_validate(
+        {
+            "embedded": {"sft_steps": 1500, "sft_lr": 0.001, "sft_slip": 0.7},
+            "teacher": {"embedded": {"sft_slip": 0.0}},
+        }
+    )
+    teacher = model.teacher.embedded
+    assert (teacher.sft_steps, teacher.sft_lr, teacher.sft_slip) == (1500, 0.001, 0.0)
+    again = ModelConfig.model_validate(model.model_dump())  # as config.json / experiment.yaml
+    assert again.teacher == model.teacher
+
+
+def test_an_embedded_teacher_for_a_policy_folder_is_refused_at_validate(tmp_path):
+    from tests.core.rollout.bpe_chat import save_bpe_chat_policy
+
+    path = experiment(tmp_path, {"embedded": {"sft_steps": 40}})
+    spec = yaml.safe_load(path.read_text())
+    spec["model"]["policy"] = str(save_bpe_chat_policy(tmp_path / "chat"))
+    path.write_text(yaml.safe_dump(spec))
+    result = alignzoo("validate", str(path), cache=tmp_path / "cache")
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "model.teacher.embedded" in output, output
+    assert "give the teacher as a path" in output
