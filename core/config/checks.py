@@ -66,7 +66,10 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
                 "only to preference or unpaired-feedback algorithms (dpo, simpo, kto, ...)",
             )
         )
-    if spec.online is True and algorithm is not None and arm.requirements.data == "demonstrations":
+    imitates = (
+        arm.loaded_requirements is not None and arm.loaded_requirements.data == "demonstrations"
+    )
+    if spec.online is True and imitates:
         issues.append(
             locator.issue(
                 (*at, "online"),
@@ -75,7 +78,8 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
             )
         )
     issues += _environment_issues(arm, locator)
-    if algorithm is not None and arm.requirements.teacher and spec.model.teacher is None:
+    requirements = arm.loaded_requirements
+    if requirements is not None and requirements.teacher and spec.model.teacher is None:
         issues.append(
             locator.issue(
                 (*at, "model", "teacher"),

@@ -72,9 +72,21 @@ class BuiltArm:
     def online(self) -> bool:
         """The arm's ``online`` setting, else the data section's; never for an arm whose
         algorithm imitates demonstrations (they are read, not sampled)."""
-        if "algorithm" in self.components and self.requirements.data == "demonstrations":
+        requirements = self.loaded_requirements
+        if requirements is not None and requirements.data == "demonstrations":
             return False
         return self.data_online if self.spec.online is None else self.spec.online
+
+    @property
+    def loaded_requirements(self) -> AlgorithmRequirements | None:
+        """The requirements, or None when the algorithm was not built or its hooks do not load
+        (what :func:`alignzoo.config.checks.arm_issues` reports, located, on its own)."""
+        if "algorithm" not in self.components:
+            return None
+        try:
+            return self.requirements
+        except Exception:
+            return None
 
     @functools.cached_property
     def requirements(self) -> AlgorithmRequirements:
