@@ -85,19 +85,7 @@ class KLPenalisedReinforce(Algorithm):
                 f"{self.namespace}: compute_loss needs batch.advantages and batch.old_logprobs"
             )
         params = self.params
-        loss, metrics = ops.clipped_policy_loss(
-            outputs.logprobs,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.response_mask,
-            params.clip_eps,
-            params.clip_eps,
-            aggregation=params.loss_aggregation,
-            norm_constant=params.norm_constant,
-            weights=batch.weights,
-            token_weights=batch.rollout_is_weights,  # TIS, when training.rollout_correction is on
-            context=context,
-        )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated over the optimizer step
+        loss, metrics = clipped_loss(params, batch, outputs, context)
         if batch.ref_logprobs is not None:  # the estimator of the reward's KL penalty, now
             kl = ops.masked_kl_penalty(
                 outputs.logprobs.detach(),
@@ -107,3 +95,35 @@ class KLPenalisedReinforce(Algorithm):
             )
             metrics[f"{self.namespace}/kl_penalty"] = ops.masked_mean(kl, batch.response_mask)
         return LossOutput(loss, {name: float(value) for name, value in metrics.items()})
+
+
+class ClippedLossParams(Protocol):
+    """The params :func:`clipped_loss` reads."""
+
+    clip_eps: float
+    loss_aggregation: LossAggregation
+    norm_constant: float | None
+
+
+def clipped_loss(
+    params: ClippedLossParams,
+    batch: RolloutBatch,
+    outputs: PolicyOutputs,
+    context: LossContext,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate on ``batch.advantages``, symmetric clip, sample weights and the
+    rollout correction applied, aggregated over the optimizer step (RLOO, REINFORCE++, OPD)."""
+    assert batch.advantages is not None and batch.old_logprobs is not None
+    return ops.clipped_policy_loss(  # type: ignore[no-any-return]
+        outputs.logprobs,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.response_mask,
+        params.clip_eps,
+        params.clip_eps,
+        aggregation=params.loss_aggregation,
+        norm_constant=params.norm_constant,
+        weights=batch.weights,
+        token_weights=batch.rollout_is_weights,  # TIS, when training.rollout_correction is on
+        context=context,
+    )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated over the optimizer step

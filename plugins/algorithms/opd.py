@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from pydantic import ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
+from alignzoo.algorithms.reinforce import clipped_loss
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
 from alignzoo.types import (
@@ -117,20 +118,7 @@ class OPD(Algorithm):
     ) -> LossOutput:
         if batch.advantages is None or batch.old_logprobs is None:
             raise UserError("opd: compute_loss needs batch.advantages and batch.old_logprobs")
-        params = self.params
-        loss, metrics = ops.clipped_policy_loss(
-            outputs.logprobs,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.response_mask,
-            params.clip_eps,
-            params.clip_eps,
-            aggregation=params.loss_aggregation,
-            norm_constant=params.norm_constant,
-            weights=batch.weights,
-            token_weights=batch.rollout_is_weights,  # TIS, when training.rollout_correction is on
-            context=context,
-        )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated over the optimizer step
+        loss, metrics = clipped_loss(self.params, batch, outputs, context)
         mask = batch.response_mask
         if batch.teacher_logprobs is not None:  # how far the policy is from the teacher, now
             gap = outputs.logprobs.detach() - batch.teacher_logprobs

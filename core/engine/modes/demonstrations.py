@@ -26,11 +26,15 @@ COLUMNS = ("prompt", "completion")
 
 
 def demonstrations_batch(
-    tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int
+    tokenizer: Any,
+    rows: list[dict[str, Any]],
+    max_new_tokens: int,
+    columns: tuple[str, ...] = COLUMNS,
 ) -> RolloutBatch:
-    """Rows with prompt / completion as a batch, one sample (and group) per row."""
+    """Rows with prompt / completion as a batch, one sample (and group) per row; the other
+    columns (but ``columns`` and token columns) go to the samples' extras."""
     extras = [
-        {k: v for k, v in r.items() if k not in COLUMNS and not is_token_column(k)} for r in rows
+        {k: v for k, v in r.items() if k not in columns and not is_token_column(k)} for r in rows
     ]
     return tokenized_batch(
         tokenizer,

@@ -31,8 +31,8 @@ from alignzoo.engine.modes.base import (
     read_rows,
     sample_and_label,
 )
+from alignzoo.engine.modes.demonstrations import demonstrations_batch
 from alignzoo.engine.scoring import Scorer
-from alignzoo.engine.tokenize import is_token_column, row_tokens, tokenized_batch
 
 COLUMNS = ("prompt", "completion", "label")
 MISMATCHED_LOGPROBS = "mismatched_logprobs"
@@ -73,19 +73,9 @@ def label_desirable(batch: RolloutBatch, correct: list[bool] | None) -> RolloutB
 
 
 def unpaired_batch(tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int) -> RolloutBatch:
-    """Rows with prompt / completion / label (true = desirable) as a batch."""
-    extras = [
-        {k: v for k, v in r.items() if k not in COLUMNS and not is_token_column(k)} for r in rows
-    ]
-    batch = tokenized_batch(
-        tokenizer,
-        [str(r["prompt"]) for r in rows],
-        [str(r["completion"]) for r in rows],
-        extras,
-        max_new_tokens,
-        prompt_tokens=row_tokens(tokenizer, rows, "prompt", True),
-        response_tokens=row_tokens(tokenizer, rows, "completion", False),
-    )
+    """Rows with prompt / completion / label (true = desirable) as a batch: the demonstrations'
+    batch of the rows, with their labels."""
+    batch = demonstrations_batch(tokenizer, rows, max_new_tokens, columns=COLUMNS)
     batch.labels = torch.tensor([1.0 if bool(r["label"]) else 0.0 for r in rows])
     return batch
 
