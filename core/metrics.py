@@ -60,6 +60,10 @@ EVAL_EXACT_MATCH = "eval/exact_match"
 EVAL_RESPONSE_LENGTH = "eval/response_length"
 """Mean number of tokens of the greedy held-out responses."""
 
+PADDING_FRAC = "timing/padding_frac"
+"""Share of the update's forward positions that hold padding, not a token (what
+``training.packing`` removes), averaged over micro-batches."""
+
 ROLLOUT_LOGPROB_DIFF = "rollout/logprob_diff"
 """Mean over the step's response tokens of |log π_old − log π_rollout|: the trainer's behaviour
 log-probs against those the rollout backend recorded while sampling, on the same weights (the
@@ -114,6 +118,7 @@ CANONICAL: dict[str, str] = {
     BATCH_PROMPTS: "prompts per step",
     BATCH_RESPONSES: "responses per step",
     STEP_SECONDS: "seconds per step",
+    PADDING_FRAC: "padding share of the update's forward positions",
     EVAL_SCORE: "held-out score",
     EVAL_EXACT_MATCH: "held-out exact match",
     EVAL_RESPONSE_LENGTH: "held-out response length",

@@ -431,6 +431,19 @@ class TrainingConfig(_Strict):
     micro_batch_size: PositiveInt = Field(
         16, description="Samples per forward pass (gradient accumulation)."
     )
+    packing: bool = Field(
+        False,
+        description="Run each forward pass's samples packed: their real tokens end to end in a "
+        "few rows (best-fit decreasing), each sample with its own positions and attending only "
+        "to its own tokens (alignzoo.kernels.packing), so no compute goes to padding. The same "
+        "log-probs, values and loss as padded rows, up to summation order.",
+    )
+    packing_length: PositiveInt | None = Field(
+        None,
+        description="With packing: the most tokens a packed row holds (a longer sample gets a "
+        "row of its own, never cut). Default: the micro-batch's longest sample, so no row is "
+        "longer than the padded batch's.",
+    )
     fuse_behaviour: bool = Field(
         True,
         description="When a batch is trained on once in one optimizer step (epochs 1, one "
@@ -489,6 +502,15 @@ class TrainingConfig(_Strict):
     sampling: SamplingParams = Field(
         default_factory=SamplingParams, description="How responses are sampled during training."
     )
+
+    @model_validator(mode="after")
+    def _packing_length_packs(self) -> TrainingConfig:
+        if self.packing_length is not None and not self.packing:
+            raise ValueError(
+                f"packing_length {self.packing_length} without packing: set packing: true, "
+                "or drop packing_length"
+            )
+        return self
 
 
 class EvaluationConfig(_Strict):

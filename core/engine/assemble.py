@@ -36,7 +36,7 @@ from alignzoo.engine.parts import (
 )
 from alignzoo.engine.policy import policy_path, teacher_path
 from alignzoo.engine.sampler import PromptSampler
-from alignzoo.engine.scoring import Scorer
+from alignzoo.engine.scoring import Scorer, packing_of
 from alignzoo.engine.sinks import Sinks
 from alignzoo.errors import ConfigError, ConfigIssue, UserError
 from alignzoo.labeling import LabelingStage
@@ -360,7 +360,7 @@ def assemble(
             f"sharded over {distributed.world_size()} processes ({units} blocks + the model)"
         )
     sampler = PromptSampler(train, seed)
-    scorer = Scorer(models, arm_spec.training.micro_batch_size)
+    scorer = Scorer(models, arm_spec.training.micro_batch_size, packing_of(arm_spec.training))
     overlap = arm_spec.labeling.overlap
     behaviour = choose_behaviour(
         scorer,

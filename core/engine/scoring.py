@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from alignzoo.batch import RolloutBatch
+from alignzoo.config.schema import TrainingConfig
 from alignzoo.engine.models import Models
 from alignzoo.kernels.forward import (
     chunks,
@@ -21,14 +22,22 @@ from alignzoo.kernels.forward import (
     policy_forward,
     sequence_logprob,
 )
+from alignzoo.kernels.packing import Packing
+
+
+def packing_of(cfg: TrainingConfig) -> Packing | None:
+    """How an arm's forward passes pack their micro-batches (``training.packing``), or None."""
+    return Packing(cfg.packing_length) if cfg.packing else None
 
 
 @dataclass
 class Scorer:
-    """No-grad forward passes of the run's models over a batch, ``micro_batch_size`` at a time."""
+    """No-grad forward passes of the run's models over a batch, ``micro_batch_size`` at a time
+    (each micro-batch packed when ``packing`` is set: ``training.packing``)."""
 
     models: Models
     micro_batch_size: int
+    packing: Packing | None = None
 
     @torch.no_grad()
     def behaviour(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +47,11 @@ class Scorer:
         with evaluating(actor):
             for index in chunks(batch.size, self.micro_batch_size):
                 lp, ent = policy_forward(
-                    actor, batch.select(index), entropy=True, autocast=autocast
+                    actor,
+                    batch.select(index),
+                    entropy=True,
+                    autocast=autocast,
+                    packing=self.packing,
                 )
                 assert ent is not None
                 logprobs.append(lp.detach().float().cpu())
@@ -51,7 +64,9 @@ class Scorer:
         reference, autocast = self.models.reference, self.models.autocast
         assert reference is not None
         return no_grad_map(  # tempered, not truncated: KL between the tempered policies
-            lambda b: policy_forward(reference, b, autocast=autocast, truncate=False)[0],
+            lambda b: policy_forward(
+                reference, b, autocast=autocast, truncate=False, packing=self.packing
+            )[0],
             batch,
             self.micro_batch_size,
         )
@@ -62,7 +77,9 @@ class Scorer:
         teacher, autocast = self.models.teacher, self.models.autocast
         assert teacher is not None
         return no_grad_map(
-            lambda b: policy_forward(teacher, b, autocast=autocast, truncate=False)[0],
+            lambda b: policy_forward(
+                teacher, b, autocast=autocast, truncate=False, packing=self.packing
+            )[0],
             batch,
             self.micro_batch_size,
         )
@@ -73,7 +90,9 @@ class Scorer:
         assert critic is not None
         with evaluating(critic):
             return no_grad_map(
-                lambda b: critic_forward(critic, b, autocast=autocast), batch, self.micro_batch_size
+                lambda b: critic_forward(critic, b, autocast=autocast, packing=self.packing),
+                batch,
+                self.micro_batch_size,
             )
 
     def sequence_logprobs(
@@ -90,7 +109,7 @@ class Scorer:
         cut = (role == "actor") if truncate is None else truncate
         with evaluating(model):
             return no_grad_map(
-                lambda b: sequence_logprob(model, b, self.models.autocast, cut),
+                lambda b: sequence_logprob(model, b, self.models.autocast, cut, self.packing),
                 batch,
                 self.micro_batch_size,
             )

@@ -24,8 +24,10 @@ from alignzoo.engine.behaviour import Behaviour, UpdatePasses
 from alignzoo.engine.hooks import Hooks, implementers
 from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
+from alignzoo.engine.scoring import packing_of
 from alignzoo.errors import RunError
 from alignzoo.kernels.forward import critic_forward, outside_support, policy_forward
+from alignzoo.kernels.packing import padding_fraction
 from alignzoo.ops import (
     global_masked_mean,
     masked_kl_penalty,
@@ -123,12 +125,14 @@ def micro_step(
     from them."""
     models = learner.models
     mb = step_batch.select(index)
+    packing = packing_of(learner.cfg)
     logprobs, entropy = policy_forward(
         learner.actor_module,
         mb,
         entropy=requirements.entropy,
         autocast=models.autocast,
         detached_entropy=passes.needs_entropy,
+        packing=packing,
     )
     outside = None
     if truncates(mb.sampling):  # a token the sampler kept and this pass cuts: not trained on
@@ -142,9 +146,12 @@ def micro_step(
         apply_rollout_correction(mb, learner.cfg.rollout_correction, hooks)
     outputs = PolicyOutputs(logprobs=logprobs, entropy=entropy if requirements.entropy else None)
     if models.critic is not None:
-        values = critic_forward(learner.critic_module, mb, autocast=models.autocast)
+        values = critic_forward(
+            learner.critic_module, mb, autocast=models.autocast, packing=packing
+        )
         outputs.values = values.to(logprobs.device)  # the critic may sit on another device
-    return hooks.compute_loss(mb.to(logprobs.device), outputs, context)
+    loss, metrics = hooks.compute_loss(mb.to(logprobs.device), outputs, context)
+    return loss, {**metrics, canonical.PADDING_FRAC: padding_fraction(mb, packing)}
 
 
 def update(

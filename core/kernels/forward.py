@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from alignzoo.batch import RolloutBatch
-from alignzoo.kernels.lean import can_run_lean, lean_hidden, lean_logits
+from alignzoo.kernels.lean import can_run_lean, lean_head, lean_hidden, lean_logits
+from alignzoo.kernels.packing import PackedRows, Packing, pack
 from alignzoo.ops import (
     head_logprobs,
     logprobs_and_entropy,
@@ -84,8 +85,35 @@ def _base_model(model: Any) -> Any:
     return get_base() if callable(get_base) else model
 
 
+def _packed_model_outputs(model: Any, packed: PackedRows, autocast: AutocastFactory) -> Any:
+    """The model's output on packed rows: ``(hidden, True)`` from the lean path (what the LM
+    head reads, ``[N, L, H]``), ``(logits, False)`` from transformers' forward with a ready
+    4-D mask (``[N, L, V]``; a value head's ``[N, L, 1]``)."""
+    device = _device_of(model)
+    ids, positions = packed.input_ids.to(device), packed.position_ids.to(device)
+    if can_run_lean(model):
+        with autocast():
+            hidden = lean_hidden(
+                model, ids, packed.real.to(device), positions, segments=packed.segments.to(device)
+            )
+        return hidden, True
+    config = getattr(_base_model(model), "config", None)
+    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
+    dtype = next(model.parameters()).dtype
+    mask = packed.see().to(device) if sdpa else packed.attention_bias(dtype).to(device)
+    with autocast():
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits, False
+
+
+def _packed(batch: RolloutBatch, packing: Packing | None) -> PackedRows | None:
+    return pack(batch, packing) if packing is not None else None
+
+
 def response_logits(
-    model: Any, batch: RolloutBatch, autocast: AutocastFactory = no_autocast
+    model: Any,
+    batch: RolloutBatch,
+    autocast: AutocastFactory = no_autocast,
+    packing: Packing | None = None,
 ) -> torch.Tensor:
     """The logits that predict each response token ``[B, R, V]`` (positions ``P - 1 .. P + R - 2``).
 
@@ -93,7 +121,16 @@ def response_logits(
     the prompt's logits (a large ``[B, P, V]`` for a real vocabulary) are never computed. A
     Qwen2 or Llama model runs through :func:`alignzoo.kernels.lean.lean_logits` (its own modules,
     the same logits) unless :func:`~alignzoo.kernels.lean.lean_reason` says it cannot.
+    With ``packing``, the samples run packed (:mod:`alignzoo.kernels.packing`) and the same
+    logits are gathered back into the batch's layout.
     """
+    packed = _packed(batch, packing)
+    if packed is not None:
+        out, is_hidden = _packed_model_outputs(model, packed, autocast)
+        if not is_hidden:
+            return packed.gather(out)
+        with autocast():
+            return lean_head(model, packed.gather(out))
     device = _device_of(model)
     prompt_len = batch.prompt_ids.shape[1]
     resp_len = batch.response_ids.shape[1]
@@ -118,6 +155,7 @@ def policy_forward(
     autocast: AutocastFactory = no_autocast,
     detached_entropy: bool = False,
     truncate: bool = True,
+    packing: Packing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``[B, R]`` of ``batch.response_ids`` (and entropy ``[B, R]``) under
     the distribution each sample was drawn from (``batch.sampling``: temperature, then top-k and
@@ -127,12 +165,15 @@ def policy_forward(
     outside the truncated support (a sampler that kept a token this forward pass does not) has
     log-prob ``-inf``: :func:`outside_support` masks it. ``entropy`` returns the entropy of
     that distribution with gradients; ``detached_entropy`` (when ``entropy`` is False) returns
-    it without, from the same log-softmax, for metrics only.
+    it without, from the same log-softmax, for metrics only. ``packing`` runs the batch's
+    samples packed (:mod:`alignzoo.kernels.packing`): the same numbers without the padding.
     """
-    chunked = _chunked_head_logprobs(model, batch, autocast, entropy, detached_entropy, truncate)
+    chunked = _chunked_head_logprobs(
+        model, batch, autocast, entropy, detached_entropy, truncate, packing
+    )
     if chunked is not None:
         return chunked
-    logits = warp_logits(response_logits(model, batch, autocast), batch.sampling, truncate)
+    logits = warp_logits(response_logits(model, batch, autocast, packing), batch.sampling, truncate)
     tokens = batch.response_ids.to(logits.device)
     if entropy or detached_entropy:
         return logprobs_and_entropy(logits, tokens, entropy_grad=entropy)
@@ -146,6 +187,7 @@ def _chunked_head_logprobs(
     entropy: bool,
     detached_entropy: bool,
     truncate: bool,
+    packing: Packing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`policy_forward`'s numbers with the LM head in chunks of positions, for a model
     of the lean path whose response logits would exceed :data:`LOGITS_AT_ONCE` floats and
@@ -171,10 +213,14 @@ def _chunked_head_logprobs(
     with autocast():
         if torch.is_autocast_enabled(device.type):
             return None
-        hidden = lean_hidden(model, **model_inputs(batch, device), logits_to_keep=resp_len + 1)
+        packed = _packed(batch, packing)
+        if packed is not None:
+            hidden = packed.gather(_packed_model_outputs(model, packed, autocast)[0])
+        else:
+            inputs = model_inputs(batch, device)
+            hidden = lean_hidden(model, **inputs, logits_to_keep=resp_len + 1)[:, :resp_len]
     mode = "grad" if entropy else "detached" if detached_entropy else "none"
     tokens = batch.response_ids.to(device)
-    hidden = hidden[:, :resp_len]
     if tempers(batch.sampling):  # (h / T) W^T = z / T, row by row
         assert batch.sampling is not None
         temperature = batch.sampling[:, 0].to(device=device, dtype=hidden.dtype)
@@ -183,9 +229,24 @@ def _chunked_head_logprobs(
 
 
 def critic_forward(
-    critic: Any, batch: RolloutBatch, autocast: AutocastFactory = no_autocast
+    critic: Any,
+    batch: RolloutBatch,
+    autocast: AutocastFactory = no_autocast,
+    packing: Packing | None = None,
 ) -> torch.Tensor:
-    """Critic values ``[B, R]``: V(state before response token t)."""
+    """Critic values ``[B, R]``: V(state before response token t); ``packing`` as
+    :func:`policy_forward`'s."""
+    packed = _packed(batch, packing)
+    if packed is not None:
+        device = _device_of(critic)
+        mask = packed.attention_bias(next(critic.parameters()).dtype).to(device)
+        with autocast():
+            out = critic(
+                input_ids=packed.input_ids.to(device),
+                attention_mask=mask,
+                position_ids=packed.position_ids.to(device),
+            ).logits
+        return packed.gather(out)[..., 0].float()
     device = _device_of(critic)
     prompt_len = batch.prompt_ids.shape[1]
     resp_len = batch.response_ids.shape[1]
@@ -206,11 +267,17 @@ def evaluating(model: Any) -> Iterator[None]:
 
 
 def sequence_logprob(
-    model: Any, batch: RolloutBatch, autocast: AutocastFactory, truncate: bool = True
+    model: Any,
+    batch: RolloutBatch,
+    autocast: AutocastFactory,
+    truncate: bool = True,
+    packing: Packing | None = None,
 ) -> torch.Tensor:
     """Sum of response log-probs per sample ``[B]`` (those of tokens outside the sampled
     support, :func:`outside_support`, left out)."""
-    logprobs, _ = policy_forward(model, batch, autocast=autocast, truncate=truncate)
+    logprobs, _ = policy_forward(
+        model, batch, autocast=autocast, truncate=truncate, packing=packing
+    )
     mask = batch.response_mask.to(logprobs.device)
     logprobs, _ = outside_support(logprobs, mask)  # 0 where cut: left out of the sum
     return (logprobs * mask).sum(dim=-1)

@@ -519,6 +519,11 @@ def lean_logits(
     hidden = lean_hidden(
         model, input_ids, attention_mask, position_ids, logits_to_keep, cache, linear
     )
+    return lean_head(model, hidden)
+
+
+def lean_head(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head of a model the lean path runs, over ``hidden`` from :func:`lean_hidden`."""
     return _unwrapped(model).lm_head(hidden)
 
 
@@ -530,9 +535,12 @@ def lean_hidden(
     logits_to_keep: int = 0,
     cache: KVCache | None = None,
     linear: Linear | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What the LM head reads: the final norm's output ``[B, T or logits_to_keep, H]``;
-    arguments as :func:`lean_logits` (whose logits are ``lm_head`` of this)."""
+    arguments as :func:`lean_logits` (whose logits are ``lm_head`` of this). ``segments``
+    ``[B, T]`` (a packed batch's sample of each token, :mod:`alignzoo.kernels.packing`; not
+    with a cache) lets a query see only keys of its own segment."""
     if linear is None:
         linear = _call
     base = _unwrapped(model)
@@ -559,6 +567,10 @@ def lean_hidden(
     mask = (causal[None] & key_valid[:, None, :]) | (
         key_col[None, None, :] == query_col[None, :, None]
     )
+    if segments is not None:  # packed samples: a query sees its own sample's keys only
+        if cache is not None:
+            raise ValueError("packed segments take no KV cache")
+        mask = mask & (segments[:, :, None] == segments[:, None, :])
     mask = mask.unsqueeze(1)  # [B, 1, T, S]
     # The additive form sdpa turns a boolean mask into (0 where seen, -inf where not), made
     # once in the activations' dtype: not again in every layer, nor kept once per layer for

@@ -151,3 +151,52 @@ def test_an_sft_arm_asked_to_sample_is_refused_at_validate(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "arms.sft.online" in output and "exp.yaml" in output
     assert "nothing to sample" in output and "Traceback" not in output
+
+
+@pytest.mark.slow
+def test_a_packed_sft_arm_trains_on_the_same_loss_as_the_padded_one(tmp_path):
+    """training.packing: the same demonstrations, the same seed: the packed arm's per-step loss
+    equals the padded arm's (up to summation order, compounded over three updates), with far
+    less of its forward spent on padding (the premise that it did pack)."""
+    rows = tmp_path / "demonstrations.jsonl"
+    with rows.open("w") as out:  # prompts and completions of very different lengths
+        for i in range(24):
+            a, b = 7 ** (i % 9), 3 * i + 1
+            out.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
+    path = experiment(tmp_path, {"train": str(rows), "eval": "embedded"}, steps=3)
+    spec = yaml.safe_load(path.read_text())
+    spec["training"]["micro_batch_size"] = 3  # 4 prompts a step: micro-batches of 3 and 1
+    spec["arms"]["packed"] = {"algorithm": "sft", "training": {"packing": True}}
+    spec["arms"]["packed_long"] = {
+        "algorithm": "sft",
+        "training": {"packing": True, "packing_length": 64},
+    }
+    path.write_text(yaml.safe_dump(spec))
+    result = alignzoo(tmp_path, "run", str(path), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+    def rows(arm: str) -> list[dict]:
+        lines = (tmp_path / f"out/{arm}/seed-0/metrics.jsonl").open()
+        return [json.loads(line) for line in lines]
+
+    padded = rows("sft")
+    for arm in ("packed", "packed_long"):
+        packed = rows(arm)
+        assert [r["step"] for r in packed] == [1, 2, 3]
+        for a, b in zip(padded, packed, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (arm, a["step"])
+            assert b["timing/padding_frac"] <= a["timing/padding_frac"], (arm, a["step"])
+        mean = sum(r["timing/padding_frac"] for r in packed) / 3
+        assert mean < 0.5 * sum(r["timing/padding_frac"] for r in padded) / 3, arm
+    assert sum(r["timing/padding_frac"] for r in padded) / 3 > 0.15  # premise: padding
+
+
+def test_packing_length_without_packing_is_refused_naming_the_field(tmp_path):
+    path = experiment(tmp_path)
+    spec = yaml.safe_load(path.read_text())
+    spec["arms"]["sft"]["training"] = {"packing_length": 128}
+    path.write_text(yaml.safe_dump(spec))
+    result = alignzoo(tmp_path, "validate", str(path))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "exp.yaml" in output and "packing_length" in output
+    assert "set packing: true" in output and "Traceback" not in output
