@@ -182,8 +182,13 @@ class PolicyOutputs:
     logprobs ``[B, R]``: current policy log-probs of ``batch.response_ids``.
     entropy ``[B, R]``: per-token entropy of the current policy (when required).
     values ``[B, R]``: critic values (PPO).
+    logits ``[B, R, V]``: the policy's logits that predict each response token, with gradients,
+        before any temperature (when the algorithm asks for ``teacher_logits``).
+    teacher_logits ``[B, R, V]``: the teacher's at the same positions, without gradients.
     """
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    teacher_logits: torch.Tensor | None = None

@@ -62,6 +62,13 @@ class AlgorithmRequirements:
         teacher: load the arm's ``model.teacher`` (frozen, on the reference's device) and fill
             ``batch.teacher_logprobs``: the teacher's log-prob of each sampled token (on-policy
             distillation).
+        teacher_logits: (with ``teacher``) also the teacher's whole next-token distribution at
+            each response position: ``outputs.teacher_logits`` ``[B, R, V]``, computed without
+            gradients beside each micro-batch's forward pass; and the policy's own response
+            logits with gradients in ``outputs.logits`` (GKD's divergences over the vocabulary).
+        on_policy_fraction: (demonstrations) the share of steps whose batch the policy samples,
+            one response per row's prompt, instead of reading the rows' completions (GKD's
+            lambda); 0 reads every step's completions.
     """
 
     reference: bool = False
@@ -72,6 +79,8 @@ class AlgorithmRequirements:
     rollout_correction: bool = False
     weights: bool = False
     teacher: bool = False
+    teacher_logits: bool = False
+    on_policy_fraction: float = 0.0
 
 
 @dataclass(frozen=True)

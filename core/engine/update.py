@@ -26,8 +26,16 @@ from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
 from alignzoo.engine.scoring import packing_of
 from alignzoo.errors import RunError
-from alignzoo.kernels.forward import critic_forward, outside_support, policy_forward
-from alignzoo.kernels.packing import padding_fraction
+from alignzoo.kernels.forward import (
+    AutocastFactory,
+    critic_forward,
+    evaluating,
+    outside_support,
+    policy_forward,
+    policy_forward_with_logits,
+    response_logits,
+)
+from alignzoo.kernels.packing import Packing, padding_fraction
 from alignzoo.ops import (
     global_masked_mean,
     masked_kl_penalty,
@@ -108,6 +116,20 @@ def split_units(units: list[list[int]], size: int) -> list[list[int]]:
     return [[i for u in units[k : k + per] for i in u] for k in range(0, len(units), per)]
 
 
+@torch.no_grad()
+def frozen_logits(
+    model: torch.nn.Module | None,
+    batch: RolloutBatch,
+    autocast: AutocastFactory,
+    packing: Packing | None,
+) -> torch.Tensor:
+    """A frozen model's (the teacher's) response logits ``[B, R, V]``, in eval mode."""
+    if model is None:
+        raise RunError("the algorithm asks for the teacher's logits and the arm loaded no teacher")
+    with evaluating(model):
+        return response_logits(model, batch, autocast, packing).detach()
+
+
 def micro_step(
     learner: Learner,
     hooks: Hooks,
@@ -126,14 +148,26 @@ def micro_step(
     models = learner.models
     mb = step_batch.select(index)
     packing = packing_of(learner.cfg)
-    logprobs, entropy = policy_forward(
-        learner.actor_module,
-        mb,
-        entropy=requirements.entropy,
-        autocast=models.autocast,
-        detached_entropy=passes.needs_entropy,
-        packing=packing,
-    )
+    logits = teacher_logits = None
+    if requirements.teacher_logits:  # a divergence over the vocabulary: both whole logits
+        logprobs, entropy, logits = policy_forward_with_logits(
+            learner.actor_module,
+            mb,
+            entropy=requirements.entropy,
+            autocast=models.autocast,
+            detached_entropy=passes.needs_entropy,
+            packing=packing,
+        )
+        teacher_logits = frozen_logits(models.teacher, mb, models.autocast, packing)
+    else:
+        logprobs, entropy = policy_forward(
+            learner.actor_module,
+            mb,
+            entropy=requirements.entropy,
+            autocast=models.autocast,
+            detached_entropy=passes.needs_entropy,
+            packing=packing,
+        )
     outside = None
     if truncates(mb.sampling):  # a token the sampler kept and this pass cuts: not trained on
         fill = mb.old_logprobs if mb.old_logprobs is not None else 0.0
@@ -144,7 +178,12 @@ def micro_step(
     passes.record(mb, index, logprobs, entropy, outside)
     if mb.rollout_is_weights is None:
         apply_rollout_correction(mb, learner.cfg.rollout_correction, hooks)
-    outputs = PolicyOutputs(logprobs=logprobs, entropy=entropy if requirements.entropy else None)
+    outputs = PolicyOutputs(
+        logprobs=logprobs,
+        entropy=entropy if requirements.entropy else None,
+        logits=logits,
+        teacher_logits=None if teacher_logits is None else teacher_logits.to(logprobs.device),
+    )
     if models.critic is not None:
         values = critic_forward(
             learner.critic_module, mb, autocast=models.autocast, packing=packing

@@ -180,6 +180,26 @@ def policy_forward(
     return logprobs_from_logits(logits, tokens), None
 
 
+def policy_forward_with_logits(
+    model: Any,
+    batch: RolloutBatch,
+    entropy: bool = False,
+    autocast: AutocastFactory = no_autocast,
+    detached_entropy: bool = False,
+    packing: Packing | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`policy_forward`'s log-probs and entropy and, from the same pass, the response
+    logits ``[B, R, V]`` before any temperature (for a loss over the whole vocabulary, GKD's):
+    the logits are held whole, never in chunks of positions."""
+    logits = response_logits(model, batch, autocast, packing)
+    tokens = batch.response_ids.to(logits.device)
+    warped = warp_logits(logits, batch.sampling, True)
+    if entropy or detached_entropy:
+        logprobs, ent = logprobs_and_entropy(warped, tokens, entropy_grad=entropy)
+        return logprobs, ent, logits
+    return logprobs_from_logits(warped, tokens), None, logits
+
+
 def _chunked_head_logprobs(
     model: Any,
     batch: RolloutBatch,

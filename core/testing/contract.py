@@ -198,12 +198,29 @@ def evaluate(component: Any, case: BatchCase, backward: bool = True) -> Evaluati
     evaluation.loss = float(loss.detach().reshape(-1)[0]) if loss.numel() else math.nan
     if backward and loss.requires_grad and loss.numel() == 1:
         loss.reshape(()).backward()
-        evaluation.logprob_grad = outputs.logprobs.grad
+        evaluation.logprob_grad = logprob_gradient(outputs, batch.response_ids)
         for name in ("values",):
             tensor = getattr(outputs, name)
             if tensor is not None and tensor.grad is not None:
                 evaluation.extra_grads[name] = tensor.grad
     return evaluation
+
+
+def logprob_gradient(outputs: PolicyOutputs, response_ids: torch.Tensor) -> torch.Tensor | None:
+    """d loss / d logprobs ``[B, R]``, or None when the loss reached neither the log-probs nor
+    the logits. For a loss over whole distributions (``outputs.logits`` a leaf) it is the
+    logits' gradient seen from the sampled token: a descent step of size eta on the logits
+    changes log pi(y_t) by -eta (g_y - sum_v pi_v g_v), which is what a gradient
+    ``g_y - sum_v pi_v g_v`` on log pi(y_t) itself would do, so every property reads it alike."""
+    grad = outputs.logprobs.grad if outputs.logprobs.is_leaf else None
+    logits = outputs.logits
+    if logits is None or not logits.is_leaf or logits.grad is None:
+        return grad
+    g = logits.grad.detach()
+    ids = response_ids.to(g.device)
+    probs = torch.softmax(logits.detach(), dim=-1)
+    seen = g.gather(-1, ids[..., None])[..., 0] - (probs * g).sum(dim=-1)
+    return seen if grad is None else grad + seen
 
 
 def _close(a: float, b: float) -> bool:
@@ -260,8 +277,9 @@ def _prop_output_types(factory: Callable[[], Any], case: BatchCase) -> None:
     if not loss.requires_grad:
         raise ContractViolation("loss does not require grad: it is not connected to the policy")
     loss.backward()
-    if ev.outputs.logprobs.grad is None:
-        raise ContractViolation("loss.backward() gave no gradient for outputs.logprobs")
+    if logprob_gradient(ev.outputs, ev.batch.response_ids) is None:
+        what = "outputs.logprobs" if ev.outputs.logits is None else "outputs.logits"
+        raise ContractViolation(f"loss.backward() gave no gradient for {what}")
     if not isinstance(ev.batch, RolloutBatch):
         raise ContractViolation(
             f"compute_advantages returned {type(ev.batch).__name__}, not RolloutBatch"
@@ -360,6 +378,8 @@ def directional(case: BatchCase, data: str) -> BatchCase:
                 tuple(TEACHER_PREFERS if s == 1.0 else TEACHER_DOUBTS for _ in range(case.width))
                 for s in scores
             )
+    elif data == "demonstrations" and case.teacher_logprobs is not None:
+        updates["teacher_logprobs"] = rows(TEACHER_PREFERS)  # the teacher agrees with them
     return dataclasses.replace(case, **updates)
 
 
@@ -498,6 +518,10 @@ def _prop_micro_batches(
                 logprobs=outputs.logprobs[index],
                 entropy=None if outputs.entropy is None else outputs.entropy[index],
                 values=None if outputs.values is None else outputs.values[index],
+                logits=None if outputs.logits is None else outputs.logits[index],
+                teacher_logits=(
+                    None if outputs.teacher_logits is None else outputs.teacher_logits[index]
+                ),
             )
             result = pm.hook.compute_loss(batch=batch.select(part), outputs=micro, context=context)
             loss = result.loss.reshape(())
@@ -510,11 +534,8 @@ def _prop_micro_batches(
             f"{what}: their losses add up to {total!r}, the whole batch's loss is {whole.loss!r} "
             "(normalise by context.tokens / context.sequences, not by the micro-batch's own)"
         )
-    accumulated = (
-        outputs.logprobs.grad
-        if outputs.logprobs.grad is not None
-        else torch.zeros_like(outputs.logprobs)
-    )
+    gradient = logprob_gradient(outputs, batch.response_ids)
+    accumulated = gradient if gradient is not None else torch.zeros_like(outputs.logprobs)
     mask = batch.response_mask.detach()
     _assert_grads_close(_grad(whole), accumulated.detach(), f"{what}: accumulated gradient", mask)
 

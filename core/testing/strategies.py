@@ -70,6 +70,9 @@ LOGPROB_MIN = -50.0
 
 Rows = tuple[tuple[float, ...], ...]
 
+VOCABULARY = 32
+"""Token ids of a case are below this; it is the vocabulary of whole-distribution cases."""
+
 TOKEN_FIELDS = (
     "logprobs",
     "old_logprobs",
@@ -119,6 +122,7 @@ def make_batch(
     advantages: Any = None,
     returns: Any = None,
     response_ids: Any = None,
+    vocabulary: int | None = None,
     dtype: torch.dtype = torch.float32,
     requires_grad: bool = True,
 ) -> tuple[RolloutBatch, PolicyOutputs]:
@@ -131,6 +135,12 @@ def make_batch(
     gradients). ``mask`` defaults to all ones, ``group_ids`` to one group per sample,
     ``response_ids`` to token 1 everywhere. Every other argument fills the batch field of the
     same name (``values`` is the critic's rollout-time ``batch.values``).
+
+    ``vocabulary`` V (for an algorithm that asks for ``teacher_logits``) adds whole
+    distributions: ``outputs.logits`` ``[B, R, V]``, the leaf with ``requires_grad``, puts each
+    response token's log-prob on it and spreads the rest evenly over the other V - 1 tokens
+    (``outputs.logprobs`` is then their log-softmax at the response tokens, computed from
+    them); ``outputs.teacher_logits`` does the same from ``teacher_logprobs``.
     """
     logp = _tensor(logprobs, dtype)
     if logp.dim() != 2:
@@ -184,6 +194,19 @@ def make_batch(
         returns=opt(returns),
         columns=columns,
     )
+    if vocabulary is not None:
+        logits = spread_logits(logp, ids, vocabulary)
+        if requires_grad:
+            logits.requires_grad_(True)
+        teacher = batch.teacher_logprobs
+        outputs = PolicyOutputs(
+            logprobs=torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None])[..., 0],
+            entropy=opt(entropy),
+            values=leaf(policy_values),
+            logits=logits,
+            teacher_logits=None if teacher is None else spread_logits(teacher, ids, vocabulary),
+        )
+        return batch, outputs
     if requires_grad:
         logp.requires_grad_(True)
     outputs = PolicyOutputs(
@@ -192,6 +215,15 @@ def make_batch(
         values=leaf(policy_values),
     )
     return batch, outputs
+
+
+def spread_logits(logprobs: torch.Tensor, ids: torch.Tensor, vocabulary: int) -> torch.Tensor:
+    """Logits ``[B, R, V]`` whose log-softmax gives each token ``ids[b, t]`` the log-prob
+    ``logprobs[b, t]`` (to within 1e-6 of the rest's floor) and the other V - 1 tokens equal
+    shares of what is left."""
+    rest = torch.log(torch.clamp(-torch.expm1(logprobs.detach()), min=1e-6) / (vocabulary - 1))
+    logits = rest[..., None].expand(*logprobs.shape, vocabulary).clone()
+    return logits.scatter(-1, ids[..., None], logprobs.detach()[..., None])
 
 
 # --------------------------------------------------------------------------- the case record
@@ -230,6 +262,7 @@ class BatchCase:
     weights: tuple[float, ...] | None = None
     mismatched_logprobs: tuple[float, ...] | None = None
     mismatched_ref_logprobs: tuple[float, ...] | None = None
+    vocabulary: int | None = None
 
     @property
     def size(self) -> int:
@@ -265,6 +298,7 @@ class BatchCase:
             policy_values=self.policy_values,
             mismatched_logprobs=self.mismatched_logprobs,
             mismatched_ref_logprobs=self.mismatched_ref_logprobs,
+            vocabulary=self.vocabulary,
             dtype=dtype,
             requires_grad=requires_grad,
         )
@@ -274,7 +308,7 @@ class BatchCase:
         updates: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if value is not None and f.name != "vocabulary":
                 updates[f.name] = tuple(value[i] for i in order)
         return replace(self, **updates)
 
@@ -444,7 +478,7 @@ def batch_cases(
         labels = None
     width = draw(st.integers(1, max_width))
     lengths = tuple(draw(response_lengths(size, width)))
-    token_ids = st.integers(0, 31)
+    token_ids = st.integers(0, VOCABULARY - 1)
     response_ids = tuple(
         tuple(draw(st.lists(token_ids, min_size=width, max_size=width))) for _ in range(size)
     )
@@ -462,6 +496,8 @@ def batch_cases(
         case["ref_logprobs"] = _rows(draw, values_of, size, width)
     if requirements.teacher:
         case["teacher_logprobs"] = _rows(draw, values_of, size, width)
+    if requirements.teacher_logits:  # whole distributions over the ids' vocabulary
+        case["vocabulary"] = VOCABULARY
     if requirements.critic:
         value_strategy = st.floats(-5.0, 5.0, width=32)
         case["values"] = _rows(draw, value_strategy, size, width)
@@ -511,7 +547,7 @@ def padding_fill(
         if getattr(case, name) is not None
     }
     ids = tuple(
-        tuple(draw(st.lists(st.integers(0, 31), min_size=width, max_size=width)))
+        tuple(draw(st.lists(st.integers(0, VOCABULARY - 1), min_size=width, max_size=width)))
         for _ in range(case.size)
     )
     return fill, ids

@@ -84,7 +84,9 @@ def select_mode(requirements: AlgorithmRequirements, online: bool) -> DataMode:
     modes = _mode_classes()
     if key not in modes:
         raise RunError(f"no data mode for data kind {requirements.data!r}")
-    return modes[key]()
+    mode = modes[key]()
+    mode.on_policy_fraction = requirements.on_policy_fraction
+    return mode
 
 
 def required_columns(kind: str) -> tuple[str, ...]:

@@ -95,15 +95,18 @@ def part_rewards(infos: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def sample(rows: list[dict[str, Any]], source: StepSource) -> tuple[RolloutBatch, dict[str, float]]:
-    """Generate ``samples_per_prompt`` responses per row (not yet labeled), recording the
-    policy version that sampled them; ``timing/generate`` and ``batch/prompts`` in the
-    metrics."""
+def sample(
+    rows: list[dict[str, Any]], source: StepSource, n: int | None = None
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """Generate ``n`` (default ``samples_per_prompt``) responses per row (not yet labeled),
+    recording the policy version that sampled them; ``timing/generate`` and ``batch/prompts``
+    in the metrics."""
     cfg = source.training
     prompts, extras = split_rows(rows)
     start = time.perf_counter()
+    per_prompt = cfg.samples_per_prompt if n is None else n
     batch, m = source.hooks.rollout(
-        prompts, extras, cfg.samples_per_prompt, cfg.sampling, source.seeds, source.episodes
+        prompts, extras, per_prompt, cfg.sampling, source.seeds, source.episodes
     )
     batch.policy_version = source.policy_version
     # A partial rollout recorded each token's version as it sampled it; otherwise every token
@@ -221,6 +224,9 @@ class DataMode:
     token_columns: ClassVar[dict[str, bool]] = {}
     """Text columns an offline mode tokenises once before training (column -> encode with the
     tokenizer's special tokens); see :func:`~alignzoo.engine.tokenize.pretokenize`."""
+    on_policy_fraction: float = 0.0
+    """The algorithm's ``on_policy_fraction`` (a mode that reads completions samples this
+    share of its steps from the policy instead)."""
 
     def tokenize(self, dataset: Any, tokenizer: Any) -> Any:
         """The train dataset with the token ids of :attr:`token_columns` beside their texts."""

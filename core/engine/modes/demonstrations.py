@@ -5,12 +5,21 @@ assistant turn the completion).
 A training batch holds one sample per row; ``response_mask`` covers the completion only, so
 the loss (the completion's negative log-likelihood) never trains on the prompt
 (completion-only loss, TRL's default). Each step reads ``prompts_per_step`` rows.
+
+An algorithm with an ``on_policy_fraction`` lambda > 0 (GKD) has that share of its steps
+sampled instead: the policy writes one response to each of the step's prompts (at
+``training.sampling``, unlabeled), and the step trains on those. Whether a step is sampled is
+drawn from its first row's sampling seed, so a rerun or a resumed run draws the same steps;
+under several processes each draws its own, as TRL's GKDTrainer does.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
+
+from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.config.schema import TrainingConfig
 from alignzoo.engine.modes.base import (
@@ -19,10 +28,13 @@ from alignzoo.engine.modes.base import (
     DataMode,
     StepSource,
     read_rows,
+    sample,
 )
 from alignzoo.engine.tokenize import is_token_column, row_tokens, tokenized_batch
 
 COLUMNS = ("prompt", "completion")
+ON_POLICY = "batch/on_policy"
+"""1 when the step trained on the policy's own samples, 0 when on the rows' completions."""
 
 
 def demonstrations_batch(
@@ -57,9 +69,27 @@ class OfflineDemonstrations(DataMode):
     token_columns: ClassVar[dict[str, bool]] = {"prompt": True, "completion": False}
 
     def collect(self, rows: list[dict[str, Any]], source: StepSource) -> Collected:
-        return read_rows(
+        if self.samples_this_step(source):
+            batch, m = sample(rows, source, n=1)
+            tokens = int(batch.response_mask.sum())
+            m[canonical.BATCH_RESPONSES] = float(batch.size)
+            m[canonical.RESPONSE_LENGTH] = tokens / max(batch.size, 1)
+            m[ON_POLICY] = 1.0
+            return Collected(batch, samples=batch.size, tokens=tokens, metrics=m)
+        collected = read_rows(
             demonstrations_batch(source.tokenizer, rows, OFFLINE_MAX_TOKENS), len(rows)
         )
+        if self.on_policy_fraction > 0:
+            collected.metrics[ON_POLICY] = 0.0
+        return collected
+
+    def samples_this_step(self, source: StepSource) -> bool:
+        """Whether this step's batch is the policy's samples (drawn with probability
+        ``on_policy_fraction`` from the step's first sampling seed)."""
+        if self.on_policy_fraction <= 0 or not source.seeds:
+            return False
+        draw = np.random.default_rng([source.seeds[0], 0x6B64]).random()
+        return bool(draw < self.on_policy_fraction)
 
     def step_sizes(self, cfg: TrainingConfig) -> tuple[int, int]:
         return cfg.prompts_per_step, cfg.prompts_per_step

@@ -14,7 +14,7 @@ from alignzoo.registry import get_registry
 from alignzoo.testing import check_algorithm
 from alignzoo.types import LossOutput
 
-BUILT_INS = ("dpo", "grpo", "kto", "opd", "ppo", "reinforce_pp", "rloo", "sft", "simpo")
+BUILT_INS = ("dpo", "gkd", "grpo", "kto", "opd", "ppo", "reinforce_pp", "rloo", "sft", "simpo")
 VARIANTS = [
     ("grpo", {"scale_rewards": "none", "loss_aggregation": "seq-mean-token-sum"}),  # Dr. GRPO-like
     ("grpo", {"importance_ratio": "sequence"}),  # GSPO
