@@ -210,9 +210,11 @@ test: setup vllm-env verifiers-env browser slurm
 	$(MAKE) --no-print-directory test-vllm
 	$(MAKE) --no-print-directory test-verifiers
 
-## The vllm backend's tests, in the vLLM environment (vLLM's engine starts in about 30 s).
+## The vllm backend's tests and the served teacher's against a vLLM server, in the vLLM
+## environment (vLLM's engine starts in about 30 s).
 test-vllm: vllm-env
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm tests/plugins/backends/test_vllm.py
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm \
+		tests/plugins/backends/test_vllm.py tests/core/engine/test_served_teacher_vllm.py
 
 ## The verifiers integration's tests, in the verifiers environment.
 test-verifiers: verifiers-env

@@ -52,7 +52,7 @@ def _async_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
 
 def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
     """What keeps ``arm``'s components and settings from running together: its data (online
-    or offline, an environment), its sampling temperature, rollout correction and
+    or offline, an environment), its teacher, its sampling temperature, rollout correction and
     parallelism, each component's hook implementations against the hookspecs, and sample
     weights nothing multiplies in."""
     spec, algorithm = arm.spec, arm.components.get("algorithm")
@@ -84,8 +84,9 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
             locator.issue(
                 (*at, "model", "teacher"),
                 f"{spec.algorithm.name} distills from a teacher and the arm has none: set "
-                "model.teacher: {path: <a checkpoint folder with the policy's tokenizer>} or "
-                "{embedded: {...}} (the embedded world's teacher)",
+                "model.teacher: {path: <a checkpoint folder with the policy's tokenizer>}, "
+                "{embedded: {...}} (the embedded world's teacher) or {served: {base_url: ..., "
+                "model: ...}} (an OpenAI-compatible endpoint)",
             )
         )
     teacher = spec.model.teacher
@@ -96,6 +97,33 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
                 "the embedded world's teacher tokenizes as the embedded policy does, not as "
                 f"the policy {spec.model.policy!r}; give the teacher as a path (a checkpoint "
                 "with the policy's tokenizer)",
+            )
+        )
+    if (
+        teacher is not None
+        and teacher.served is not None
+        and requirements is not None
+        and requirements.teacher_logits
+    ):
+        issues.append(
+            locator.issue(
+                (*at, "model", "teacher", "served"),
+                f"{spec.algorithm.name} learns the teacher's whole next-token distribution, and "
+                "a served teacher returns the log-probs of the sampled tokens only; give the "
+                "teacher as a path (a local checkpoint) or embedded",
+            )
+        )
+    temperature = spec.training.sampling.temperature
+    if teacher is not None and teacher.served is not None and temperature not in (0, 1):
+        issues.append(
+            locator.issue(
+                (*at, "model", "teacher", "served"),
+                f"a served teacher's log-probs are at temperature 1 (the endpoint's prompt "
+                f"log-probs come from the raw logits, and a log-prob cannot be re-tempered), "
+                f"and the arm samples at training.sampling.temperature {temperature:g}: the "
+                "teacher would score another distribution than the policy samples; sample at "
+                "temperature 1, or give the teacher as a path (a local teacher's log-probs are "
+                "taken at the sampling temperature)",
             )
         )
     greedy = spec.training.sampling.temperature == 0 and algorithm is not None

@@ -108,10 +108,60 @@ class EmbeddedModelConfig(_Strict):
     seed: int = Field(0, description="Seed of the embedded model's initialisation and warm start.")
 
 
+class ServedTeacherConfig(_Strict):
+    """A teacher served over HTTP by an OpenAI-compatible ``/v1/completions`` endpoint (a vLLM
+    server): the policy's prompt and sampled response go out as token ids, and the endpoint's
+    prompt log-probs are the teacher's log-prob of each response token. Its log-probs are those
+    of the raw logits (temperature 1), so the arm must sample at temperature 1."""
+
+    base_url: str = Field(
+        description="The server's address, e.g. http://127.0.0.1:8000 (a trailing /v1 is "
+        "accepted); requests go to <base_url>/v1/completions."
+    )
+    model: str = Field(description="The model name the endpoint serves (listed by /v1/models).")
+    api_key_env: str | None = Field(
+        None, description="Environment variable holding the API key (sent as a Bearer token)."
+    )
+    timeout_s: float = Field(120.0, gt=0, description="Timeout of one request, in seconds.")
+    max_concurrency: PositiveInt = Field(
+        4, description="Requests in flight at once (each carries up to batch_size sequences)."
+    )
+    batch_size: PositiveInt = Field(
+        16, description="Sequences per request (the request's prompt is a list of token-id lists)."
+    )
+    retries: int = Field(
+        2,
+        ge=0,
+        description="Tries after the first of a request that fails by connection, timeout, "
+        "HTTP 429 or 5xx (with backoff); then the step fails. Other HTTP errors fail at once.",
+    )
+    logprobs_field: Literal["prompt_logprobs", "echo"] = Field(
+        "prompt_logprobs",
+        description="How the log-probs are asked for: 'prompt_logprobs' (vLLM's extension, "
+        "prompt_logprobs: 0 and max_tokens: 1; read from choices[i].prompt_logprobs) or 'echo' "
+        "(the legacy OpenAI form, echo: true, logprobs: 0, max_tokens: 0; read from "
+        "choices[i].logprobs.token_logprobs).",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="A local folder with the served model's tokenizer, compared with the "
+        "policy's vocabulary at validate and at load; needed when the server has no /tokenize "
+        "endpoint (vLLM's has one).",
+    )
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s):// URL (e.g. http://127.0.0.1:8000)")
+        return value
+
+
 class TeacherConfig(_Strict):
     """The teacher of a distillation algorithm (``opd``): a frozen model whose log-probs of the
     policy's own sampled tokens the algorithm learns from. It must share the policy's
-    tokenizer; it is placed on the reference's device and never trained or checkpointed."""
+    tokenizer; a local one is placed on the reference's device, a served one is called over
+    HTTP; it is never trained or checkpointed."""
 
     path: str | None = Field(
         None,
@@ -123,11 +173,20 @@ class TeacherConfig(_Strict):
         description="The embedded world's teacher, built and cached like the warm start: the "
         "embedded policy's settings with these changed (larger, or sft_slip: 0).",
     )
+    served: ServedTeacherConfig | None = Field(
+        None,
+        description="A teacher served by an OpenAI-compatible /v1/completions endpoint (a vLLM "
+        "server) that returns prompt log-probs; sampling at temperature 1 only.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> TeacherConfig:
-        if (self.path is None) == (self.embedded is None):
-            raise ValueError("set exactly one of path (a local checkpoint) or embedded")
+        given = [s for s in (self.path, self.embedded, self.served) if s is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "set exactly one of path (a local checkpoint), embedded or served (an "
+                "OpenAI-compatible endpoint)"
+            )
         return self
 
 
@@ -145,8 +204,8 @@ class ModelConfig(_Strict):
     )
     teacher: TeacherConfig | None = Field(
         None,
-        description="The teacher of a distillation algorithm (opd): a local checkpoint or the "
-        "embedded world's teacher; its log-probs of the policy's samples fill "
+        description="The teacher of a distillation algorithm (opd): a local checkpoint, the "
+        "embedded world's teacher or a served model; its log-probs of the policy's samples fill "
         "batch.teacher_logprobs.",
     )
 

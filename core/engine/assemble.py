@@ -37,6 +37,7 @@ from alignzoo.engine.parts import (
 from alignzoo.engine.policy import policy_path, teacher_path
 from alignzoo.engine.sampler import PromptSampler
 from alignzoo.engine.scoring import Scorer, packing_of
+from alignzoo.engine.served import ServedTeacher
 from alignzoo.engine.sinks import Sinks
 from alignzoo.errors import ConfigError, ConfigIssue, UserError
 from alignzoo.labeling import LabelingStage
@@ -109,6 +110,9 @@ class Run:
         among them). Every step runs even when an earlier one raises; the error is raised
         after the last."""
         with ExitStack() as stack:  # callbacks run last in, first out
+            teacher = getattr(self.context.models, "teacher", None)
+            if isinstance(teacher, ServedTeacher):
+                stack.callback(teacher.close)
             stack.callback(self.hooks.on_run_end, self.context, status)
             if self.eval_labeling is not None:
                 stack.callback(self.eval_labeling.close)
@@ -159,7 +163,8 @@ def needed_roles(req: AlgorithmRequirements, arm: ArmSpec) -> list[str]:
     """The roles this run has: actor, rollout and labeler always; ref (the reference and the
     teacher), critic, reward on demand."""
     roles = ["actor", "rollout", "labeler"]
-    if req.reference or req.teacher:  # the teacher sits on the reference's device
+    local_teacher = req.teacher and not (arm.model.teacher and arm.model.teacher.served)
+    if req.reference or local_teacher:  # a local teacher sits on the reference's device
         roles.append("ref")
     if req.critic:
         roles.append("critic")
@@ -329,7 +334,12 @@ def assemble(
     path = policy_path(mcfg, spec.data, log)
     models = model_loading.load_models(path, mcfg, devices, req.reference, req.critic, seed)
     models.placements = placements
-    if req.teacher:
+    if req.teacher and mcfg.teacher is not None and mcfg.teacher.served is not None:
+        served = ServedTeacher(mcfg.teacher.served)
+        served.check(models.tokenizer)  # it answers, serves the model, tokenizes as the policy
+        models.teacher = served
+        log(f"model.teacher: served by {mcfg.teacher.served.base_url} ({served.cfg.model})")
+    elif req.teacher:
         where = teacher_path(mcfg, spec.data, log)
         models.teacher = model_loading.load_teacher(where, mcfg, models.device("ref"), models)
     note = model_loading.precision_note(mcfg, models.device("actor"))

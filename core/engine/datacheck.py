@@ -4,7 +4,8 @@ Every arm reads ``data.train`` in the columns of its data mode (online prompts, 
 pairs, unpaired feedback) and ``data.eval`` as prompts. Each source is opened and checked the
 way a run reads it (:func:`alignzoo.engine.datasets.load_split`: columns, types, empty prompts,
 split names), once per kind of data rather than once per arm or seed; conversational data is
-also checked against the arm's policy tokenizer (it needs a chat template). Every ``python``
+also checked against the arm's policy tokenizer (it needs a chat template); a teacher must
+tokenize as the policy does (a served one must also answer and serve its model). Every ``python``
 labeler an arm uses (its labeler, fallbacks and ``combine`` parts) is called once on the first
 row of the data it will label, as a training step calls it, so a reward function that cannot
 be called is refused here rather than minutes into a run. A problem is a
@@ -139,6 +140,8 @@ def _teacher_issues(loaded: LoadedExperiment, arm: str) -> list[ConfigIssue]:
     compares log-probs token by token); both tokenizers are named when they differ."""
     model = loaded.spec.arms[arm].model
     teacher = model.teacher
+    if teacher is not None and teacher.served is not None:
+        return _served_teacher_issues(loaded, arm)
     if teacher is None or teacher.path is None:
         return []  # none, or the embedded world's (the policy's own tokenizer)
     field = f"arms.{arm}.model.teacher.path"
@@ -165,6 +168,28 @@ def _teacher_issues(loaded: LoadedExperiment, arm: str) -> list[ConfigIssue]:
         "compares log-probs token by token, so both must tokenize alike"
     )
     return [ConfigIssue(loaded.source, None, field, why)]
+
+
+def _served_teacher_issues(loaded: LoadedExperiment, arm: str) -> list[ConfigIssue]:
+    """A served teacher must answer, serve its ``model`` and tokenize as the policy does
+    (:meth:`~alignzoo.engine.served.ServedTeacher.problems`: GET /v1/models, POST /tokenize
+    with a probe, the ``tokenizer`` folder's vocabulary); a hub policy's tokenizer is compared
+    when the run loads it."""
+    from alignzoo.engine.served import ServedTeacher
+
+    model = loaded.spec.arms[arm].model
+    assert model.teacher is not None and model.teacher.served is not None
+    try:
+        tokenizer = _tokenizer(model.policy)
+    except (OSError, ValueError):
+        tokenizer = None  # the policy's own check reports it
+    teacher = ServedTeacher(model.teacher.served, f"arms.{arm}.model.teacher.served")
+    try:
+        found = teacher.problems(tokenizer)
+    finally:
+        teacher.close()
+    at = ("arms", arm, "model", "teacher", "served")
+    return [loaded.issue((*at, sub), why) for sub, why in found]
 
 
 DRY_RESPONSE = "a response"

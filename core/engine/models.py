@@ -11,13 +11,16 @@ import contextlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from alignzoo.config.schema import ModelConfig
 from alignzoo.errors import UserError
 from alignzoo.types import Placement
+
+if TYPE_CHECKING:
+    from alignzoo.engine.served import ServedTeacher
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,7 +31,8 @@ class Models:
 
     ``actor`` is the trainable policy (a peft model under LoRA); ``reference`` the frozen
     starting policy (None when the algorithm needs none); ``critic`` the value model (PPO);
-    ``teacher`` the frozen teacher of a distillation algorithm (on the reference's device);
+    ``teacher`` the frozen teacher of a distillation algorithm (on the reference's device, or
+    a :class:`~alignzoo.engine.served.ServedTeacher` behind an endpoint);
     ``devices`` maps each role (actor, ref, critic, reward, rollout, labeler) to the device the
     device mapper placed it on, ``placements`` to its full :class:`~alignzoo.types.Placement`; ``autocast`` is the mixed-precision context of forward passes.
     Everything else (the learner, the stages, the hooks' ``run``) reads the models from here.
@@ -41,7 +45,7 @@ class Models:
     placements: dict[str, Placement] = field(default_factory=dict)
     reference: torch.nn.Module | None = None
     critic: torch.nn.Module | None = None
-    teacher: torch.nn.Module | None = None  # model.teacher, for distillation algorithms
+    teacher: torch.nn.Module | ServedTeacher | None = None  # model.teacher (distillation)
     autocast: Callable[[], Any] = contextlib.nullcontext
 
     def device(self, role: str) -> str:

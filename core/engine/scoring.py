@@ -14,6 +14,7 @@ import torch
 from alignzoo.batch import RolloutBatch
 from alignzoo.config.schema import TrainingConfig
 from alignzoo.engine.models import Models
+from alignzoo.engine.served import ServedTeacher
 from alignzoo.kernels.forward import (
     chunks,
     critic_forward,
@@ -73,9 +74,12 @@ class Scorer:
 
     def teacher_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The teacher's per-token log-probs of the sampled tokens ``[B, R]``, at the sampling
-        temperature (as the reference's: the distributions compared are the tempered ones)."""
+        temperature (as the reference's: the distributions compared are the tempered ones); a
+        served teacher's from its endpoint (temperature 1 only, :mod:`alignzoo.engine.served`)."""
         teacher, autocast = self.models.teacher, self.models.autocast
         assert teacher is not None
+        if isinstance(teacher, ServedTeacher):
+            return teacher.logprobs(batch)
         return no_grad_map(
             lambda b: policy_forward(
                 teacher, b, autocast=autocast, truncate=False, packing=self.packing

@@ -17,7 +17,18 @@ from alignzoo.registry import Registry, build_plugin_manager, get_registry
 from tests.core.helpers import ToyAlgorithm, entry_point, toy_registry
 
 BUILTINS = {
-    "algorithm": {"ppo", "grpo", "rloo", "reinforce_pp", "dpo", "simpo", "kto", "opd", "sft", "gkd"},
+    "algorithm": {
+        "ppo",
+        "grpo",
+        "rloo",
+        "reinforce_pp",
+        "dpo",
+        "simpo",
+        "kto",
+        "opd",
+        "sft",
+        "gkd",
+    },
     "labeler": {"arithmetic", "reward_model"},
     "backend": {"hf"},
     "device_mapper": {"single", "split"},
