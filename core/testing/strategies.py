@@ -119,6 +119,8 @@ def make_batch(
     advantages: Any = None,
     returns: Any = None,
     response_ids: Any = None,
+    dense_rewards: Any = None,
+    dense_mask: Any = None,
     dtype: torch.dtype = torch.float32,
     requires_grad: bool = True,
 ) -> tuple[RolloutBatch, PolicyOutputs]:
@@ -182,6 +184,8 @@ def make_batch(
         weights=opt(weights),
         advantages=opt(advantages),
         returns=opt(returns),
+        dense_rewards=opt(dense_rewards),
+        dense_mask=opt(dense_mask),
         columns=columns,
     )
     if requires_grad:
