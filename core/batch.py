@@ -40,6 +40,14 @@ class RolloutBatch:
         scores ``[B]``: the labeler's sequence rewards; score_valid ``[B]`` bool.
         labels ``[B]``: 1.0 chosen / desirable, 0.0 rejected / undesirable (preference data).
         token_rewards ``[B, R]``: per-token rewards (score at the last token, KL penalty).
+        dense_rewards ``[B, R]`` float and dense_mask ``[B, R]`` float: a labeler's per-step
+            scores (``Score.steps``, a process reward model's) placed on the response's
+            tokens: each step's score on the last trained token of its span (steps ending on
+            one token add up), and 1.0 in the mask there. A sample whose labeler gave no steps
+            has an all-zero mask. None when no sample of the batch had steps: concatenated
+            with a batch that has them, it counts as all zero (see :meth:`concat`). Filled by
+            the labeling stage in training passes (:mod:`alignzoo.labeling.dense`); read by
+            the algorithms that declare ``AlgorithmRequirements.dense_rewards``.
         advantages ``[B, R]``, returns ``[B, R]``: from ``compute_advantages``.
         weights ``[B]``: per-sample loss weights set by batch transforms (1.0 by default).
         entropy ``[B, R]``: per-token entropy of the behaviour snapshot (the policy before the
@@ -83,6 +91,8 @@ class RolloutBatch:
     score_valid: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
+    dense_rewards: torch.Tensor | None = None
+    dense_mask: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     weights: torch.Tensor | None = None
@@ -138,7 +148,10 @@ class RolloutBatch:
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
-        """Stack batches along B (responses are right-padded and prompts left-padded to fit)."""
+        """Stack batches along B (responses are right-padded and prompts left-padded to fit).
+
+        A field set in only some of the batches is an error, except the dense rewards and
+        their mask: a batch without them had no step scores, and counts as all zero."""
         if len(batches) == 1:
             return batches[0]
         out: dict[str, Any] = {}
@@ -148,6 +161,14 @@ class RolloutBatch:
                 out[f.name] = min((v for v in values if v is not None), default=None)
             elif all(v is None for v in values):
                 out[f.name] = None
+            elif f.name in _ZERO_WHEN_ABSENT:  # a part without step scores: all zero
+                out[f.name] = _pad_cat(
+                    [
+                        v if v is not None else torch.zeros_like(b.response_mask, dtype=_DENSE)
+                        for v, b in zip(values, batches, strict=True)
+                    ],
+                    left=False,
+                )
             elif any(v is None for v in values):
                 raise ValueError(f"cannot concatenate batches: {f.name} is set in only some")
             elif isinstance(values[0], torch.Tensor):
@@ -161,6 +182,10 @@ class RolloutBatch:
             else:
                 out[f.name] = [item for v in values for item in v]
         return RolloutBatch(**out)
+
+
+_ZERO_WHEN_ABSENT = ("dense_rewards", "dense_mask")
+_DENSE = torch.float32
 
 
 def _pad_cat(tensors: list[torch.Tensor], left: bool) -> torch.Tensor:

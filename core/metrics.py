@@ -35,6 +35,19 @@ REWARD_STD = "reward/std"
 REWARD_VALID_FRAC = "reward/valid_frac"
 """Fraction of the step's responses the labeler could judge (``Score.valid``)."""
 
+REWARD_DENSE_STEPS = "reward/dense_steps"
+"""Mean over the step's responses of the tokens that carry a step's reward (``Score.steps``
+placed on tokens, ``batch.dense_mask``): steps per sample, those ending on one token counted
+once. Reported by arms whose labeler gave step scores in the step, whatever the algorithm."""
+
+REWARD_DENSE_MEAN = "reward/dense_mean"
+"""Mean step reward over the tokens that carry one (``batch.dense_rewards`` where
+``batch.dense_mask`` is 1), in the labeler's units."""
+
+REWARD_DENSE_UNPLACED = "reward/dense_unplaced"
+"""Steps per response that found no trained token to sit on (the response text is not the
+text of its trained tokens; see :mod:`alignzoo.labeling.dense`): 0 when every step was placed."""
+
 LOSS = "loss"
 """The optimised loss, summed over the micro-batches of an optimizer step, averaged over the
 step's optimizer steps. Its scale differs between algorithms: compare its trend, not its level."""
@@ -113,6 +126,9 @@ CANONICAL: dict[str, str] = {
     REWARD_MEAN: "training reward (mean)",
     REWARD_STD: "training reward (std)",
     REWARD_VALID_FRAC: "responses the labeler could judge",
+    REWARD_DENSE_STEPS: "step rewards per response",
+    REWARD_DENSE_MEAN: "step reward (mean)",
+    REWARD_DENSE_UNPLACED: "step rewards not placed on a token",
     LOSS: "loss",
     LR: "learning rate",
     BATCH_PROMPTS: "prompts per step",

@@ -469,14 +469,22 @@ def token_level_rewards(
     mask: torch.Tensor,
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    dense: torch.Tensor | None = None,
+    dense_coef: float = 0.0,
 ) -> torch.Tensor:
-    """Per-token rewards ``[B, R]``: each score on its last token, minus ``kl_coef * KL_t`` on each.
+    """Per-token rewards ``[B, R]``: each score on its last token, minus ``kl_coef * KL_t`` on
+    each, plus ``dense_coef`` times the dense (per-step) rewards ``[B, R]`` where given.
 
-    r_t = 1[t = T] * score - beta * KL_t   (Ziegler et al. 2019; Ouyang et al. 2022, eq. 2)
+    r_t = 1[t = T] * score - beta * KL_t + c * d_t   (Ziegler et al. 2019; Ouyang et al. 2022,
+    eq. 2; d_t a process reward on the last token of each step, as PRIME adds it, Cui et al. 2025)
+
+    Without ``dense`` (or with ``dense_coef`` 0) the result is exactly the sequence-level one.
     """
     rewards = last_token_scores(scores, mask)
     if kl is not None and kl_coef != 0.0:
         rewards = rewards - kl_coef * torch.where(mask.bool(), upcast(kl), 0.0)
+    if dense is not None and dense_coef != 0.0:
+        rewards = rewards + dense_coef * torch.where(mask.bool(), upcast(dense), 0.0)
     return rewards
 
 

@@ -122,6 +122,14 @@ class Labeler(Component):
     """Whether the same request always gets the same Score. False for people or a sampled
     judge: ``alignzoo check labeler`` then does not hold it to the same answer twice."""
 
+    @property
+    def gives_steps(self) -> bool:
+        """Whether its Scores carry per-step scores (``Score.steps``: dense rewards, a process
+        reward model's). ``alignzoo validate`` refuses such a labeler in front of an algorithm
+        that does not read ``batch.dense_rewards`` (``AlgorithmRequirements.dense_rewards``).
+        False by default; a labeler that gives steps overrides it (it may depend on params)."""
+        return False
+
     def score(self, request: LabelRequest) -> Score:
         """Score one response to one prompt (called by the default ``score_batch``)."""
         raise NotImplementedError(f"{type(self).__name__} implements neither score nor score_batch")

@@ -69,6 +69,10 @@ class AlgorithmRequirements:
         on_policy_fraction: (demonstrations) the share of steps whose batch the policy samples,
             one response per row's prompt, instead of reading the rows' completions (GKD's
             lambda); 0 reads every step's completions.
+        dense_rewards: ``compute_advantages`` adds ``batch.dense_rewards`` (a labeler's step
+            scores placed on tokens, :attr:`Score.steps`) to its per-token rewards when the
+            batch has them. ``alignzoo validate`` refuses an arm whose labeler gives step
+            scores (``Labeler.gives_steps``) to an algorithm that does not declare this.
     """
 
     reference: bool = False
@@ -81,6 +85,7 @@ class AlgorithmRequirements:
     teacher: bool = False
     teacher_logits: bool = False
     on_policy_fraction: float = 0.0
+    dense_rewards: bool = False
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,21 @@ class Outcome(str, Enum):
     REJECTED = "rejected"
 
 
+@dataclass(frozen=True)
+class StepScore:
+    """The score of one step of a response (a process reward): the step is the response text's
+    characters ``[start, end)`` (Python string indices of ``LabelRequest.response``) and
+    ``score`` a finite number.
+
+    The engine places ``score`` on the last trained token of the step's span (the token that
+    completes its last character; :mod:`alignzoo.labeling.dense`), in ``batch.dense_rewards``.
+    """
+
+    start: int
+    end: int
+    score: float
+
+
 @dataclass
 class Score:
     """A labeler's verdict on one response.
@@ -256,12 +276,20 @@ class Score:
       correct sample as desirable.
     - ``info["raw"]`` (number): the unscaled value of a labeler that rescales its scores per
       batch; evaluation reports it as ``eval/score`` so the metric means the same at every step.
+
+    ``steps`` (a value's only): per-step scores of the response (a process reward model's),
+    each a :class:`StepScore` naming a character span of the response text. In a training pass
+    the engine places each on the last trained token of its span, in ``batch.dense_rewards``
+    with ``batch.dense_mask``, for algorithms that read dense rewards (PPO, REINFORCE++). The
+    sequence ``value`` stays what sequence-level algorithms train on; ``labeling.normalize``
+    rescales the value, never the steps.
     """
 
     value: float
     valid: bool = True
     info: dict[str, Any] = field(default_factory=dict)
     outcome: Outcome = Outcome.VALUE
+    steps: list[StepScore] = field(default_factory=list)
 
     @classmethod
     def abstain(cls, reason: str = "") -> Score:

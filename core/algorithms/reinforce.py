@@ -58,6 +58,9 @@ class KLPenalisedReinforce(Algorithm):
             old_logprobs_in_advantages=kl,
             rollout_correction=True,
             weights=True,
+            # REINFORCE++'s per-token rewards take step rewards (its dense_reward_coef);
+            # RLOO's one advantage per sequence has no place for them.
+            dense_rewards=getattr(self.params, "dense_reward_coef", 0.0) > 0,
         )
 
     def reward_terms(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -164,6 +164,7 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
         except PluginLoadError as exc:
             issues.append(locator.issue(slot_field(arm.name, slot), str(exc)))
     issues += _weights_without_a_taker(arm, locator)
+    issues += _steps_without_a_taker(arm, locator)
     return issues
 
 
@@ -228,6 +229,40 @@ def _weights_without_a_taker(arm: BuiltArm, locator: Locator) -> list[ConfigIssu
             "the algorithm honour batch.weights",
         )
         for i, name in setters
+    ]
+
+
+def _steps_without_a_taker(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
+    """A training labeler that gives step scores (``Labeler.gives_steps``: dense rewards, a
+    process reward model's) in front of an algorithm that does not read them
+    (``AlgorithmRequirements.dense_rewards``): the steps would train nothing, silently."""
+    givers = [
+        slot
+        for slot, component in arm.components.items()
+        if (slot == "labeler" or slot.startswith("labeling.fallbacks."))
+        and getattr(component, "gives_steps", False) is True
+    ]
+    requirements = arm.loaded_requirements
+    if not givers or requirements is None or requirements.dense_rewards:
+        return []
+    algorithm = arm.spec.algorithm.name
+    fallbacks = arm.spec.labeling.fallbacks
+
+    def name(slot: str) -> str:
+        ref = arm.spec.labeler if slot == "labeler" else fallbacks[int(slot.rsplit(".", 1)[1])]
+        return str(getattr(ref, "name", slot))
+
+    return [
+        locator.issue(
+            slot_field(arm.name, slot),
+            f"labeler {name(slot)!r} gives step scores (dense rewards, "
+            f"batch.dense_rewards), but algorithm {algorithm!r} does not read them "
+            "(AlgorithmRequirements(dense_rewards=True)): they would train nothing; use an "
+            "algorithm that adds them to its per-token rewards (ppo, reinforce_pp, with "
+            "dense_reward_coef > 0), or have the labeler give its sequence score only "
+            "(process_reward_model: dense: false)",
+        )
+        for slot in givers
     ]
 
 

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from alignzoo.labeling import LabelingStage
     from alignzoo.rollout.multiturn import Episodes
 
-_UNLABELED = ("scores", "score_valid", "label_info")
+_UNLABELED = ("scores", "score_valid", "label_info", "dense_rewards", "dense_mask")
 """Fields the labeling pass fills: a checkpoint keeps the batch without them."""
 
 
@@ -118,7 +118,7 @@ class LabelAhead(Collector):
 
     def _timed_label(self, batch: RolloutBatch, step: int | None) -> tuple[LabelReport, float]:
         start = time.perf_counter()
-        report = label(self.hooks, batch, self.labeling, step=step)
+        report = label(self.hooks, batch, self.labeling, step=step, tokenizer=self.tokenizer)
         return report, time.perf_counter() - start
 
     def _start(self, ahead: _Ahead) -> _Ahead:

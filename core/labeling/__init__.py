@@ -13,7 +13,9 @@ Three layers, each a module:
 - :mod:`~alignzoo.labeling.store`: the SQLite store that keeps every label across steps and
   restarts (so a resumed run never asks twice).
 
-Around them: :mod:`~alignzoo.labeling.swap` (hot swap and shadow mode in a live run) and
+Around them: :mod:`~alignzoo.labeling.dense` (a labeler's step scores, ``Score.steps``,
+placed on the response's tokens as ``batch.dense_rewards``; the ``reward/dense_*`` metrics),
+:mod:`~alignzoo.labeling.swap` (hot swap and shadow mode in a live run) and
 :mod:`~alignzoo.labeling.service` (a labeler over HTTP, the wire format in
 :mod:`~alignzoo.labeling.protocol`).
 
@@ -27,12 +29,14 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from alignzoo.labeling.dense import dense_metrics
     from alignzoo.labeling.interface import LabelRequest, Outcome, Score, start_labeler
     from alignzoo.labeling.orchestrator import LabelingStage, default_stage, label
     from alignzoo.labeling.report import LabelReport
     from alignzoo.labeling.store import STORE_FILE, LabelStore
 
 _EXPORTS = {
+    "dense_metrics": "dense",
     "LabelRequest": "interface",
     "Outcome": "interface",
     "Score": "interface",
@@ -54,6 +58,7 @@ __all__ = [
     "Outcome",
     "Score",
     "default_stage",
+    "dense_metrics",
     "label",
     "start_labeler",
 ]

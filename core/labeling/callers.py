@@ -127,10 +127,10 @@ def _stats_of(labeler: Any) -> dict[str, float]:
         return {}
 
 
-def interpret(scores: Any, n: int) -> CallResult:
-    checked = check_scores(scores, n)
+def interpret(scores: Any, requests: list[LabelRequest]) -> CallResult:
+    checked = check_scores(scores, len(requests), [r.response for r in requests])
     if isinstance(checked, str):
-        return failed_call(n, Outcome.REJECTED, f"the labeler {checked}")
+        return failed_call(len(requests), Outcome.REJECTED, f"the labeler {checked}")
     return CallResult(checked)
 
 
@@ -148,7 +148,7 @@ class InlineCaller:
             raise  # a problem the user must fix is not retried away
         except Exception as exc:
             return failed_call(len(requests), *outcome_of(exc))
-        return interpret(scores, len(requests))
+        return interpret(scores, requests)
 
     def stats(self) -> dict[str, float]:
         """The labeler's own ``stats()`` (running totals for its counters)."""
@@ -299,7 +299,7 @@ class ProcessCaller:
         kind, *rest = reply
         if kind == "ok":
             self._take_stats(rest[1])
-            return interpret(rest[0], len(requests))
+            return interpret(rest[0], requests)
         if kind == "user_error":  # as in process: a problem the user must fix stops the run
             self._take_stats(rest[1])
             raise UserError(str(rest[0]))

@@ -14,12 +14,14 @@ Layers of :mod:`alignzoo.labeling`: this interface; :mod:`~alignzoo.labeling.orc
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 # The labeler's records are part of the plugin contract, at the package root.
 from alignzoo.types import LabelRequest as LabelRequest
 from alignzoo.types import Outcome as Outcome
 from alignzoo.types import Score as Score
+from alignzoo.types import StepScore as StepScore
 
 
 class StandaloneRun:
@@ -42,10 +44,12 @@ def start_labeler(pm: Any, run: Any = None) -> None:
     pm.hook.on_run_start(run=run if run is not None else StandaloneRun())
 
 
-def check_scores(scores: Any, n: int) -> list[Score] | str:
+def check_scores(scores: Any, n: int, responses: Sequence[str] | None = None) -> list[Score] | str:
     """One Score per request: what the labeler returned where usable, a ``rejected`` Score
-    (with the reason) for an item that is not a Score or whose value is not a finite number;
-    or the reason the whole answer is rejected (not a list, the wrong count)."""
+    (with the reason) for an item that is not a Score, whose value is not a finite number or
+    whose steps are unusable (:func:`step_problem`; with ``responses``, the requests' response
+    texts, a span must also lie within its response); or the reason the whole answer is
+    rejected (not a list, the wrong count)."""
     if not isinstance(scores, (list, tuple)):
         return f"returned {type(scores).__name__}, not a list of Score"
     if len(scores) != n:
@@ -63,6 +67,11 @@ def check_scores(scores: Any, n: int) -> list[Score] | str:
             else:
                 if not math.isfinite(value):
                     problem = f"returned a non-finite score ({value}) for response {i}"
+            if problem is None and s.steps:
+                length = len(responses[i]) if responses is not None else None
+                found = step_problem(s.steps, length)
+                if found is not None:
+                    problem = f"returned {found} for response {i}"
         if problem is None:
             out.append(s)
         else:
@@ -70,3 +79,26 @@ def check_scores(scores: Any, n: int) -> list[Score] | str:
                 Score(math.nan, False, {"reason": f"the labeler {problem}"}, Outcome.REJECTED)
             )
     return out
+
+
+def step_problem(steps: Any, length: int | None = None) -> str | None:
+    """What makes a Score's ``steps`` unusable, or None: not a list of :class:`StepScore`, a
+    span that is not integers ``0 <= start < end`` (``end <= length``, the response's length in
+    characters, when given), or a score that is not a finite number."""
+    if not isinstance(steps, (list, tuple)):
+        return f"steps of type {type(steps).__name__}, not a list of StepScore"
+    for k, step in enumerate(steps):
+        if not isinstance(step, StepScore):
+            return f"step {k} of type {type(step).__name__}, not a StepScore"
+        start, end = step.start, step.end
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end):
+            return f"step {k} with span [{start!r}, {end!r}); expected integers 0 <= start < end"
+        if length is not None and end > length:
+            return f"step {k} with span [{start}, {end}) past the response's {length} characters"
+        try:
+            score = float(step.score)
+        except (TypeError, ValueError):
+            return f"step {k} with score {step.score!r}; expected a number"
+        if not math.isfinite(score):
+            return f"step {k} with a non-finite score ({score})"
+    return None

@@ -44,6 +44,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from alignzoo import distributed
@@ -251,7 +252,7 @@ class LabelingStage:
             for i, value in zip(mine, new, strict=True):
                 old = scores[i]
                 info = {**old.info, "raw": old.info.get("raw", float(old.value))}
-                scores[i] = Score(value, old.valid, info, old.outcome)
+                scores[i] = replace(old, value=value, info=info)  # its steps stay as given
             if stats is not None:
                 metrics[f"label/{slot.name}/norm_mean"] = stats.mean
                 metrics[f"label/{slot.name}/norm_std"] = stats.std
@@ -642,6 +643,7 @@ def label(
     stage: LabelingStage | None = None,
     normalize: bool = True,
     step: int | None = None,
+    tokenizer: Any = None,
 ) -> LabelReport:
     """Fill ``batch.scores``, ``batch.score_valid`` and ``batch.label_info`` (in place) through
     ``stage`` (the run's labeling stage; without one, a plain single-labeler stage over
@@ -649,7 +651,10 @@ def label(
     ``info["outcome"]``; the report's ``keep`` says which samples may be trained on.
     ``normalize``: a training pass (``labeling.normalize`` applies); evaluation passes False,
     so it scores raw values and leaves the running state alone. ``step``: the training step
-    the samples are for, given to labelers with each request."""
+    the samples are for, given to labelers with each request. ``tokenizer``: the policy's;
+    with it the labelers' step scores are placed on tokens, ``batch.dense_rewards`` and
+    ``batch.dense_mask`` (:func:`alignzoo.labeling.dense.fill`; both None when no labeler
+    gave steps)."""
     import torch  # here: importing the stage (a worker process, relabel) needs no torch
 
     if stage is None:
@@ -667,6 +672,10 @@ def label(
         {**s.info, "outcome": s.outcome.value} if s.outcome != Outcome.VALUE else dict(s.info)
         for s in report.scores
     ]
+    if tokenizer is not None:
+        from alignzoo.labeling.dense import fill
+
+        fill(batch, report.scores, tokenizer)
     return report
 
 

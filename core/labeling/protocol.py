@@ -3,7 +3,8 @@ the server (:mod:`alignzoo.labeling.service`) and its client (the ``http`` label
 
 - ``POST /v1/score``: a :class:`ScoreRequest` body ``{"version": 1, "requests": [{"prompt",
   "response", "extra"}, ...]}``, answered ``{"version": 1, "labeler": <identity>, "scores":
-  [...]}`` with one :func:`score_to_json` object per request, in order.
+  [...]}`` with one :func:`score_to_json` object per request, in order (a value's step
+  scores, when it has them, as ``"steps": [[start, end, score], ...]``).
 - ``GET /health``: ``{"status": "ok", "labeler": <identity>, "version": 1}``.
 
 Bodies are read with :func:`loads_limited`: UTF-8 JSON nested at most :data:`MAX_JSON_DEPTH`
@@ -18,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from alignzoo.labeling.interface import LabelRequest, Outcome, Score
+from alignzoo.labeling.interface import LabelRequest, Outcome, Score, StepScore
 
 PROTOCOL_VERSION = 1
 
@@ -119,12 +120,15 @@ def score_to_json(score: Score) -> dict[str, Any]:
     value = float(score.value) if score.outcome == Outcome.VALUE else None
     if value is not None and not math.isfinite(value):
         value = None  # JSON has no NaN; the client sees a value-less 'value' outcome: rejected
-    return {
+    out = {
         "value": value,
         "valid": bool(score.valid),
         "outcome": score.outcome.value,
         "info": score.info,
     }
+    if score.steps and value is not None:  # a value's step scores: [[start, end, score], ...]
+        out["steps"] = [[s.start, s.end, float(s.score)] for s in score.steps]
+    return out
 
 
 def score_from_json(item: Any) -> Any:
@@ -139,4 +143,11 @@ def score_from_json(item: Any) -> Any:
     if outcome != Outcome.VALUE:
         return Score(math.nan, False, info, outcome)
     value = item.get("value")
-    return Score(math.nan if value is None else value, bool(item.get("valid", True)), info)
+    steps = item.get("steps") or []
+    if isinstance(steps, list) and all(
+        isinstance(step, list) and len(step) == 3 for step in steps
+    ):  # anything else is handed on as it is, for the labeling stage to reject
+        steps = [StepScore(*step) for step in steps]
+    return Score(
+        math.nan if value is None else value, bool(item.get("valid", True)), info, steps=steps
+    )

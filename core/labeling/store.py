@@ -5,9 +5,9 @@ params) and the request (prompt, response and the dataset's extra columns). The 
 looks every request up before calling a labeler and writes what the call gave right after it,
 in one transaction: so a resumed run (which replays the steps after its checkpoint) and a
 repeated pair (identical responses within a GRPO group) are never scored twice, and a SIGKILL
-loses at most the call in flight. Only verdicts are stored (values and abstains), never a
-timeout or an infrastructure error, nor an abstain marked ``info["pending"]`` (a label that may
-still come, like a human rating not given yet).
+loses at most the call in flight. Only verdicts are stored (values, with their step scores
+``Score.steps``, and abstains), never a timeout or an infrastructure error, nor an abstain
+marked ``info["pending"]`` (a label that may still come, like a human rating not given yet).
 
 ``alignzoo relabel RUN_DIR LABELER.yaml`` reads the stored requests back and scores them with
 another labeler (see :func:`stored_requests`).
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from alignzoo.runfolder import LABELS
-from alignzoo.types import LabelRequest, Outcome, Score
+from alignzoo.types import LabelRequest, Outcome, Score, StepScore
 
 STORE_FILE = LABELS
 """The store's file in a run folder."""
@@ -43,9 +43,13 @@ CREATE TABLE IF NOT EXISTS labels (
     info TEXT NOT NULL,
     seconds REAL NOT NULL,
     created REAL NOT NULL,
+    steps TEXT,
     PRIMARY KEY (labeler, key)
 )
 """
+_COLUMNS = (
+    "labeler, key, prompt, response, extra, outcome, value, valid, info, seconds, created, steps"
+)
 KEPT = (Outcome.VALUE, Outcome.ABSTAIN)
 
 
@@ -80,6 +84,9 @@ class LabelStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute(_SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(labels)")}
+        if "steps" not in columns:  # a store written before step scores existed
+            self.db.execute("ALTER TABLE labels ADD COLUMN steps TEXT")
 
     def close(self) -> None:
         with self.lock:
@@ -94,16 +101,17 @@ class LabelStore:
             marks = ",".join("?" * len(chunk))
             with self.lock:
                 rows = self.db.execute(
-                    f"SELECT key, outcome, value, valid, info FROM labels "
+                    f"SELECT key, outcome, value, valid, info, steps FROM labels "
                     f"WHERE labeler = ? AND key IN ({marks})",
                     [labeler, *chunk],
                 ).fetchall()
-            for key, outcome, value, valid, info in rows:
+            for key, outcome, value, valid, info, steps in rows:
                 found[key] = Score(
                     math.nan if value is None else float(value),
                     bool(valid),
                     json.loads(info),
                     Outcome(outcome),
+                    steps_from_json(steps),
                 )
         return found
 
@@ -128,6 +136,7 @@ class LabelStore:
                 json.dumps(score.info, default=str),
                 seconds,
                 now,
+                steps_to_json(score.steps),
             )
             for key, req, score in items
             if score.outcome in KEPT and not score.info.get("pending")
@@ -140,7 +149,9 @@ class LabelStore:
                 self.db.execute("BEGIN IMMEDIATE")
                 try:
                     self.db.executemany(
-                        "INSERT OR REPLACE INTO labels VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows
+                        f"INSERT OR REPLACE INTO labels ({_COLUMNS}) VALUES "
+                        "(?,?,?,?,?,?,?,?,?,?,?,?)",
+                        rows,
                     )
                     self.db.execute("COMMIT")
                 except BaseException:
@@ -150,23 +161,37 @@ class LabelStore:
         return len(rows)
 
 
+def steps_to_json(steps: list[StepScore]) -> str | None:
+    """A Score's steps as stored: ``[[start, end, score], ...]``, or None without steps."""
+    if not steps:
+        return None
+    return json.dumps([[s.start, s.end, float(s.score)] for s in steps])
+
+
+def steps_from_json(text: str | None) -> list[StepScore]:
+    """The steps :func:`steps_to_json` stored (none for a NULL)."""
+    if not text:
+        return []
+    return [StepScore(int(a), int(b), float(c)) for a, b, c in json.loads(text)]
+
+
 def stored_requests(path: str | Path) -> list[tuple[str, LabelRequest, dict[str, Score]]]:
     """Every distinct request in a store, with the Scores each labeler gave it."""
     db = sqlite3.connect(Path(path), timeout=30)
     try:
         rows = db.execute(
-            "SELECT key, prompt, response, extra, labeler, outcome, value, valid, info "
+            "SELECT key, prompt, response, extra, labeler, outcome, value, valid, info, steps "
             "FROM labels ORDER BY created, key"
         ).fetchall()
     finally:
         db.close()
     out: dict[str, tuple[LabelRequest, dict[str, Score]]] = {}
-    for key, prompt, response, extra, labeler, outcome, value, valid, info in rows:
+    for key, prompt, response, extra, labeler, outcome, value, valid, info, steps in rows:
         _, scores = out.setdefault(
             key, (LabelRequest(prompt=prompt, response=response, extra=json.loads(extra)), {})
         )
         scores[labeler] = Score(
             math.nan if value is None else float(value), bool(valid), json.loads(info),
-            Outcome(outcome),
+            Outcome(outcome), steps_from_json(steps),
         )  # fmt: skip
     return [(key, request, scores) for key, (request, scores) in out.items()]

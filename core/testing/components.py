@@ -164,7 +164,7 @@ def _score(hook: Any, requests: list[LabelRequest]) -> list[Score]:
             f"score_batch raised {type(exc).__name__}: {exc} (bad model output must be a value "
             "or an abstain; an unavailable service raises LabelerUnavailable)"
         ) from None
-    checked = check_scores(answer, len(requests))
+    checked = check_scores(answer, len(requests), [r.response for r in requests])
     if isinstance(checked, str):
         raise ContractViolation(f"score_batch {checked}")
     for i, score in enumerate(checked):

@@ -123,6 +123,8 @@ def make_batch(
     returns: Any = None,
     response_ids: Any = None,
     vocabulary: int | None = None,
+    dense_rewards: Any = None,
+    dense_mask: Any = None,
     dtype: torch.dtype = torch.float32,
     requires_grad: bool = True,
 ) -> tuple[RolloutBatch, PolicyOutputs]:
@@ -192,6 +194,8 @@ def make_batch(
         weights=opt(weights),
         advantages=opt(advantages),
         returns=opt(returns),
+        dense_rewards=opt(dense_rewards),
+        dense_mask=opt(dense_mask),
         columns=columns,
     )
     if vocabulary is not None:

@@ -11,6 +11,12 @@ with the clipped surrogate (PPO eq. 7), optionally dual-clipped for negative adv
 (Ye et al. 2020), a clipped value loss, and KL either in the reward (fixed coefficient or the
 adaptive controller of Ziegler et al. 2019, section 2.2) or as a loss term (k1, k2 or k3 estimator).
 
+Dense rewards: when the labeler scores steps (``Score.steps``, a process reward model), each
+step's score sits on the last token of its step (``batch.dense_rewards``) and
+``dense_reward_coef`` times it is added to that token's reward before GAE, beside the
+sequence score on the last token (PRIME's combination, Cui et al. 2025). Without step scores
+the rewards, and so the whole update, are exactly those of sequence-level PPO.
+
 The adaptive controller is the paper's proportional rule, counted in training steps:
 
     e_t = clip(KL_t / kl_target - 1, -0.2, 0.2)        beta_{t+1} = beta_t * (1 + e_t / H)
@@ -124,6 +130,13 @@ class PPOParams(AggregationParams):
     kl_loss_coef: float = Field(0.0, ge=0.0, description="weight of a KL term in the loss")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k1", description="per-token KL estimator, in the reward and in the loss"
+    )
+    dense_reward_coef: float = Field(
+        1.0,
+        ge=0.0,
+        description="weight of the labeler's step scores (batch.dense_rewards, a process reward "
+        "model's) added to the per-token reward before GAE, each on the last token of its "
+        "step; 0 ignores them. Without step scores nothing changes",
     )
     whiten_advantages: bool = Field(True, description="normalise advantages over the batch")
     loss_aggregation: LossAggregation = Field(
@@ -373,6 +386,7 @@ class PPO(Algorithm):
             old_logprobs_in_advantages=True,
             rollout_correction=True,
             weights=True,
+            dense_rewards=self.params.dense_reward_coef > 0,
         )
 
     @hookimpl
@@ -393,7 +407,10 @@ class PPO(Algorithm):
                 batch.old_logprobs, batch.ref_logprobs, mask, p.kl_estimator
             )  # KL_t of the sampled tokens to the reference
         # R(x, y) = r(x, y) - beta * log(pi(y|x) / pi_ref(y|x))   (Ouyang et al. 2022, eq. 2)
-        batch.token_rewards = ops.token_level_rewards(batch.scores, mask, kl, self.kl_ctl.value)
+        # + c * d_t, a step's process reward on its last token (PRIME, Cui et al. 2025)
+        batch.token_rewards = ops.token_level_rewards(
+            batch.scores, mask, kl, self.kl_ctl.value, batch.dense_rewards, p.dense_reward_coef
+        )
         advantages, returns = ops.gae(batch.token_rewards, batch.values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
             advantages = ops.masked_whiten(advantages, mask)

@@ -14,7 +14,7 @@ from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.errors import RunError
-from alignzoo.labeling import LabelReport, label
+from alignzoo.labeling import LabelReport, dense_metrics, label
 
 if TYPE_CHECKING:
     from alignzoo.config.schema import TrainingConfig
@@ -121,7 +121,8 @@ def sample(
 
 def labeled(batch: RolloutBatch, report: LabelReport, m: dict[str, float]) -> Collected:
     """A generated batch once :func:`~alignzoo.labeling.orchestrator.label` has filled it: the samples
-    without a value left out, the ``reward/*`` and ``batch/*`` metrics added to ``m``."""
+    without a value left out, the ``reward/*`` (``reward/dense_*`` too when the labeler gave
+    step scores) and ``batch/*`` metrics added to ``m``."""
     m.update(report.metrics())
     generated = batch.size
     if len(report.keep) < batch.size:  # samples without a value never reach the loss
@@ -139,6 +140,7 @@ def labeled(batch: RolloutBatch, report: LabelReport, m: dict[str, float]) -> Co
         m[canonical.RESPONSE_LENGTH] = float(batch.response_mask.sum(dim=1).mean())
     m[canonical.BATCH_RESPONSES] = float(batch.size)
     m.update(part_rewards(batch.label_info))
+    m.update(dense_metrics(batch))  # reward/dense_*: when the labeler gave step scores
     # The budget counts what was generated, labeled or not.
     return Collected(
         batch, samples=generated, tokens=int(batch.response_mask.sum()), metrics=m, report=report
@@ -196,7 +198,9 @@ def sample_and_label(rows: list[dict[str, Any]], source: StepSource) -> Collecte
     """The online start of a step: ``samples_per_prompt`` responses per row, scored."""
     batch, m = sample(rows, source)
     start = time.perf_counter()
-    report = label(source.hooks, batch, source.labeling, step=source.step)
+    report = label(
+        source.hooks, batch, source.labeling, step=source.step, tokenizer=source.tokenizer
+    )
     m["timing/label"] = time.perf_counter() - start
     return labeled(batch, report, m)
 
