@@ -59,7 +59,8 @@ class AlgorithmRequirements:
             ``batch.rollout_is_weights`` when they are set (truncated importance sampling
             between the rollout backend's and the trainer's probabilities), so the arm may turn
             on ``training.rollout_correction``.
-        teacher: load the arm's ``model.teacher`` (frozen, on the reference's device) and fill
+        teacher: load the arm's ``model.teacher`` (frozen, on the reference's device; a served
+            teacher is an endpoint, on no device) and fill
             ``batch.teacher_logprobs``: the teacher's log-prob of each sampled token (on-policy
             distillation).
         teacher_logits: (with ``teacher``) also the teacher's whole next-token distribution at
