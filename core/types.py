@@ -70,6 +70,10 @@ class AlgorithmRequirements:
         on_policy_fraction: (demonstrations) the share of steps whose batch the policy samples,
             one response per row's prompt, instead of reading the rows' completions (GKD's
             lambda); 0 reads every step's completions.
+        teacher_completions: (demonstrations, with ``teacher``) the steps the policy does not
+            sample train on the teacher's own samples of the rows' prompts, one each at
+            ``training.sampling``, instead of the rows' completions (sequence-level
+            distillation; TRL GKD's ``seq_kd``).
         dense_rewards: ``compute_advantages`` adds ``batch.dense_rewards`` (a labeler's step
             scores placed on tokens, :attr:`Score.steps`) to its per-token rewards when the
             batch has them. ``alignzoo validate`` refuses an arm whose labeler gives step
@@ -86,6 +90,7 @@ class AlgorithmRequirements:
     teacher: bool = False
     teacher_logits: bool = False
     on_policy_fraction: float = 0.0
+    teacher_completions: bool = False
     dense_rewards: bool = False
 
 

@@ -113,6 +113,20 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
                 "teacher as a path (a local checkpoint) or embedded",
             )
         )
+    if (
+        teacher is not None
+        and teacher.served is not None
+        and requirements is not None
+        and requirements.teacher_completions
+    ):
+        issues.append(
+            locator.issue(
+                (*at, "model", "teacher", "served"),
+                f"{spec.algorithm.name} with seq_kd trains on completions the teacher writes, "
+                "and a served teacher is read for log-probs only; give the teacher as a path "
+                "(a local checkpoint) or embedded",
+            )
+        )
     temperature = spec.training.sampling.temperature
     if teacher is not None and teacher.served is not None and temperature not in (0, 1):
         issues.append(

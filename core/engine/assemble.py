@@ -26,6 +26,7 @@ from alignzoo.engine.learner import Learner, build_learner, shard_units
 from alignzoo.engine.mirror import Mirror, mirror_for
 from alignzoo.engine.models import Models
 from alignzoo.engine.modes import DataMode, select_mode
+from alignzoo.engine.modes.demonstrations import OfflineDemonstrations, TeacherWriter
 from alignzoo.engine.parts import (
     fresh_components,
     labeler_hooks,
@@ -342,6 +343,14 @@ def assemble(
     elif req.teacher:
         where = teacher_path(mcfg, spec.data, log)
         models.teacher = model_loading.load_teacher(where, mcfg, models.device("ref"), models)
+    if (
+        req.teacher_completions
+        and models.teacher is not None
+        and isinstance(mode, OfflineDemonstrations)
+    ):  # sequence-level distillation: the teacher writes the demonstrations
+        mode.teacher_writer = TeacherWriter(
+            models.teacher, models.tokenizer, models.device("ref"), models.autocast
+        )
     note = model_loading.precision_note(mcfg, models.device("actor"))
     if note is not None:
         log(note)

@@ -19,7 +19,8 @@ samples.
 
 The data are the paper's mixture: with probability lambda a step trains on the student's own
 responses to the step's prompts (on-policy, sampled at ``training.sampling``), otherwise on the
-demonstrations' completions (the ``demonstrations`` data mode; ``batch/on_policy`` says which).
+demonstrations' completions (the ``demonstrations`` data mode; ``batch/on_policy`` says which),
+or with ``seq_kd`` on the teacher's own samples of the step's prompts.
 lambda = 1 with beta = 1 is on-policy distillation with the reverse KL over the whole
 vocabulary (``opd`` takes the same KL from the sampled tokens only).
 """
@@ -75,6 +76,11 @@ class GKDParams(AggregationParams):
         description="how per-token divergences are reduced: TRL's mean over the step's "
         "completion tokens, or seq-mean-token-mean",
     )
+    seq_kd: bool = Field(
+        False,
+        description="the steps not sampled by the student train on the teacher's own samples "
+        "of their prompts instead of the demonstrations' completions (TRL's seq_kd)",
+    )
 
 
 def generalized_jsd(
@@ -109,6 +115,7 @@ class GKD(Algorithm):
             teacher=True,
             teacher_logits=True,
             on_policy_fraction=self.params.lmbda,
+            teacher_completions=self.params.seq_kd,
         )
 
     @hookimpl

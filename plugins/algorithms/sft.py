@@ -9,7 +9,9 @@ negative log-likelihood of the completion's tokens given the prompt and the toke
 with N the completion tokens of the optimizer step (``loss_aggregation: token-mean``, TRL's;
 ``seq-mean-token-mean`` averages each completion first). The prompt is context only: its tokens
 carry no loss. Nothing is sampled and no labeler is called for training; the arm is evaluated
-as every arm is, so an A/B puts SFT in the same table as RL.
+as every arm is, so an A/B puts SFT in the same table as RL. With ``seq_kd`` the completions
+are the teacher's own samples of the step's prompts (sequence-level knowledge distillation,
+Kim & Rush 2016): the same loss on what the teacher writes.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class SFTParams(AggregationParams):
         description="how per-token losses are reduced: TRL's token mean over the step's "
         "completion tokens, or seq-mean-token-mean (each completion weighs the same)",
     )
+    seq_kd: bool = Field(
+        False,
+        description="sequence-level distillation: train on the teacher's own samples of each "
+        "step's prompts (model.teacher, at training.sampling) instead of the rows' completions "
+        "(Kim & Rush 2016; TRL GKD's seq_kd)",
+    )
 
 
 class SFT(Algorithm):
@@ -54,7 +62,10 @@ class SFT(Algorithm):
 
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:
-        return AlgorithmRequirements(data="demonstrations", weights=True)
+        seq_kd = self.params.seq_kd
+        return AlgorithmRequirements(
+            data="demonstrations", weights=True, teacher=seq_kd, teacher_completions=seq_kd
+        )
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:

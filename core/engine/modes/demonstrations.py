@@ -11,10 +11,17 @@ sampled instead: the policy writes one response to each of the step's prompts (a
 ``training.sampling``, unlabeled), and the step trains on those. Whether a step is sampled is
 drawn from its first row's sampling seed, so a rerun or a resumed run draws the same steps;
 under several processes each draws its own, as TRL's GKDTrainer does.
+
+An algorithm with ``teacher_completions`` (``seq_kd``) trains the other steps on the teacher's
+own samples of the step's prompts instead of the rows' completions (sequence-level
+distillation): :class:`TeacherWriter` samples them with the ``hf`` backend over the frozen
+teacher, at ``training.sampling`` and the rows' own seeds.
 """
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -29,6 +36,7 @@ from alignzoo.engine.modes.base import (
     StepSource,
     read_rows,
     sample,
+    split_rows,
 )
 from alignzoo.engine.tokenize import is_token_column, row_tokens, tokenized_batch
 
@@ -68,14 +76,19 @@ class OfflineDemonstrations(DataMode):
     columns: ClassVar[tuple[str, ...]] = COLUMNS
     token_columns: ClassVar[dict[str, bool]] = {"prompt": True, "completion": False}
 
+    teacher_writer: TeacherWriter | None = None
+    """Set by the engine for an algorithm with ``teacher_completions``."""
+
     def collect(self, rows: list[dict[str, Any]], source: StepSource) -> Collected:
         if self.samples_this_step(source):
             batch, m = sample(rows, source, n=1)
-            tokens = int(batch.response_mask.sum())
-            m[canonical.BATCH_RESPONSES] = float(batch.size)
-            m[canonical.RESPONSE_LENGTH] = tokens / max(batch.size, 1)
             m[ON_POLICY] = 1.0
-            return Collected(batch, samples=batch.size, tokens=tokens, metrics=m)
+            return _written(batch, m)
+        if self.teacher_writer is not None:
+            batch, m = self.teacher_writer.write(rows, source)
+            if self.on_policy_fraction > 0:
+                m[ON_POLICY] = 0.0
+            return _written(batch, m)
         collected = read_rows(
             demonstrations_batch(source.tokenizer, rows, OFFLINE_MAX_TOKENS), len(rows)
         )
@@ -93,3 +106,42 @@ class OfflineDemonstrations(DataMode):
 
     def step_sizes(self, cfg: TrainingConfig) -> tuple[int, int]:
         return cfg.prompts_per_step, cfg.prompts_per_step
+
+
+def _written(batch: RolloutBatch, m: dict[str, float]) -> Collected:
+    """A step's batch that a model wrote (the policy or the teacher), one response a row."""
+    tokens = int(batch.response_mask.sum())
+    m[canonical.BATCH_RESPONSES] = float(batch.size)
+    m[canonical.RESPONSE_LENGTH] = tokens / max(batch.size, 1)
+    return Collected(batch, samples=batch.size, tokens=tokens, metrics=m)
+
+
+class TeacherWriter:
+    """The teacher's own completions of a step's prompts: the registered ``hf`` backend
+    sampling with the frozen teacher (on its device, the run's precision), one response per
+    row at ``training.sampling`` and the rows' seeds."""
+
+    def __init__(self, teacher: Any, tokenizer: Any, device: str, autocast: Any) -> None:
+        from alignzoo.registry import get_registry
+
+        self.backend = get_registry().get("backend", "hf")()
+        run = SimpleNamespace(
+            actor=teacher,
+            tokenizer=tokenizer,
+            device=lambda role: device,
+            models=SimpleNamespace(autocast=autocast),
+        )
+        self.backend.on_run_start(run)
+
+    def write(
+        self, rows: list[dict[str, Any]], source: StepSource
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """One teacher sample per row (unlabeled), with ``timing/teacher_generate``."""
+        prompts, extras = split_rows(rows)
+        start = time.perf_counter()
+        batch = self.backend.generate(prompts, extras, 1, source.training.sampling, source.seeds)
+        batch.rollout_logprobs = None  # the teacher's numbers, not the policy's
+        return batch, {
+            "timing/teacher_generate": time.perf_counter() - start,
+            canonical.BATCH_PROMPTS: float(len(rows)),
+        }

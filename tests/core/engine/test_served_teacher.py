@@ -255,6 +255,11 @@ def test_validate_refuses_a_bad_served_teacher_naming_the_file_and_the_field(fol
         code, output = validate(gkd, cache)
         assert code == 2 and "Traceback" not in output, output
         assert "model.teacher.served" in output and "whole next-token distribution" in output
+        spec["arms"]["distill"]["algorithm"] = {"name": "sft", "params": {"seq_kd": True}}
+        gkd.write_text(yaml.safe_dump(spec))  # the teacher writes: a served one cannot here
+        code, output = validate(gkd, cache)
+        assert code == 2 and "Traceback" not in output, output
+        assert "model.teacher.served" in output and "completions the teacher writes" in output
     assert not cache.exists()  # nothing was built or loaded to check the teacher
 
 

@@ -174,3 +174,9 @@ def test_a_gkd_arm_trains_on_a_mixture_of_its_samples_and_the_demonstrations(tmp
     for row in sampled + read:  # the loss is the mean divergence, one response a prompt
         assert row["samples"] == 4 * row["step"]
         assert row["loss"] == pytest.approx(row["gkd/jsd"], rel=1e-5) and row["gkd/jsd"] > 0
+
+
+def test_seq_kd_has_the_teacher_write_the_steps_the_student_does_not_sample() -> None:
+    requirements = GKD({"seq_kd": True, "lmbda": 0.25}).algorithm_requirements()
+    assert requirements.teacher_completions and requirements.on_policy_fraction == 0.25
+    assert not GKD().algorithm_requirements().teacher_completions  # TRL's default: off

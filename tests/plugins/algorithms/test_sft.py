@@ -200,3 +200,53 @@ def test_packing_length_without_packing_is_refused_naming_the_field(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "exp.yaml" in output and "packing_length" in output
     assert "set packing: true" in output and "Traceback" not in output
+
+
+def test_with_seq_kd_a_step_trains_on_what_the_teacher_writes_not_on_the_rows():
+    """The demonstrations mode of an algorithm with teacher_completions: each row's completion
+    is the teacher's own sample of its prompt (greedy here, so it is known: the teacher's
+    greedy continuation), one per row; the rows' completions are not read."""
+    from types import SimpleNamespace
+
+    from alignzoo.config.schema import TrainingConfig
+    from alignzoo.engine.modes import select_mode
+    from alignzoo.engine.modes.base import StepSource
+    from alignzoo.engine.modes.demonstrations import TeacherWriter
+    from alignzoo.plugins.backends.hf import HFBackend
+    from alignzoo.types import SamplingParams
+
+    teacher, tokenizer = build_world()
+    requirements = SFT({"seq_kd": True}).algorithm_requirements()
+    assert requirements.teacher and requirements.teacher_completions
+    mode = select_mode(requirements, online=False)
+    mode.teacher_writer = TeacherWriter(teacher, tokenizer, "cpu", None)
+    training = TrainingConfig(sampling={"temperature": 0.0, "max_new_tokens": 5})
+    source = StepSource(hooks=None, tokenizer=tokenizer, training=training, seeds=[1, 2, 3])
+    collected = mode.collect(ROWS, source)
+    batch = collected.batch
+    assert batch.size == 3 and batch.prompts == [r["prompt"] for r in ROWS]
+    assert "timing/teacher_generate" in collected.metrics
+    greedy = HFBackend()
+    greedy.on_run_start(SimpleNamespace(tokenizer=tokenizer, device=lambda r: "cpu", actor=teacher))
+    expected = greedy.generate([r["prompt"] for r in ROWS], [], 1, SamplingParams(temperature=0.0, max_new_tokens=5))  # fmt: skip
+    assert batch.responses == expected.responses
+    assert batch.responses != [
+        r["completion"] for r in ROWS
+    ]  # premise: the untrained teacher writes otherwise
+    assert batch.sampling is None and batch.rollout_logprobs is None  # read as data by the policy
+
+
+@pytest.mark.slow
+def test_an_sft_arm_with_seq_kd_trains_on_its_teachers_samples(tmp_path):
+    path = experiment(tmp_path)
+    spec = yaml.safe_load(path.read_text())
+    spec["model"]["teacher"] = {"embedded": {"sft_steps": 40, "sft_slip": 0.0}}
+    spec["arms"]["sft"]["algorithm"] = {"name": "sft", "params": {"seq_kd": True}}
+    path.write_text(yaml.safe_dump(spec))
+    result = alignzoo(tmp_path, "run", str(path), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "out/sft/seed-0/metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # four teacher samples a step, one per prompt, trained on by their nll
+        assert row["samples"] == 4 * row["step"] and row["timing/teacher_generate"] > 0
+        assert row["loss"] == pytest.approx(row["sft/nll"])
