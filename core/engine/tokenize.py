@@ -99,6 +99,11 @@ def _right_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Ten
     return ids, mask
 
 
+def _ended(tokens: list[int], eos: int) -> list[int]:
+    """``tokens`` up to and including their first ``eos``, or with ``eos`` appended."""
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else [*tokens, eos]
+
+
 def tokenized_batch(
     tokenizer: Any,
     prompts: list[str],
@@ -108,9 +113,13 @@ def tokenized_batch(
     prompt_tokens: list[list[int]] | None = None,
     response_tokens: list[list[int]] | None = None,
 ) -> RolloutBatch:
-    """A batch from texts: responses end with EOS and are cut to ``max_new_tokens`` tokens.
-    ``prompt_tokens`` / ``response_tokens``, when given, are the texts' ids already encoded
-    (prompts with the special tokens, responses without)."""
+    """A batch from texts: responses end where sampling would stop, at their first EOS (a
+    conversational completion's end of turn, when the chat template's end-of-turn token is the
+    tokenizer's EOS, as Qwen's and Llama's instruct tokenizers have it: the template's text
+    after it is never sampled, so it is not trained on either), with EOS appended to a
+    response that has none; then cut to ``max_new_tokens`` tokens. ``prompt_tokens`` /
+    ``response_tokens``, when given, are the texts' ids already encoded (prompts with the
+    special tokens, responses without)."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if prompt_tokens is None:
@@ -118,7 +127,7 @@ def tokenized_batch(
     if response_tokens is None:
         response_tokens = _encode(tokenizer, responses, False)
     prompt_ids, prompt_mask = _left_pad(prompt_tokens, pad)
-    resp = [[*s, eos][:max_new_tokens] for s in response_tokens]
+    resp = [_ended(list(s), eos)[:max_new_tokens] for s in response_tokens]
     response_ids, response_mask = _right_pad(resp, pad)
     return RolloutBatch(
         prompt_ids=prompt_ids,

@@ -5,7 +5,8 @@ all 1). Each part labels the whole batch; the combined value is sum(w_i * v_i). 
 values go to ``info["rewards"]`` (the engine logs their means as ``reward/<part>``), and
 ``info["correct"]`` is the first part's that says it. When a part gives a sample no value
 (abstain, parse failure, rejected), the combined sample takes that outcome too: a sum with a
-missing term would be a different reward.
+missing term would be a different reward. A part's step scores (``Score.steps``, a process
+reward model's) pass through scaled by its weight, so the dense rewards sum as the values do.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from alignzoo import Labeler, LabelRequest, Score, hookimpl
 from alignzoo.config.schema import ComponentRef
 from alignzoo.errors import LabelerTimeout, LabelerUnavailable, UserError
 from alignzoo.registry import build_plugin_manager, get_registry
-from alignzoo.types import Outcome
+from alignzoo.types import Outcome, StepScore
 
 
 class CombineLabeler(Labeler):
@@ -72,6 +73,11 @@ class CombineLabeler(Labeler):
             self.parts.append((name, build_plugin_manager([part])))
         self.weights = self.params.weights or [1.0] * len(self.parts)
 
+    @property
+    def gives_steps(self) -> bool:
+        """Whether any part gives step scores (they pass through, weighted)."""
+        return any(part.gives_steps for part in self.labelers.values())
+
     def provenance_parts(self) -> dict[str, Any]:
         """The parts, by name, for the run's provenance."""
         return dict(self.labelers)
@@ -109,7 +115,12 @@ class CombineLabeler(Labeler):
             correct = next((s.info["correct"] for s in parts if "correct" in s.info), None)
             if correct is not None:
                 info["correct"] = correct
-            out.append(Score(value, valid=all(s.valid for s in parts), info=info))
+            steps = [
+                StepScore(step.start, step.end, w * step.score)
+                for w, s in zip(self.weights, parts, strict=True)
+                for step in s.steps
+            ]
+            out.append(Score(value, valid=all(s.valid for s in parts), info=info, steps=steps))
         return out
 
 

@@ -1,7 +1,7 @@
-"""experiments/distillation.yaml: GRPO, on-policy distillation, GKD and SFT (on answers and on
-teacher samples) from one warm start under one sample budget. The shipped file's arms differ only where they must; at a tiny size all
-five train to the same number of samples and are reported together. The result at full size
-is docs/experiments.md's, from a recorded run."""
+"""experiments/distillation.yaml: GRPO, on-policy distillation, GKD and SFT (on the answers and
+on the teacher's samples) from one warm start under one sample budget. The shipped file's arms
+differ only where they must; at a tiny size all five train to the same number of samples and
+are reported together. The result at full size is docs/experiments.md's, from a recorded run."""
 
 from __future__ import annotations
 

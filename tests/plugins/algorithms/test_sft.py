@@ -128,6 +128,15 @@ def test_demonstrations_missing_a_completion_or_its_assistant_turn_are_refused(t
     (row,) = list(rows)
     assert row["prompt"].endswith("<|im_start|>assistant\n")  # rendered with the template
     assert row["completion"].startswith("4<|im_end|>")  # what the template adds after it
+    # The trained completion ends where sampling stops: at the end of turn (this tokenizer's
+    # EOS), not at the template's text after it, and with no second EOS appended.
+    plain = {"prompt": "2+2?", "completion": "4"}
+    batch = demonstrations_batch(tokenizer, [dict(row), plain], max_new_tokens=16)
+    eos = tokenizer.eos_token_id
+    assert row["completion"] != "4<|im_end|>"  # premise: the template adds text after it
+    for ids, mask in zip(batch.response_ids, batch.response_mask, strict=True):
+        trained = ids[mask.bool()].tolist()
+        assert tokenizer.decode(trained) == "4<|im_end|>" and trained.count(eos) == 1
 
 
 @pytest.mark.slow

@@ -276,3 +276,27 @@ def test_log_metric_and_log_extra_as_trl_passes_them(tmp_path, monkeypatch):
     stage = LabelingStage.build(LabelingConfig(), [("python", labeler, hooks)])
     metrics = stage.label(REQS).metrics()
     assert metrics["labeler/python/mean_length"] == sum(lengths) / len(lengths)
+
+
+def test_combine_passes_a_parts_steps_on_scaled_by_its_weight(monkeypatch):
+    from alignzoo import Labeler, hookimpl
+    from alignzoo.types import StepScore
+
+    class Stepper(Labeler):
+        @property
+        def gives_steps(self) -> bool:
+            return True
+
+        @hookimpl
+        def score_batch(self, requests):
+            return [Score(1.0, steps=[StepScore(0, len(r.response), 2.0)]) for r in requests]
+
+    labeler = CombineLabeler(CombineLabeler.Params(labelers=["arithmetic", "format"],
+                                                   weights=[1.0, 0.5]))  # fmt: skip
+    assert not labeler.gives_steps
+    labeler.labelers["format"] = Stepper()
+    labeler.parts[1] = ("format", build_plugin_manager([labeler.labelers["format"]]))
+    assert labeler.gives_steps
+    out = score(labeler, REQS)
+    assert [s.value for s in out] == [1.5, 0.5, 0.5]  # arithmetic + 0.5 * 1.0
+    assert [s.steps for s in out] == [[StepScore(0, len(r.response), 1.0)] for r in REQS]
