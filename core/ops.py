@@ -561,6 +561,7 @@ def clipped_surrogate(
     clip_low: float,
     clip_high: float,
     dual_clip: float | None = None,
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token PPO clipped surrogate loss (to minimise) and where the clip binds: the one
     clipped surrogate of PPO, GRPO, RLOO and REINFORCE++.
@@ -570,16 +571,23 @@ def clipped_surrogate(
         L = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)     (PPO, Schulman 2017, eq. 7)
 
     and, with ``dual_clip = c > 1``, for A < 0 the loss is also capped at ``-c * A``
-    (dual-clip PPO, Ye et al. 2020). Returns ``(loss [B, R], clipped_low, clipped_high)``;
-    the boolean masks mark tokens whose gradient the clip removes: ``r < 1 - clip_low`` with
-    A < 0 and ``r > 1 + clip_high`` with A > 0 (the dual clip counts as clipped_high).
+    (dual-clip PPO, Ye et al. 2020). With ``delta``, the unclipped term's ratio is capped at
+    delta, ``-min(min(r, delta) A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (two-sided
+    clipping, INTELLECT-2; TRL's ``delta``): for A < 0 the same bound as a dual clip at
+    ``c = delta`` once ``delta >= 1 + clip_high``. Returns ``(loss [B, R], clipped_low,
+    clipped_high)``; the boolean masks mark tokens whose gradient the clip removes:
+    ``r < 1 - clip_low`` with A < 0 and ``r > 1 + clip_high`` with A > 0 (the dual clip and
+    delta count as clipped_high).
     """
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    unclipped = -advantages * ratio
+    capped = ratio if delta is None else ratio.clamp(max=delta)  # min(r, delta)  (INTELLECT-2)
+    unclipped = -advantages * capped
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
     clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)
     clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)
+    if delta is not None:  # the capped term's gradient is gone where it is the larger one
+        clipped_high = clipped_high | ((ratio > delta) & (advantages < 0) & (loss == unclipped))
     if dual_clip is not None:
         cap = -advantages * dual_clip
         dual = (advantages < 0) & (loss > cap)

@@ -15,6 +15,11 @@ Variants, all selected by params:
 - ``loss_aggregation``: any mode of :func:`alignzoo.ops.aggregate_loss`; ``norm_constant`` is Dr.
   GRPO's constant for ``seq-mean-token-sum-norm``.
 - ``beta = 0``: no KL term, and no reference model is loaded.
+- ``delta`` (TRL's name): two-sided clipping (INTELLECT-2), the unclipped term's ratio capped at
+  delta, ``-min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A)``.
+- ``off_policy_mask_threshold`` (TRL's name): DeepSeek-V3.2's off-policy sequence masking
+  (eq. 9): the policy term of a sequence with A < 0 whose mean ``log pi_sampling - log pi``
+  exceeds the threshold is masked; the KL term and the normalisers are unchanged.
 - ``surrogate``: the policy-gradient term of each token. ``"clip"`` (the default) is PPO's
   clipped surrogate above; the others are TRL's ``loss_type`` of the same name:
 
@@ -71,8 +76,8 @@ ScaleRewards = Literal["group", "batch", "none"]
 Surrogate = Literal["clip", "cispo", "sapo", "luspo", "vespo"]
 
 SURROGATE_PARAMS: dict[str, tuple[str, ...]] = {
-    "clip": ("clip_eps_low", "clip_eps_high"),
-    "luspo": ("clip_eps_low", "clip_eps_high"),
+    "clip": ("clip_eps_low", "clip_eps_high", "delta"),
+    "luspo": ("clip_eps_low", "clip_eps_high", "delta"),
     "cispo": ("cispo_ratio_max",),
     "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
     "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
@@ -91,6 +96,21 @@ class GRPOParams(AggregationParams):
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="lower clip range: r >= 1 - eps")
     clip_eps_high: float = Field(
         0.2, gt=0.0, description="upper clip range: r <= 1 + eps (DAPO clip-higher uses 0.28)"
+    )
+    delta: float | None = Field(
+        None,
+        gt=1.0,
+        description="clip and luspo: cap the unclipped term's ratio at delta, -min(min(r, "
+        "delta) A, clip(r) A) (two-sided clipping, INTELLECT-2; TRL's delta); the report "
+        "recommends delta > 1 + clip_eps_high. Null: PPO's one-sided clip",
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None,
+        ge=0.0,
+        description="mask the policy term of a sequence with negative advantage whose mean "
+        "log(pi_sampling / pi) over its tokens exceeds this (DeepSeek-V3.2's off-policy "
+        "sequence masking, eq. 9; TRL's off_policy_mask_threshold; pi_sampling: the rollout "
+        "backend's log-probs when recorded, else the behaviour policy's). Null: off",
     )
     scale_rewards: ScaleRewards = Field(
         "group",
@@ -289,6 +309,22 @@ def vespo_weights(
     return torch.where(mask_b, phi, 0.0)
 
 
+def off_policy_keep(
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask ``[B]`` bool (eq. 9): keep a sequence unless
+    its advantage is negative and its mean ``log pi_sampling - log pi`` over its tokens (the
+    current policy detached) exceeds ``threshold``."""
+    kl = torch.where(mask.bool(), sampling_logprobs - logprobs.detach(), 0.0).nan_to_num(0.0)
+    mean_kl = kl.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    advantage = (advantages * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    return (advantage >= 0) | (mean_kl <= threshold)  # M_i = 1 unless A_i < 0 and KL_i > delta
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -299,6 +335,7 @@ def grpo_loss(
     weights: torch.Tensor | None = None,
     context: LossContext | None = None,
     is_weights: torch.Tensor | None = None,
+    sampling_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO objective (Shao et al. 2024, eq. 3), negated: the surrogate plus beta * KL.
 
@@ -319,7 +356,7 @@ def grpo_loss(
     surrogate = params.surrogate
     if surrogate in ("clip", "luspo"):
         pg_mat, clipped_low, clipped_high = ops.clipped_surrogate(
-            log_ratio, advantages, params.clip_eps_low, params.clip_eps_high
+            log_ratio, advantages, params.clip_eps_low, params.clip_eps_high, delta=params.delta
         )  # -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)  (GRPO eq. 3; DAPO clip-higher)
         clip_metrics = ops.clip_fractions(clipped_low, clipped_high, mask)
     elif surrogate == "cispo":
@@ -337,6 +374,16 @@ def grpo_loss(
         logp = torch.where(mask_b, logprobs, 0.0)
         pg_mat = -phi * advantages * logp  # J_VESPO = E[sg(phi(w)) A log pi(y_t)]  (VESPO)
         metrics["grpo/vespo_phi"] = ops.masked_mean(phi, mask, dim=-1).mean()  # per sequence
+    if params.off_policy_mask_threshold is not None:
+        keep = off_policy_keep(
+            logprobs,
+            sampling_logprobs if sampling_logprobs is not None else old_logprobs,
+            advantages,
+            mask,
+            params.off_policy_mask_threshold,
+        )
+        pg_mat = pg_mat * keep.unsqueeze(-1).to(pg_mat.dtype)  # M_i  (DeepSeek-V3.2, eq. 9)
+        metrics["grpo/off_policy_masked"] = 1.0 - keep.to(pg_mat.dtype).mean()
     pg_mat = ops.weight_tokens(pg_mat, is_weights)  # TIS (training.rollout_correction)
     loss_mat = pg_mat
     if ref_logprobs is not None:
@@ -412,5 +459,6 @@ class GRPO(Algorithm):
             weights=batch.weights,
             context=context,
             is_weights=batch.rollout_is_weights,
+            sampling_logprobs=batch.rollout_logprobs,
         )
         return LossOutput(loss, {k: float(v) for k, v in metrics.items()})

@@ -35,6 +35,7 @@ CLIPPED = [
         (0.2, 0.2, None),
         id="grpo-luspo",
     ),
+    pytest.param(GRPO({"delta": 1.4}), (0.2, 0.2, None, 1.4), id="grpo-delta"),
     pytest.param(RLOO({"clip_eps": 0.15}), (0.15, 0.15, None), id="rloo"),
     pytest.param(ReinforcePlusPlus({"clip_eps": 0.25}), (0.25, 0.25, None), id="reinforce_pp"),
 ]
@@ -76,9 +77,10 @@ def spy_on_clipped_surrogate(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any,
         clip_low: float,
         clip_high: float,
         dual_clip: float | None = None,
+        delta: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        calls.append((clip_low, clip_high, dual_clip))
-        return original(log_ratio, advantages, clip_low, clip_high, dual_clip)
+        calls.append((clip_low, clip_high, dual_clip) if delta is None else (clip_low, clip_high, dual_clip, delta))  # fmt: skip
+        return original(log_ratio, advantages, clip_low, clip_high, dual_clip, delta)
 
     monkeypatch.setattr(ops, "clipped_surrogate", recorded)
     return calls

@@ -1,0 +1,49 @@
+"""GRPO's TRL-named objective options (delta, off_policy_mask_threshold): the contract suite,
+direction included, holds with each on; out-of-range values and options the surrogate does not
+read are refused naming the field. Their TRL parity is tests/parity/test_trl_grpo_options.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from alignzoo.plugins.algorithms.grpo import GRPO, off_policy_keep
+from alignzoo.testing.contract import check_algorithm
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"delta": 1.3},
+        {"off_policy_mask_threshold": 0.1},
+        {"delta": 2.0, "off_policy_mask_threshold": 0.0, "importance_ratio": "sequence"},
+    ],
+)
+def test_grpo_with_the_option_passes_the_contract(params: dict) -> None:
+    failed = [r for r in check_algorithm(GRPO(params), max_examples=25) if not r.passed]
+    assert failed == [], [(r.name, r.detail) for r in failed]
+
+
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"delta": 1.0}, "delta"),
+        ({"delta": 0.5}, "greater than 1"),
+        ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold"),
+        ({"surrogate": "cispo", "delta": 1.5}, "delta is read only by surrogate clip / luspo"),
+    ],
+)
+def test_out_of_range_or_unread_options_are_refused(params: dict, says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        GRPO.Params(**params)
+
+
+def test_the_off_policy_mask_drops_only_stale_sequences_with_negative_advantage() -> None:
+    mask = torch.tensor([[1.0, 1.0, 0.0]] * 4)
+    logprobs = torch.full((4, 3), -1.0)
+    sampling = torch.tensor([[-0.2, -0.2, 9.0], [-0.2, -0.2, 9.0], [-1.0, -1.0, 9.0], [-1.2, -0.9, 9.0]])  # fmt: skip
+    advantages = torch.tensor([[-1.0], [1.0], [-1.0], [-1.0]]) * mask
+    keep = off_policy_keep(logprobs, sampling, advantages, mask, threshold=0.5)
+    # KL per sequence 0.8, 0.8, 0, -0.05 (padding's 9.0 ignored): only the first is dropped
+    assert keep.tolist() == [False, True, True, True]
