@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from alignzoo._lazy import lazy_import
 from alignzoo.errors import UserError
@@ -114,7 +114,8 @@ class GRPOParams(AggregationParams):
     )
     scale_rewards: ScaleRewards = Field(
         "group",
-        description="divide centred rewards by the group std, the batch std, or not (Dr. GRPO)",
+        description="divide centred rewards by the group std, the batch std, or not (Dr. GRPO); "
+        "TRL's true and false are group and none",
     )
     importance_ratio: Literal["token", "sequence"] = Field(
         "token",
@@ -125,7 +126,22 @@ class GRPOParams(AggregationParams):
         "seq-mean-token-mean", description="how per-token losses are reduced (see ops)"
     )
 
-    eps: float = Field(1e-6, gt=0.0, description="added to the std before dividing")
+    eps: float = Field(
+        1e-6,
+        gt=0.0,
+        description="added to the std before dividing (TRL 1.16 adds 1e-4: set eps: 1e-4 for "
+        "its advantages to the last digit; the default is kept so recorded results rerun the same)",
+    )
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _trl_booleans(cls, value: object) -> object:
+        """TRL's booleans: true is "group", false is "none" (as GRPOConfig maps them)."""
+        if value is True:
+            return "group"
+        if value is False:
+            return "none"
+        return value
 
     surrogate: Surrogate = Field(
         "clip",

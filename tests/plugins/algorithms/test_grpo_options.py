@@ -47,3 +47,10 @@ def test_the_off_policy_mask_drops_only_stale_sequences_with_negative_advantage(
     keep = off_policy_keep(logprobs, sampling, advantages, mask, threshold=0.5)
     # KL per sequence 0.8, 0.8, 0, -0.05 (padding's 9.0 ignored): only the first is dropped
     assert keep.tolist() == [False, True, True, True]
+
+
+def test_scale_rewards_takes_trls_booleans() -> None:
+    assert GRPO.Params(scale_rewards=True).scale_rewards == "group"
+    assert GRPO.Params(scale_rewards=False).scale_rewards == "none"
+    with pytest.raises(ValidationError, match="scale_rewards"):
+        GRPO.Params(scale_rewards="yes")
