@@ -17,6 +17,8 @@ Variants, all selected by params:
 - ``beta = 0``: no KL term, and no reference model is loaded.
 - ``delta`` (TRL's name): two-sided clipping (INTELLECT-2), the unclipped term's ratio capped at
   delta, ``-min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A)``.
+- ``mask_truncated_completions`` (TRL's name): responses cut by the length budget carry no
+  loss and no token of the step's count; their rewards stay in their group's statistics.
 - ``off_policy_mask_threshold`` (TRL's name): DeepSeek-V3.2's off-policy sequence masking
   (eq. 9): the policy term of a sequence with A < 0 whose mean ``log pi_sampling - log pi``
   exceeds the threshold is masked; the KL term and the normalisers are unchanged.
@@ -111,6 +113,13 @@ class GRPOParams(AggregationParams):
         "log(pi_sampling / pi) over its tokens exceeds this (DeepSeek-V3.2's off-policy "
         "sequence masking, eq. 9; TRL's off_policy_mask_threshold; pi_sampling: the rollout "
         "backend's log-probs when recorded, else the behaviour policy's). Null: off",
+    )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="responses the length budget cut (batch.columns['truncated'], recorded by "
+        "the engine for single-turn samples) carry no loss and count no tokens; their rewards "
+        "still count in their group's statistics (TRL's mask_truncated_completions; the "
+        "length_filter modifier's drop_truncated removes them from the group instead)",
     )
     scale_rewards: ScaleRewards = Field(
         "group",
@@ -341,6 +350,20 @@ def off_policy_keep(
     return (advantage >= 0) | (mean_kl <= threshold)  # M_i = 1 unless A_i < 0 and KL_i > delta
 
 
+def mask_truncated(batch: RolloutBatch) -> None:
+    """Zero the response mask of the responses the length budget cut (``columns['truncated']``):
+    they carry no loss and no tokens of the step's count, as TRL's mask_truncated_completions."""
+    cut = batch.columns.get("truncated")
+    if cut is None:
+        raise UserError(
+            "grpo: mask_truncated_completions needs the engine's record of truncated responses "
+            "(batch.columns['truncated'], kept for single-turn sampled batches); an arm with an "
+            "environment limits its episodes with episodes.on_failure instead"
+        )
+    keep = (1.0 - cut.to(batch.response_mask.dtype)).unsqueeze(-1)
+    batch.response_mask = batch.response_mask * keep.to(batch.response_mask.device)
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -453,6 +476,8 @@ class GRPO(Algorithm):
         seq_adv = group_advantages(
             batch.scores, batch.group_ids, self.params.scale_rewards, self.params.eps
         )
+        if self.params.mask_truncated_completions:
+            mask_truncated(batch)  # after the group statistics: their rewards still count
         mask = batch.response_mask
         batch.advantages = seq_adv.unsqueeze(-1) * mask.to(seq_adv.dtype)
         return batch
@@ -477,4 +502,7 @@ class GRPO(Algorithm):
             is_weights=batch.rollout_is_weights,
             sampling_logprobs=batch.rollout_logprobs,
         )
+        cut = batch.columns.get("truncated")
+        if self.params.mask_truncated_completions and cut is not None:
+            metrics["grpo/truncated_masked"] = cut.float().mean()  # this micro-batch's share
         return LossOutput(loss, {k: float(v) for k, v in metrics.items()})

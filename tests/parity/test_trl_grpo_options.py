@@ -113,3 +113,52 @@ def test_the_options_with_both_on_match_trl(grpo_trainer, monkeypatch):
     r = make_rollouts(3, 8, 6)
     options = {"delta": 1.4, "off_policy_mask_threshold": 0.1}
     assert_parity(*both_sides(monkeypatch, grpo_trainer, r, "token", 0.04, options))
+
+
+@pytest.mark.parametrize(("seed", "size", "width"), [(0, 6, 5), (1, 8, 7)])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_mask_truncated_completions_matches_trl(
+    grpo_trainer, monkeypatch, loss_type, beta, seed, size, width
+):
+    """TRL zeroes a truncated completion's mask when it generates (so its tokens leave
+    num_items_in_batch too); alignzoo's GRPO zeroes its response mask in compute_advantages,
+    from the engine's record batch.columns['truncated']."""
+    from alignzoo.plugins.algorithms.grpo import mask_truncated
+    from tests.parity.test_trl_parity import GRPO_AGGREGATION
+
+    r = make_rollouts(seed, size, width)
+    cut = (torch.arange(size) % 3 == 1).to(torch.float64)  # every third response was cut
+    set_grpo(
+        monkeypatch,
+        grpo_trainer,
+        loss_type=loss_type,
+        level="token",
+        beta=beta,
+        eps_low=0.2,
+        eps_high=0.2,
+        max_completion_length=width + 3,
+    )
+    set_attributes(monkeypatch, grpo_trainer.args, delta=None)
+    set_attributes(monkeypatch, grpo_trainer, off_policy_mask_threshold=None)
+    kept = (r.mask * (1.0 - cut).unsqueeze(1)).int()
+    inputs = r.trl_inputs(torch.arange(size), beta, float(kept.sum()))
+    inputs["completion_mask"] = kept
+    leaf = r.logps.clone().requires_grad_(True)
+    trl_loss = trl_grpo_loss(grpo_trainer, monkeypatch, leaf, inputs)
+    trl_loss.backward()
+    aggregation = GRPO_AGGREGATION[loss_type]
+    grpo = GRPO(
+        {
+            "beta": beta,
+            "loss_aggregation": aggregation,
+            "norm_constant": width + 3 if aggregation == "seq-mean-token-sum-norm" else None,
+            "mask_truncated_completions": True,
+        }
+    )
+    batch, outputs = r.alignzoo_batch(reference=beta > 0)
+    batch.columns["truncated"] = cut
+    mask_truncated(batch)
+    ours = run_alignzoo(grpo, batch, outputs, advantages=False)
+    assert_parity(ours, (trl_loss.detach(), leaf.grad))
+    assert float(ours[1][cut.bool()].abs().max()) == 0.0  # the cut ones get no gradient

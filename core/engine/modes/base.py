@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from alignzoo.types import DataMode as DataKind
 
 PROMPT_COLUMN = "prompt"
+TRUNCATED = "truncated"
+"""``batch.columns[TRUNCATED]`` ``[B]``: 1.0 for a sampled response the length budget cut
+(recorded for every single-turn sampled batch; what GRPO's mask_truncated_completions reads)."""
 OFFLINE_MAX_TOKENS = 512
 """Longest response (in tokens, EOS included) an offline row is cut to."""
 
@@ -114,9 +117,22 @@ def sample(
     if source.policy_version is not None and batch.token_versions is None:
         on = batch.response_mask.bool()
         batch.token_versions = torch.where(on, source.policy_version, -1).long()
+    if source.episodes is None:  # an episode's own limits are its outcome (env/truncated)
+        batch.columns[TRUNCATED] = truncated(batch, source.tokenizer, cfg.sampling.max_new_tokens)
     m["timing/generate"] = time.perf_counter() - start
     m[canonical.BATCH_PROMPTS] = float(len(rows))
     return batch, m
+
+
+def truncated(batch: RolloutBatch, tokenizer: Any, max_new_tokens: int) -> torch.Tensor:
+    """``[B]`` float, 1.0 where a sampled response was cut by the length budget: it has
+    ``max_new_tokens`` tokens and its last is not the tokenizer's EOS (a shorter one stopped on
+    a stop token of its own)."""
+    lengths = batch.response_mask.sum(dim=1).long()
+    last = batch.response_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ends = last == eos if eos is not None else torch.zeros_like(lengths, dtype=torch.bool)
+    return ((lengths >= max_new_tokens) & ~ends).float()
 
 
 def labeled(batch: RolloutBatch, report: LabelReport, m: dict[str, float]) -> Collected:

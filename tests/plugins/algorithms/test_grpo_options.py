@@ -54,3 +54,46 @@ def test_scale_rewards_takes_trls_booleans() -> None:
     assert GRPO.Params(scale_rewards=False).scale_rewards == "none"
     with pytest.raises(ValidationError, match="scale_rewards"):
         GRPO.Params(scale_rewards="yes")
+
+
+def test_truncated_responses_keep_their_reward_in_the_group_and_lose_their_loss() -> None:
+    from alignzoo.errors import UserError
+    from alignzoo.testing import make_batch
+
+    def batch():
+        b, _ = make_batch(
+            torch.full((4, 3), -1.0),
+            mask=[[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]],
+            group_ids=[0, 0, 0, 1],
+            scores=[1.0, 0.0, 0.5, 1.0],
+        )
+        return b
+
+    plain = GRPO().compute_advantages(batch())
+    cut = batch()
+    cut.columns["truncated"] = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    masked = GRPO({"mask_truncated_completions": True}).compute_advantages(cut)
+    # sample 1's reward 0 still lowers its group's mean: the others' advantages are unchanged
+    assert torch.equal(masked.advantages[[0, 2, 3]], plain.advantages[[0, 2, 3]])
+    assert masked.response_mask[1].sum() == 0 and masked.advantages[1].abs().sum() == 0
+    assert torch.equal(masked.response_mask[[0, 2, 3]], plain.response_mask[[0, 2, 3]])
+    with pytest.raises(UserError, match="mask_truncated_completions needs"):
+        GRPO({"mask_truncated_completions": True}).compute_advantages(batch())
+
+
+def test_the_engine_records_which_sampled_responses_the_budget_cut() -> None:
+    from types import SimpleNamespace
+
+    from alignzoo.engine.modes.base import truncated
+    from alignzoo.testing import make_batch
+
+    eos = 7
+    b, _ = make_batch(
+        torch.full((4, 3), -1.0),
+        mask=[[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 0, 0]],
+        response_ids=[[3, 4, 5], [3, 4, eos], [3, eos, 0], [3, 0, 0]],
+    )
+    tokenizer = SimpleNamespace(eos_token_id=eos)
+    # full length without EOS: cut; full with EOS, or shorter (stopped otherwise): not cut
+    assert truncated(b, tokenizer, max_new_tokens=3).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert truncated(b, tokenizer, max_new_tokens=1).tolist() == [1.0, 0.0, 0.0, 1.0]
