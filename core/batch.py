@@ -175,6 +175,11 @@ class RolloutBatch:
                 left = f.name in ("prompt_ids", "prompt_mask")
                 out[f.name] = _pad_cat(values, left=left)
             elif isinstance(values[0], dict):
+                present = {k for k in _ZERO_COLUMNS if any(k in v for v in values)}
+                values = [
+                    {**{k: torch.zeros(b.size) for k in present}, **v}
+                    for v, b in zip(values, batches, strict=True)
+                ]
                 keys = set(values[0])
                 if any(set(v) != keys for v in values):
                     raise ValueError("cannot concatenate batches: their columns differ")
@@ -186,6 +191,9 @@ class RolloutBatch:
 
 _ZERO_WHEN_ABSENT = ("dense_rewards", "dense_mask")
 _DENSE = torch.float32
+_ZERO_COLUMNS = ("truncated",)
+"""Columns a batch recorded before the engine kept them lacks (a replayed group from an
+older checkpoint): zero, which is what they say of it (no response truncated)."""
 
 
 def _pad_cat(tensors: list[torch.Tensor], left: bool) -> torch.Tensor:

@@ -587,7 +587,8 @@ def clipped_surrogate(
     clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)
     clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)
     if delta is not None:  # the capped term's gradient is gone where it is the larger one
-        clipped_high = clipped_high | ((ratio > delta) & (advantages < 0) & (loss == unclipped))
+        over = (ratio > delta) & (loss == unclipped)  # min(r, delta) A is the term taken
+        clipped_high = clipped_high | (over & (advantages != 0))
     if dual_clip is not None:
         cap = -advantages * dual_clip
         dual = (advantages < 0) & (loss > cap)

@@ -99,9 +99,16 @@ def _right_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Ten
     return ids, mask
 
 
-def _ended(tokens: list[int], eos: int) -> list[int]:
-    """``tokens`` up to and including their first ``eos``, or with ``eos`` appended."""
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else [*tokens, eos]
+def _ended(tokens: list[int], eos: int, tokenizer: Any) -> list[int]:
+    """``tokens`` ending with ``eos``: what follows their last ``eos`` dropped when it is only
+    whitespace (a chat template's text after its end of turn, which sampling stops before),
+    ``eos`` appended otherwise."""
+    if eos in tokens:
+        last = len(tokens) - 1 - tokens[::-1].index(eos)
+        tail = tokens[last + 1 :]
+        if not tail or not tokenizer.decode(tail).strip():
+            return tokens[: last + 1]
+    return [*tokens, eos]
 
 
 def tokenized_batch(
@@ -113,11 +120,12 @@ def tokenized_batch(
     prompt_tokens: list[list[int]] | None = None,
     response_tokens: list[list[int]] | None = None,
 ) -> RolloutBatch:
-    """A batch from texts: responses end where sampling would stop, at their first EOS (a
-    conversational completion's end of turn, when the chat template's end-of-turn token is the
-    tokenizer's EOS, as Qwen's and Llama's instruct tokenizers have it: the template's text
-    after it is never sampled, so it is not trained on either), with EOS appended to a
-    response that has none; then cut to ``max_new_tokens`` tokens. ``prompt_tokens`` /
+    """A batch from texts: responses end where sampling would stop, at their last EOS when only
+    whitespace follows it (a conversational completion's final end of turn, when the chat
+    template's end-of-turn token is the tokenizer's EOS, as Qwen's and Llama's instruct
+    tokenizers have it: the template's newline after it is never sampled, so it is not trained
+    on either; earlier turns of a multi-message completion are kept), with EOS appended to
+    any other response; then cut to ``max_new_tokens`` tokens. ``prompt_tokens`` /
     ``response_tokens``, when given, are the texts' ids already encoded (prompts with the
     special tokens, responses without)."""
     eos = tokenizer.eos_token_id
@@ -127,7 +135,7 @@ def tokenized_batch(
     if response_tokens is None:
         response_tokens = _encode(tokenizer, responses, False)
     prompt_ids, prompt_mask = _left_pad(prompt_tokens, pad)
-    resp = [_ended(list(s), eos)[:max_new_tokens] for s in response_tokens]
+    resp = [_ended(list(s), eos, tokenizer)[:max_new_tokens] for s in response_tokens]
     response_ids, response_mask = _right_pad(resp, pad)
     return RolloutBatch(
         prompt_ids=prompt_ids,

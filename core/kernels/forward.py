@@ -97,16 +97,35 @@ def _packed_model_outputs(model: Any, packed: PackedRows, autocast: AutocastFact
                 model, ids, packed.real.to(device), positions, segments=packed.segments.to(device)
             )
         return hidden, True
-    config = getattr(_base_model(model), "config", None)
-    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
-    dtype = next(model.parameters()).dtype
-    mask = packed.see().to(device) if sdpa else packed.attention_bias(dtype).to(device)
+    mask = _packed_mask(model, packed).to(device)
     with autocast():
         return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits, False
 
 
-def _packed(batch: RolloutBatch, packing: Packing | None) -> PackedRows | None:
-    return pack(batch, packing) if packing is not None else None
+PACKED_ATTENTION = ("sdpa", "eager")
+"""The attention implementations that take a ready 4-D mask (a packed batch's); a model on
+another one (flash_attention_2 reads a mask as padding) runs its batches padded."""
+
+
+def _packed_mask(model: Any, packed: PackedRows) -> torch.Tensor:
+    """The packed rows' 4-D mask as the model's attention takes it: boolean for sdpa (whatever
+    the autocast dtype), additive in the model's dtype for eager (which adds it)."""
+    config = getattr(_base_model(model), "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        return packed.see()
+    return packed.attention_bias(next(model.parameters()).dtype)
+
+
+def packed_rows(batch: RolloutBatch, packing: Packing | None, model: Any) -> PackedRows | None:
+    """``batch`` packed for ``model`` (:func:`~alignzoo.kernels.packing.pack`), or None: no
+    packing asked, a model whose attention takes no ready 4-D mask, or a batch that cannot be."""
+    if packing is None:
+        return None
+    if not can_run_lean(model):
+        config = getattr(_base_model(model), "config", None)
+        if getattr(config, "_attn_implementation", "eager") not in PACKED_ATTENTION:
+            return None
+    return pack(batch, packing)
 
 
 def response_logits(
@@ -124,7 +143,7 @@ def response_logits(
     With ``packing``, the samples run packed (:mod:`alignzoo.kernels.packing`) and the same
     logits are gathered back into the batch's layout.
     """
-    packed = _packed(batch, packing)
+    packed = packed_rows(batch, packing, model)
     if packed is not None:
         out, is_hidden = _packed_model_outputs(model, packed, autocast)
         if not is_hidden:
@@ -233,7 +252,7 @@ def _chunked_head_logprobs(
     with autocast():
         if torch.is_autocast_enabled(device.type):
             return None
-        packed = _packed(batch, packing)
+        packed = packed_rows(batch, packing, model)
         if packed is not None:
             hidden = packed.gather(_packed_model_outputs(model, packed, autocast)[0])
         else:
@@ -256,10 +275,10 @@ def critic_forward(
 ) -> torch.Tensor:
     """Critic values ``[B, R]``: V(state before response token t); ``packing`` as
     :func:`policy_forward`'s."""
-    packed = _packed(batch, packing)
+    packed = packed_rows(batch, packing, critic)
     if packed is not None:
         device = _device_of(critic)
-        mask = packed.attention_bias(next(critic.parameters()).dtype).to(device)
+        mask = _packed_mask(critic, packed).to(device)
         with autocast():
             out = critic(
                 input_ids=packed.input_ids.to(device),

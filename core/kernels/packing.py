@@ -42,7 +42,8 @@ class PackedRows:
     ``input_ids``, ``position_ids`` and ``segments`` are ``[N, L]``; ``segments`` holds each
     token's sample index + 1 and 0 on the rows' padding. ``row`` and ``column`` ``[B, R]`` name
     the packed position whose output predicts each response token (response padding points at
-    the sample's last real position: a finite value, masked like padding is unpacked).
+    the one that predicts the sample's last response token: a finite value, masked like padding
+    is unpacked).
     """
 
     input_ids: torch.Tensor
@@ -108,8 +109,11 @@ def pack(batch: RolloutBatch, packing: Packing) -> PackedRows | None:
     """``batch`` packed as :class:`Packing` says, or None when it cannot be without changing
     what the model sees: a sample with no prompt token, or a response whose attended tokens
     are not a prefix of it (the caller then runs the padded forward)."""
-    prompt_real = batch.prompt_mask > 0
-    attended = _response_attended(batch)
+    # The rows are laid out on the CPU (a batch already on an accelerator is read from there);
+    # the forward pass moves them to the model.
+    prompt_ids, response_ids = batch.prompt_ids.cpu(), batch.response_ids.cpu()
+    prompt_real = batch.prompt_mask.cpu() > 0
+    attended = _response_attended(batch).cpu()
     prompt_len = prompt_real.sum(dim=1)
     response_len = attended.sum(dim=1)
     resp_width = batch.response_ids.shape[1]
@@ -122,7 +126,7 @@ def pack(batch: RolloutBatch, packing: Packing) -> PackedRows | None:
     capacity = max(max(lengths), packing.length or 0)
     rows = _best_fit(lengths, capacity)
     width = max(sum(lengths[i] for i in members) for members in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=batch.prompt_ids.dtype)
+    input_ids = torch.zeros(len(rows), width, dtype=prompt_ids.dtype)
     position_ids = torch.zeros(len(rows), width, dtype=torch.long)
     segments = torch.zeros(len(rows), width, dtype=torch.long)
     row = torch.zeros(batch.size, resp_width, dtype=torch.long)
@@ -131,10 +135,7 @@ def pack(batch: RolloutBatch, packing: Packing) -> PackedRows | None:
         start = 0
         for sample in members:
             tokens = torch.cat(
-                [
-                    batch.prompt_ids[sample][prompt_real[sample]],
-                    batch.response_ids[sample][attended[sample]],
-                ]
+                [prompt_ids[sample][prompt_real[sample]], response_ids[sample][attended[sample]]]
             )
             end = start + len(tokens)
             input_ids[r, start:end] = tokens

@@ -129,7 +129,12 @@ class GKD(Algorithm):
         if outputs.logits is None or outputs.teacher_logits is None:
             raise RunError("gkd needs the policy's and the teacher's logits (teacher_logits)")
         mask = batch.response_mask
-        divergence = generalized_jsd(outputs.logits, outputs.teacher_logits, self.params.beta)
+        # One tokenizer, two heads: a head padded to another width (Qwen2.5-7B's 152,064 rows
+        # against 0.5B's 151,936) has rows no token reaches; both are read on the shared ones.
+        width = min(outputs.logits.shape[-1], outputs.teacher_logits.shape[-1])
+        divergence = generalized_jsd(
+            outputs.logits[..., :width], outputs.teacher_logits[..., :width], self.params.beta
+        )
         loss = ops.aggregate_loss(
             ops.weight_samples(divergence, batch.weights),
             mask,

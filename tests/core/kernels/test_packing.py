@@ -171,3 +171,15 @@ def test_a_packed_critic_gives_the_padded_critics_values() -> None:
         packed = critic_forward(critic, batch, packing=Packing())
     mask = batch.response_mask
     torch.testing.assert_close(packed * mask, padded * mask, atol=1e-5, rtol=0)
+
+
+def test_a_model_whose_attention_takes_no_ready_mask_runs_padded() -> None:
+    """flash-attention reads a 4-D mask as padding: such a model's batches are not packed
+    (the padded forward's numbers, not a wrong attention)."""
+    from alignzoo.kernels.forward import packed_rows
+
+    model = _model("qwen2-eager")
+    batch = _batch()
+    assert packed_rows(batch, Packing(), model) is not None
+    model.config._attn_implementation = "flash_attention_2"
+    assert packed_rows(batch, Packing(), model) is None

@@ -180,3 +180,11 @@ def test_seq_kd_has_the_teacher_write_the_steps_the_student_does_not_sample() ->
     requirements = GKD({"seq_kd": True, "lmbda": 0.25}).algorithm_requirements()
     assert requirements.teacher_completions and requirements.on_policy_fraction == 0.25
     assert not GKD().algorithm_requirements().teacher_completions  # TRL's default: off
+
+
+def test_a_teacher_head_padded_wider_than_the_students_is_read_on_the_shared_rows() -> None:
+    student, teacher, mask, ids = _case(5)
+    wider = torch.cat([teacher, torch.randn(*teacher.shape[:2], 3, dtype=teacher.dtype)], dim=-1)
+    same, _ = _ours(student, teacher, mask, ids)
+    padded, _ = _ours(student, wider, mask, ids)
+    assert padded == pytest.approx(same, abs=1e-12)

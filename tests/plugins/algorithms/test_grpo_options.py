@@ -97,3 +97,17 @@ def test_the_engine_records_which_sampled_responses_the_budget_cut() -> None:
     # full length without EOS: cut; full with EOS, or shorter (stopped otherwise): not cut
     assert truncated(b, tokenizer, max_new_tokens=3).tolist() == [1.0, 0.0, 0.0, 0.0]
     assert truncated(b, tokenizer, max_new_tokens=1).tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_a_replayed_part_without_the_truncation_record_counts_as_not_cut() -> None:
+    """A group saved before the engine kept columns['truncated'] (an older checkpoint's replay
+    buffer) joins a batch that has it as not truncated; batches without it stay without."""
+    from alignzoo.batch import RolloutBatch
+    from alignzoo.testing import make_batch
+
+    new, _ = make_batch(torch.full((2, 3), -1.0))
+    new.columns["truncated"] = torch.tensor([1.0, 0.0])
+    old, _ = make_batch(torch.full((3, 2), -1.0))
+    both = RolloutBatch.concat([new, old])
+    assert both.columns["truncated"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert "truncated" not in RolloutBatch.concat([old, old]).columns

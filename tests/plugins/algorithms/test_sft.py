@@ -137,6 +137,14 @@ def test_demonstrations_missing_a_completion_or_its_assistant_turn_are_refused(t
     for ids, mask in zip(batch.response_ids, batch.response_mask, strict=True):
         trained = ids[mask.bool()].tolist()
         assert tokenizer.decode(trained) == "4<|im_end|>" and trained.count(eos) == 1
+    # Several turns in one completion keep every turn (only the whitespace after the last end
+    # of turn goes); an EOS inside a text followed by more text keeps it all and gets its own.
+    turns = "a<|im_end|>\n<|im_start|>tool\nX<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"
+    rows = [{"prompt": "q", "completion": turns}, {"prompt": "q", "completion": "x<|im_end|>y"}]
+    batch = demonstrations_batch(tokenizer, rows, max_new_tokens=64)
+    trained = [ids[m.bool()].tolist() for ids, m in zip(batch.response_ids, batch.response_mask, strict=True)]  # fmt: skip
+    assert tokenizer.decode(trained[0]) == turns[:-1]
+    assert tokenizer.decode(trained[1]) == "x<|im_end|>y<|im_end|>"
 
 
 @pytest.mark.slow
