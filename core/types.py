@@ -70,6 +70,9 @@ class AlgorithmRequirements:
         on_policy_fraction: (demonstrations) the share of steps whose batch the policy samples,
             one response per row's prompt, instead of reading the rows' completions (GKD's
             lambda); 0 reads every step's completions.
+        teacher_logprobs: (with ``teacher``) fill ``batch.teacher_logprobs`` each step; False
+            for an algorithm that only has its teacher write completions (``sft`` with
+            ``seq_kd``), which then saves the teacher's scoring pass.
         teacher_completions: (demonstrations, with ``teacher``) the steps the policy does not
             sample train on the teacher's own samples of the rows' prompts, one each at
             ``training.sampling``, instead of the rows' completions (sequence-level
@@ -91,6 +94,7 @@ class AlgorithmRequirements:
     teacher_logits: bool = False
     on_policy_fraction: float = 0.0
     teacher_completions: bool = False
+    teacher_logprobs: bool = True
     dense_rewards: bool = False
 
 

@@ -380,6 +380,7 @@ def assemble(
         )
     sampler = PromptSampler(train, seed)
     scorer = Scorer(models, arm_spec.training.micro_batch_size, packing_of(arm_spec.training))
+    scorer.teacher_scores = req.teacher_logprobs
     overlap = arm_spec.labeling.overlap
     behaviour = choose_behaviour(
         scorer,

@@ -86,7 +86,7 @@ def frozen_views(scorer: Scorer, batch: RolloutBatch) -> None:
     the arms that have them), at the weights of the snapshot."""
     if scorer.models.reference is not None:
         batch.ref_logprobs = scorer.reference_logprobs(batch)
-    if scorer.models.teacher is not None:
+    if scorer.models.teacher is not None and scorer.teacher_scores:
         batch.teacher_logprobs = scorer.teacher_logprobs(batch)
     if scorer.models.critic is not None:
         batch.values = scorer.values(batch)

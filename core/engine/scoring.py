@@ -39,6 +39,7 @@ class Scorer:
     models: Models
     micro_batch_size: int
     packing: Packing | None = None
+    teacher_scores: bool = True  # the algorithm reads batch.teacher_logprobs
 
     @torch.no_grad()
     def behaviour(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:

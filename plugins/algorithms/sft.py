@@ -64,7 +64,11 @@ class SFT(Algorithm):
     def algorithm_requirements(self) -> AlgorithmRequirements:
         seq_kd = self.params.seq_kd
         return AlgorithmRequirements(
-            data="demonstrations", weights=True, teacher=seq_kd, teacher_completions=seq_kd
+            data="demonstrations",
+            weights=True,
+            teacher=seq_kd,
+            teacher_completions=seq_kd,
+            teacher_logprobs=False,  # the teacher writes; its scores are not read
         )
 
     @hookimpl

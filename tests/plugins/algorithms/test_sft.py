@@ -235,6 +235,7 @@ def test_with_seq_kd_a_step_trains_on_what_the_teacher_writes_not_on_the_rows():
     teacher, tokenizer = build_world()
     requirements = SFT({"seq_kd": True}).algorithm_requirements()
     assert requirements.teacher and requirements.teacher_completions
+    assert not requirements.teacher_logprobs  # it reads no teacher scores: no scoring pass
     mode = select_mode(requirements, online=False)
     mode.teacher_writer = TeacherWriter(teacher, tokenizer, "cpu", None)
     training = TrainingConfig(sampling={"temperature": 0.0, "max_new_tokens": 5})
@@ -267,3 +268,25 @@ def test_an_sft_arm_with_seq_kd_trains_on_its_teachers_samples(tmp_path):
     for row in rows:  # four teacher samples a step, one per prompt, trained on by their nll
         assert row["samples"] == 4 * row["step"] and row["timing/teacher_generate"] > 0
         assert row["loss"] == pytest.approx(row["sft/nll"])
+
+
+def test_a_scorer_told_its_teacher_scores_go_unread_skips_the_teachers_pass():
+    from types import SimpleNamespace
+
+    from alignzoo.engine.behaviour import frozen_views
+    from alignzoo.engine.scoring import Scorer
+
+    teacher, tokenizer = build_world()
+    models = SimpleNamespace(reference=None, critic=None, teacher=teacher, autocast=None)
+    batch = demonstrations_batch(tokenizer, ROWS, max_new_tokens=16)
+    scorer = Scorer(models, micro_batch_size=8)  # type: ignore[arg-type]
+    scorer.teacher_scores = False
+    frozen_views(scorer, batch)
+    assert batch.teacher_logprobs is None
+    scorer.teacher_scores = True
+    models.autocast = __import__("contextlib").nullcontext
+    frozen_views(scorer, batch)
+    assert (
+        batch.teacher_logprobs is not None
+        and batch.teacher_logprobs.shape == batch.response_ids.shape
+    )
