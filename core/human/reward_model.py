@@ -65,6 +65,26 @@ MAX_INTERVAL = 0.2
 TOP1_PERTURBATIONS = 4
 
 
+def load_classifier(folder: Path, dtype: str) -> tuple[Any, Any]:
+    """(tokenizer, AutoModelForSequenceClassification) from a local ``folder`` in ``dtype``;
+    a folder that holds none is a UserError naming ``labeler.params.path``."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from alignzoo.errors import UserError
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            folder, dtype=getattr(torch, dtype)
+        )
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"labeler.params.path: cannot load a sequence-classification model and "
+            f"tokenizer from '{folder}': {exc}"
+        ) from exc
+    return tokenizer, model
+
+
 def prepare(tokenizer: Any, model: Any | None = None) -> Any:
     """Set ``tokenizer`` up as reward models read text: a pad token (the EOS when it has none),
     right padding, truncation from the left (the end of a response is kept); the model learns

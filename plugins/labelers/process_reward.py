@@ -150,9 +150,7 @@ class ProcessRewardModelLabeler(Labeler):
 
     def load(self, device: str = "cpu") -> None:
         """Load tokenizer and model from ``params.path`` onto ``device``, frozen, in eval mode."""
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from alignzoo.human.reward_model import prepare
+        from alignzoo.human.reward_model import load_classifier, prepare
 
         folder = Path(self.params.path).expanduser()
         if not folder.is_dir():
@@ -160,16 +158,7 @@ class ProcessRewardModelLabeler(Labeler):
                 f"labeler.params.path: process reward model folder '{self.params.path}' does "
                 "not exist (expected a local folder written by save_pretrained)"
             )
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                folder, dtype=getattr(torch, self.params.dtype)
-            )
-        except (OSError, ValueError) as exc:
-            raise UserError(
-                f"labeler.params.path: cannot load a sequence-classification model and "
-                f"tokenizer from '{folder}': {exc}"
-            ) from exc
+        tokenizer, model = load_classifier(folder, self.params.dtype)
         if model.config.num_labels not in (1, 2):
             raise UserError(
                 f"labeler.params.path: '{folder}' has num_labels={model.config.num_labels}; a "

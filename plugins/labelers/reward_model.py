@@ -163,18 +163,9 @@ class RewardModelLabeler(Labeler):
         self.tokenizer, self.model = self.members[0]
 
     def _load_one(self, folder: Path, device: str) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from alignzoo.human.reward_model import load_classifier
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                folder, dtype=getattr(torch, self.params.dtype)
-            )
-        except (OSError, ValueError) as exc:
-            raise UserError(
-                f"labeler.params.path: cannot load a sequence-classification model and "
-                f"tokenizer from '{folder}': {exc}"
-            ) from exc
+        tokenizer, model = load_classifier(folder, self.params.dtype)
         if model.config.num_labels != 1:
             raise UserError(
                 f"labeler.params.path: '{folder}' has num_labels={model.config.num_labels}; "
