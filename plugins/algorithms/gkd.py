@@ -114,6 +114,7 @@ class GKD(Algorithm):
             weights=True,
             teacher=True,
             teacher_logits=True,
+            teacher_logprobs=False,  # its logits give them: no separate scoring pass
             on_policy_fraction=self.params.lmbda,
             teacher_completions=self.params.seq_kd,
         )
@@ -143,6 +144,9 @@ class GKD(Algorithm):
             context=context,
         )
         metrics = {"gkd/jsd": float(ops.masked_mean(divergence.detach(), mask))}
-        if batch.teacher_logprobs is not None:
-            metrics["gkd/teacher_logprob"] = float(ops.masked_mean(batch.teacher_logprobs, mask))
+        teacher = torch.log_softmax(ops.upcast(outputs.teacher_logits[..., :width]), dim=-1)
+        ids = batch.response_ids.to(teacher.device).clamp(max=width - 1).unsqueeze(-1)
+        metrics["gkd/teacher_logprob"] = float(
+            ops.masked_mean(teacher.gather(-1, ids)[..., 0], mask)
+        )
         return LossOutput(loss, metrics)

@@ -188,3 +188,22 @@ def test_a_teacher_head_padded_wider_than_the_students_is_read_on_the_shared_row
     same, _ = _ours(student, teacher, mask, ids)
     padded, _ = _ours(student, wider, mask, ids)
     assert padded == pytest.approx(same, abs=1e-12)
+
+
+def test_the_teacher_logprob_metric_comes_from_the_teachers_logits_without_a_scoring_pass():
+    assert not GKD().algorithm_requirements().teacher_logprobs
+    student, teacher, mask, ids = _case(6)
+    batch = RolloutBatch(
+        prompt_ids=torch.ones(3, 1, dtype=torch.long),
+        prompt_mask=torch.ones(3, 1, dtype=torch.long),
+        response_ids=ids,
+        response_mask=mask,
+        group_ids=torch.arange(3),
+    )
+    logprobs = torch.log_softmax(student, -1).gather(-1, ids[..., None])[..., 0]
+    outputs = PolicyOutputs(logprobs=logprobs, logits=student, teacher_logits=teacher)
+    out = GKD().compute_loss(batch, outputs, batch.loss_context())
+    expected = torch.log_softmax(teacher, -1).gather(-1, ids[..., None])[..., 0]
+    assert out.metrics["gkd/teacher_logprob"] == pytest.approx(
+        float((expected * mask).sum() / mask.sum())
+    )
