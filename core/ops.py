@@ -623,6 +623,8 @@ def clipped_policy_loss(
     clip_high: float,
     *,
     dual_clip: float | None = None,
+    delta: float | None = None,
+    policy_mask: torch.Tensor | None = None,
     aggregation: LossAggregation = "token-mean",
     norm_constant: float | None = None,
     weights: torch.Tensor | None = None,
@@ -633,8 +635,10 @@ def clipped_policy_loss(
     REINFORCE++ (GRPO aggregates its KL term with the per-token surrogate, so it calls
     :func:`clipped_surrogate` itself).
 
-    Per token :func:`clipped_surrogate` of :func:`token_log_ratio` (``dual_clip`` as there),
-    padding ignored whatever it holds, per-token ``token_weights`` (the rollout correction,
+    Per token :func:`clipped_surrogate` of :func:`token_log_ratio` (``dual_clip`` and
+    ``delta`` as there), padding ignored whatever it holds, times ``policy_mask`` (``[B, R]``,
+    the tokens TRL's options keep: :func:`alignzoo.algorithms.policy_term.policy_mask`; the
+    normalisers still count every token), per-token ``token_weights`` (the rollout correction,
     :func:`rollout_is_weights`) and per-sample ``weights`` applied, then
     :func:`aggregate_loss` (over the optimizer step's counts when ``context`` is given).
     Returns the loss and detached metric tensors (this micro-batch's own mean pg loss, clip
@@ -642,8 +646,10 @@ def clipped_policy_loss(
     """
     log_ratio = token_log_ratio(logprobs, old_logprobs, mask)
     pg_mat, clipped_low, clipped_high = clipped_surrogate(
-        log_ratio, torch.where(mask.bool(), advantages, 0.0), clip_low, clip_high, dual_clip
+        log_ratio, torch.where(mask.bool(), advantages, 0.0), clip_low, clip_high, dual_clip, delta
     )
+    if policy_mask is not None:
+        pg_mat = pg_mat * policy_mask
     weighted = weight_samples(weight_tokens(pg_mat, token_weights), weights)
     loss = aggregate_loss(weighted, mask, aggregation, norm_constant, context)
     local = aggregate_loss(weighted.detach(), mask, aggregation, norm_constant)

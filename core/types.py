@@ -81,6 +81,10 @@ class AlgorithmRequirements:
             scores placed on tokens, :attr:`Score.steps`) to its per-token rewards when the
             batch has them. ``alignzoo validate`` refuses an arm whose labeler gives step
             scores (``Labeler.gives_steps``) to an algorithm that does not declare this.
+        truncation: ``compute_advantages`` reads ``batch.columns["truncated"]``, the engine's
+            record of which sampled responses the length budget cut (kept for single-turn
+            batches; TRL's ``mask_truncated_completions``). ``alignzoo validate`` refuses it
+            for an arm with an environment, whose episodes end by ``episodes.on_failure``.
     """
 
     reference: bool = False
@@ -96,6 +100,7 @@ class AlgorithmRequirements:
     teacher_completions: bool = False
     teacher_logprobs: bool = True
     dense_rewards: bool = False
+    truncation: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,10 +181,17 @@ class Placement(BaseModel):
 
 @dataclass
 class LossOutput:
-    """What ``compute_loss`` returns: a scalar loss tensor to minimise and float metrics."""
+    """What ``compute_loss`` returns: a scalar loss tensor to minimise and float metrics.
+
+    ``policy_mask`` (optional, ``[B, R]``, 0/1): the response tokens the policy term trained
+    on, when the algorithm restricts them (``top_entropy_quantile``, the off-policy mask); a
+    modifier that acts on the policy's tokens (``entropy_bonus``) acts on the same ones. None:
+    every response token.
+    """
 
     loss: Any  # torch.Tensor, scalar, requires grad
     metrics: dict[str, float] = field(default_factory=dict)
+    policy_mask: Any = None  # torch.Tensor [B, R] or None
 
 
 class AggregationParams(BaseModel):

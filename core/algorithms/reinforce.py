@@ -8,8 +8,9 @@ is REINFORCE):
     L = -min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t)        (PPO, Schulman 2017, eq. 7)
 
 They differ only in the advantage A_t. :class:`KLPenalisedReinforce` holds the rest (what the
-algorithm needs, the reward's KL term, the loss); each algorithm's module has its params, with
-its paper's defaults, and its ``compute_advantages``.
+algorithm needs, the reward's KL term, the loss, TRL's options on the policy term from
+:mod:`alignzoo.algorithms.policy_term`); each algorithm's module has its params, with its
+paper's defaults, and its advantages (``fill_advantages``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from alignzoo._lazy import lazy_import
+from alignzoo.algorithms.policy_term import (
+    PolicyTermParams,
+    mask_truncated,
+    policy_mask,
+    truncation_metrics,
+)
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
 from alignzoo.types import AlgorithmRequirements, LossAggregation, LossContext, LossOutput
@@ -41,13 +48,25 @@ class KLPenalisedReinforceParams(Protocol):
 
 
 class KLPenalisedReinforce(Algorithm):
-    """Base of RLOO and REINFORCE++: a subclass sets ``namespace`` and ``Params`` and implements
-    ``compute_advantages`` (with :meth:`reward_terms`)."""
+    """Base of RLOO and REINFORCE++: a subclass sets ``namespace`` and ``Params`` (with
+    :class:`~alignzoo.algorithms.policy_term.PolicyTermParams`) and implements
+    :meth:`fill_advantages` (with :meth:`reward_terms`)."""
 
     namespace: ClassVar[str]
     """The algorithm's name: the prefix of its errors and the namespace of its own metrics."""
     params: KLPenalisedReinforceParams
     watched_metrics = ("actor/clipfrac",)
+
+    def fill_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        """Set ``batch.advantages`` (and the rewards and returns the algorithm reports)."""
+        raise NotImplementedError
+
+    @hookimpl
+    def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        batch = self.fill_advantages(batch)
+        if getattr(self.params, "mask_truncated_completions", False):
+            mask_truncated(batch, self.namespace)  # after the advantages: their rewards count
+        return batch
 
     @hookimpl
     def algorithm_requirements(self) -> AlgorithmRequirements:
@@ -61,6 +80,7 @@ class KLPenalisedReinforce(Algorithm):
             # REINFORCE++'s per-token rewards take step rewards (its dense_reward_coef);
             # RLOO's one advantage per sequence has no place for them.
             dense_rewards=getattr(self.params, "dense_reward_coef", 0.0) > 0,
+            truncation=getattr(self.params, "mask_truncated_completions", False),
         )
 
     def reward_terms(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,7 +108,7 @@ class KLPenalisedReinforce(Algorithm):
                 f"{self.namespace}: compute_loss needs batch.advantages and batch.old_logprobs"
             )
         params = self.params
-        loss, metrics = clipped_loss(params, batch, outputs, context)
+        loss, metrics, keep = clipped_loss(params, batch, outputs, context, name=self.namespace)
         if batch.ref_logprobs is not None:  # the estimator of the reward's KL penalty, now
             kl = ops.masked_kl_penalty(
                 outputs.logprobs.detach(),
@@ -97,7 +117,9 @@ class KLPenalisedReinforce(Algorithm):
                 params.kl_estimator,
             )
             metrics[f"{self.namespace}/kl_penalty"] = ops.masked_mean(kl, batch.response_mask)
-        return LossOutput(loss, {name: float(value) for name, value in metrics.items()})
+        return LossOutput(
+            loss, {name: float(value) for name, value in metrics.items()}, policy_mask=keep
+        )
 
 
 class ClippedLossParams(Protocol):
@@ -113,20 +135,40 @@ def clipped_loss(
     batch: RolloutBatch,
     outputs: PolicyOutputs,
     context: LossContext,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    name: str = "algorithm",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
     """PPO's clipped surrogate on ``batch.advantages``, symmetric clip, sample weights and the
-    rollout correction applied, aggregated over the optimizer step (RLOO, REINFORCE++, OPD)."""
+    rollout correction applied, aggregated over the optimizer step (RLOO, REINFORCE++, OPD),
+    with TRL's options on the policy term when ``params`` has them (``name`` prefixes errors).
+    Returns the loss, its metrics and the tokens the policy term kept (None: all)."""
     assert batch.advantages is not None and batch.old_logprobs is not None
-    return ops.clipped_policy_loss(  # type: ignore[no-any-return]
+    keep, delta, metrics = None, None, {}
+    if isinstance(params, PolicyTermParams):
+        delta = params.delta
+        sampling = batch.rollout_logprobs
+        keep, metrics = policy_mask(
+            params,
+            outputs.logprobs,
+            batch.advantages,
+            batch.response_mask,
+            entropy=outputs.entropy,
+            sampling_logprobs=sampling if sampling is not None else batch.old_logprobs,
+            name=name,
+        )
+        metrics.update(truncation_metrics(params, batch))
+    loss, loss_metrics = ops.clipped_policy_loss(
         outputs.logprobs,
         batch.old_logprobs,
         batch.advantages,
         batch.response_mask,
         params.clip_eps,
         params.clip_eps,
+        delta=delta,
+        policy_mask=keep,  # the off-policy mask, the entropy quantile (TRL's options)
         aggregation=params.loss_aggregation,
         norm_constant=params.norm_constant,
         weights=batch.weights,
         token_weights=batch.rollout_is_weights,  # TIS, when training.rollout_correction is on
         context=context,
     )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated over the optimizer step
+    return loss, {**loss_metrics, **metrics}, keep

@@ -202,6 +202,16 @@ def _environment_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
                         "reinforce_pp, ppo)",
                     )
                 )
+            elif arm.requirements.truncation:
+                out.append(
+                    locator.issue(
+                        ("arms", arm.name, "algorithm", "params", "mask_truncated_completions"),
+                        "masks the responses the length budget cut, which the engine records "
+                        "for single-turn samples only; an environment's episodes end by "
+                        "episodes.on_failure (truncated, timeout, ...): drop the option, or "
+                        "set episodes.on_failure",
+                    )
+                )
         if (
             backend is not None
             and not build_plugin_manager([backend]).hook.generate_ids.get_hookimpls()

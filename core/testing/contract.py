@@ -28,10 +28,13 @@ The properties (check names):
 - ``micro_batch_invariance``: splitting the batch into micro-batches (whole groups each), each
   ``compute_loss`` given the whole batch's :class:`~alignzoo.types.LossContext`, gives shares
   that add up to the whole batch's loss and gradients that add up to its gradient (gradient
-  accumulation changes nothing, for every loss aggregation).
+  accumulation changes nothing, for every loss aggregation). One documented exception: TRL's
+  ``top_entropy_quantile`` below 1 takes its quantile over each forward's tokens, as TRL does
+  (:mod:`alignzoo.algorithms.policy_term`), so its tests skip this check.
 - ``direction``: one gradient-descent step on the loss moves the policy the way the algorithm's
   kind promises, on an on-policy batch built for it (every log-prob -1, the reference and the
-  behaviour policy equal to the policy, values 0; the group structure and lengths drawn):
+  behaviour policy equal to the policy, values 0, every entropy 1; the group structure and
+  lengths drawn):
   online algorithms raise the log-probability of each group's best-scored sample (scores 1 and
   0; in a group of one a baseline may take its whole signal) and raise it more than the
   others'; preference algorithms raise each pair's chosen-minus-rejected margin; unpaired ones raise the desirable completions and lower the undesirable; imitation (demonstrations) raises every demonstrated completion. A loss with
@@ -350,8 +353,9 @@ TEACHER_PREFERS, TEACHER_DOUBTS = -0.5, -2.0
 
 def directional(case: BatchCase, data: str) -> BatchCase:
     """``case`` made into the ``direction`` check's batch (see the module docstring): on
-    policy, log-probs :data:`ON_POLICY_LOGPROB`, values 0, no weights; online scores 1 for the
-    first sample of each group and 0 for the others."""
+    policy, log-probs :data:`ON_POLICY_LOGPROB`, values 0, entropy 1 (so an entropy quantile
+    keeps every token), no weights; online scores 1 for the first sample of each group and 0
+    for the others."""
 
     def rows(value: float) -> tuple[tuple[float, ...], ...]:
         return tuple(tuple(value for _ in range(case.width)) for _ in range(case.size))
@@ -364,6 +368,8 @@ def directional(case: BatchCase, data: str) -> BatchCase:
     for name in ("values", "policy_values"):
         if getattr(case, name) is not None:
             updates[name] = rows(0.0)
+    if case.entropy is not None:  # flat, as the log-probs: no token stands out by its entropy
+        updates["entropy"] = rows(1.0)
     if case.mismatched_ref_logprobs is not None and case.mismatched_logprobs is not None:
         updates["mismatched_ref_logprobs"] = case.mismatched_logprobs
     if data == "online":

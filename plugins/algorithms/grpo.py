@@ -15,13 +15,13 @@ Variants, all selected by params:
 - ``loss_aggregation``: any mode of :func:`alignzoo.ops.aggregate_loss`; ``norm_constant`` is Dr.
   GRPO's constant for ``seq-mean-token-sum-norm``.
 - ``beta = 0``: no KL term, and no reference model is loaded.
-- ``delta`` (TRL's name): two-sided clipping (INTELLECT-2), the unclipped term's ratio capped at
-  delta, ``-min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A)``.
-- ``mask_truncated_completions`` (TRL's name): responses cut by the length budget carry no
-  loss and no token of the step's count; their rewards stay in their group's statistics.
-- ``off_policy_mask_threshold`` (TRL's name): DeepSeek-V3.2's off-policy sequence masking
-  (eq. 9): the policy term of a sequence with A < 0 whose mean ``log pi_sampling - log pi``
-  exceeds the threshold is masked; the KL term and the normalisers are unchanged.
+- TRL's options on the policy term, shared with RLOO, REINFORCE++ and PPO
+  (:mod:`alignzoo.algorithms.policy_term`): ``delta`` (two-sided clipping, INTELLECT-2: the
+  unclipped term's ratio capped at delta), ``top_entropy_quantile`` (the policy term on the
+  highest-entropy tokens only, Beyond the 80/20 Rule), ``off_policy_mask_threshold``
+  (DeepSeek-V3.2's off-policy sequence mask, eq. 9) and ``mask_truncated_completions``
+  (responses cut by the length budget carry no loss; their rewards stay in their group's
+  statistics). The KL term and the normalisers are unchanged by all four.
 - ``surrogate``: the policy-gradient term of each token. ``"clip"`` (the default) is PPO's
   clipped surrogate above; the others are TRL's ``loss_type`` of the same name:
 
@@ -56,6 +56,12 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from alignzoo._lazy import lazy_import
+from alignzoo.algorithms.policy_term import (
+    PolicyTermParams,
+    mask_truncated,
+    policy_mask,
+    truncation_metrics,
+)
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
 from alignzoo.types import (
@@ -87,8 +93,10 @@ SURROGATE_PARAMS: dict[str, tuple[str, ...]] = {
 """The params each surrogate reads (the others are refused off their defaults)."""
 
 
-class GRPOParams(AggregationParams):
-    """Parameters of GRPO; defaults follow Shao et al. 2024."""
+class GRPOParams(AggregationParams, PolicyTermParams):
+    """Parameters of GRPO; defaults follow Shao et al. 2024 (TRL's options on the policy term,
+    ``delta``, ``top_entropy_quantile``, ``off_policy_mask_threshold`` and
+    ``mask_truncated_completions``, from :class:`~alignzoo.algorithms.policy_term.PolicyTermParams`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -98,28 +106,6 @@ class GRPOParams(AggregationParams):
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="lower clip range: r >= 1 - eps")
     clip_eps_high: float = Field(
         0.2, gt=0.0, description="upper clip range: r <= 1 + eps (DAPO clip-higher uses 0.28)"
-    )
-    delta: float | None = Field(
-        None,
-        gt=1.0,
-        description="clip and luspo: cap the unclipped term's ratio at delta, -min(min(r, "
-        "delta) A, clip(r) A) (two-sided clipping, INTELLECT-2; TRL's delta); the report "
-        "recommends delta > 1 + clip_eps_high. Null: PPO's one-sided clip",
-    )
-    off_policy_mask_threshold: float | None = Field(
-        None,
-        ge=0.0,
-        description="mask the policy term of a sequence with negative advantage whose mean "
-        "log(pi_sampling / pi) over its tokens exceeds this (DeepSeek-V3.2's off-policy "
-        "sequence masking, eq. 9; TRL's off_policy_mask_threshold; pi_sampling: the rollout "
-        "backend's log-probs when recorded, else the behaviour policy's). Null: off",
-    )
-    mask_truncated_completions: bool = Field(
-        False,
-        description="responses the length budget cut (batch.columns['truncated'], recorded by "
-        "the engine for single-turn samples) carry no loss and count no tokens; their rewards "
-        "still count in their group's statistics (TRL's mask_truncated_completions; the "
-        "length_filter modifier's drop_truncated removes them from the group instead)",
     )
     scale_rewards: ScaleRewards = Field(
         "group",
@@ -334,36 +320,6 @@ def vespo_weights(
     return torch.where(mask_b, phi, 0.0)
 
 
-def off_policy_keep(
-    logprobs: torch.Tensor,
-    sampling_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    threshold: float,
-) -> torch.Tensor:
-    """DeepSeek-V3.2's off-policy sequence mask ``[B]`` bool (eq. 9): keep a sequence unless
-    its advantage is negative and its mean ``log pi_sampling - log pi`` over its tokens (the
-    current policy detached) exceeds ``threshold``."""
-    kl = torch.where(mask.bool(), sampling_logprobs - logprobs.detach(), 0.0).nan_to_num(0.0)
-    mean_kl = kl.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
-    advantage = (advantages * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
-    return (advantage >= 0) | (mean_kl <= threshold)  # M_i = 1 unless A_i < 0 and KL_i > delta
-
-
-def mask_truncated(batch: RolloutBatch) -> None:
-    """Zero the response mask of the responses the length budget cut (``columns['truncated']``):
-    they carry no loss and no tokens of the step's count, as TRL's mask_truncated_completions."""
-    cut = batch.columns.get("truncated")
-    if cut is None:
-        raise UserError(
-            "grpo: mask_truncated_completions needs the engine's record of truncated responses "
-            "(batch.columns['truncated'], kept for single-turn sampled batches); an arm with an "
-            "environment limits its episodes with episodes.on_failure instead"
-        )
-    keep = (1.0 - cut.to(batch.response_mask.dtype)).unsqueeze(-1)
-    batch.response_mask = batch.response_mask * keep.to(batch.response_mask.device)
-
-
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -374,13 +330,15 @@ def grpo_loss(
     weights: torch.Tensor | None = None,
     context: LossContext | None = None,
     is_weights: torch.Tensor | None = None,
-    sampling_logprobs: torch.Tensor | None = None,
+    policy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO objective (Shao et al. 2024, eq. 3), negated: the surrogate plus beta * KL.
 
     The surrogate is ``params.surrogate`` (PPO's clip by default; see the module docstring).
     All inputs are ``[B, R]`` (``weights`` ``[B]``); ``is_weights`` are the rollout
-    correction's truncated importance weights on the surrogate (not on the KL term). The loss
+    correction's truncated importance weights on the surrogate (not on the KL term);
+    ``policy_mask`` the 0/1 tokens the surrogate keeps (TRL's ``off_policy_mask_threshold`` and
+    ``top_entropy_quantile``, :func:`~alignzoo.algorithms.policy_term.policy_mask`). The loss
     is aggregated over the optimizer step's counts in ``context`` (this batch's own without
     it). Returns the scalar loss and detached metric tensors (``grpo/kl_k3`` only when
     ``ref_logprobs`` is given; the clip fractions for clip, luspo and cispo, whose upper one is
@@ -413,16 +371,8 @@ def grpo_loss(
         logp = torch.where(mask_b, logprobs, 0.0)
         pg_mat = -phi * advantages * logp  # J_VESPO = E[sg(phi(w)) A log pi(y_t)]  (VESPO)
         metrics["grpo/vespo_phi"] = ops.masked_mean(phi, mask, dim=-1).mean()  # per sequence
-    if params.off_policy_mask_threshold is not None:
-        keep = off_policy_keep(
-            logprobs,
-            sampling_logprobs if sampling_logprobs is not None else old_logprobs,
-            advantages,
-            mask,
-            params.off_policy_mask_threshold,
-        )
-        pg_mat = pg_mat * keep.unsqueeze(-1).to(pg_mat.dtype)  # M_i  (DeepSeek-V3.2, eq. 9)
-        metrics["grpo/off_policy_masked"] = 1.0 - keep.to(pg_mat.dtype).mean()
+    if policy_mask is not None:  # TRL's options: the off-policy mask, the entropy quantile
+        pg_mat = pg_mat * policy_mask
     pg_mat = ops.weight_tokens(pg_mat, is_weights)  # TIS (training.rollout_correction)
     loss_mat = pg_mat
     if ref_logprobs is not None:
@@ -467,6 +417,7 @@ class GRPO(Algorithm):
             data="online",
             rollout_correction=True,
             weights=True,
+            truncation=self.params.mask_truncated_completions,
         )
 
     @hookimpl
@@ -477,7 +428,7 @@ class GRPO(Algorithm):
             batch.scores, batch.group_ids, self.params.scale_rewards, self.params.eps
         )
         if self.params.mask_truncated_completions:
-            mask_truncated(batch)  # after the group statistics: their rewards still count
+            mask_truncated(batch, "grpo")  # after the group statistics: their rewards still count
         mask = batch.response_mask
         batch.advantages = seq_adv.unsqueeze(-1) * mask.to(seq_adv.dtype)
         return batch
@@ -490,6 +441,16 @@ class GRPO(Algorithm):
             raise UserError("grpo: compute_loss needs batch.advantages and batch.old_logprobs")
         if self.params.beta > 0 and batch.ref_logprobs is None:
             raise UserError("grpo: beta > 0 needs batch.ref_logprobs (the reference model)")
+        sampling = batch.rollout_logprobs
+        keep, mask_metrics = policy_mask(
+            self.params,
+            outputs.logprobs,
+            batch.advantages,
+            batch.response_mask,
+            entropy=outputs.entropy,
+            sampling_logprobs=sampling if sampling is not None else batch.old_logprobs,
+            name="grpo",
+        )
         loss, metrics = grpo_loss(
             outputs.logprobs,
             batch.old_logprobs,
@@ -500,9 +461,8 @@ class GRPO(Algorithm):
             weights=batch.weights,
             context=context,
             is_weights=batch.rollout_is_weights,
-            sampling_logprobs=batch.rollout_logprobs,
+            policy_mask=keep,
         )
-        cut = batch.columns.get("truncated")
-        if self.params.mask_truncated_completions and cut is not None:
-            metrics["grpo/truncated_masked"] = cut.float().mean()  # this micro-batch's share
-        return LossOutput(loss, {k: float(v) for k, v in metrics.items()})
+        metrics.update(mask_metrics)
+        metrics.update(truncation_metrics(self.params, batch))
+        return LossOutput(loss, {k: float(v) for k, v in metrics.items()}, policy_mask=keep)

@@ -118,7 +118,7 @@ class OPD(Algorithm):
     ) -> LossOutput:
         if batch.advantages is None or batch.old_logprobs is None:
             raise UserError("opd: compute_loss needs batch.advantages and batch.old_logprobs")
-        loss, metrics = clipped_loss(self.params, batch, outputs, context)
+        loss, metrics, _ = clipped_loss(self.params, batch, outputs, context, name="opd")
         mask = batch.response_mask
         if batch.teacher_logprobs is not None:  # how far the policy is from the teacher, now
             gap = outputs.logprobs.detach() - batch.teacher_logprobs

@@ -53,6 +53,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from alignzoo._lazy import lazy_import
+from alignzoo.algorithms.policy_term import (
+    PolicyTermParams,
+    mask_truncated,
+    policy_mask,
+    truncation_metrics,
+)
 from alignzoo.errors import UserError
 from alignzoo.plugin import Algorithm, hookimpl
 from alignzoo.types import (
@@ -82,10 +88,13 @@ KL_ERROR_CLIP = 0.2
 """The controller's error clip (Ziegler et al. 2019)."""
 
 
-class PPOParams(AggregationParams):
+class PPOParams(AggregationParams, PolicyTermParams):
     """Parameters of PPO; defaults follow Ouyang et al. 2022 and Ziegler et al. 2019, those of the
     adaptive KL controller (its unit, target, horizon and initial value) were measured on the
-    embedded world (see the module docstring)."""
+    embedded world (see the module docstring). TRL's options on the policy term (``delta``,
+    ``top_entropy_quantile``, ``off_policy_mask_threshold``, ``mask_truncated_completions``) are
+    :class:`~alignzoo.algorithms.policy_term.PolicyTermParams`'s; a response masked as truncated
+    trains neither the policy nor the critic."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -281,11 +290,14 @@ def ppo_loss(
     outputs: PolicyOutputs,
     params: PPOParams,
     context: LossContext | None = None,
+    policy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The PPO loss of one micro-batch and its metrics (everything but the ``kl/*`` controller ones).
 
     Every term is aggregated over the optimizer step's counts in ``context`` (this batch's own
-    without it); the reported losses are this micro-batch's own means.
+    without it); the reported losses are this micro-batch's own means. ``policy_mask``: the
+    0/1 tokens the clipped surrogate keeps (TRL's options,
+    :func:`~alignzoo.algorithms.policy_term.policy_mask`).
     """
     mask = batch.response_mask
     mask_b = mask.bool()
@@ -305,6 +317,8 @@ def ppo_loss(
         params.clip_eps,
         params.clip_eps,
         dual_clip=params.dual_clip,
+        delta=params.delta,
+        policy_mask=policy_mask,  # the off-policy mask, the entropy quantile (TRL's options)
         aggregation=params.loss_aggregation,
         norm_constant=params.norm_constant,
         weights=batch.weights,
@@ -387,6 +401,7 @@ class PPO(Algorithm):
             rollout_correction=True,
             weights=True,
             dense_rewards=self.params.dense_reward_coef > 0,
+            truncation=self.params.mask_truncated_completions,
         )
 
     @hookimpl
@@ -421,6 +436,8 @@ class PPO(Algorithm):
             self.kl_ctl.update(observed, n_steps=1)
         if isinstance(self.kl_ctl, AdaptiveKLController):
             self._kl_metrics["kl/target"] = self.kl_ctl.target
+        if p.mask_truncated_completions:  # after GAE: their rewards count in the whitening
+            mask_truncated(batch, "ppo")
         return batch
 
     @hookimpl
@@ -431,6 +448,18 @@ class PPO(Algorithm):
             raise UserError("ppo: compute_loss needs batch.advantages and batch.old_logprobs")
         if self.params.kl_loss_coef > 0 and batch.ref_logprobs is None:
             raise UserError("ppo: kl_loss_coef > 0 needs batch.ref_logprobs")
-        loss, metrics = ppo_loss(batch, outputs, self.params, context)
+        sampling = batch.rollout_logprobs
+        keep, mask_metrics = policy_mask(
+            self.params,
+            outputs.logprobs,
+            batch.advantages,
+            batch.response_mask,
+            entropy=outputs.entropy,
+            sampling_logprobs=sampling if sampling is not None else batch.old_logprobs,
+            name="ppo",
+        )
+        loss, metrics = ppo_loss(batch, outputs, self.params, context, policy_mask=keep)
+        metrics.update({k: float(v) for k, v in mask_metrics.items()})
+        metrics.update({k: float(v) for k, v in truncation_metrics(self.params, batch).items()})
         metrics.update(self._kl_metrics or {"kl/coef": self.kl_ctl.value})
-        return LossOutput(loss, metrics)
+        return LossOutput(loss, metrics, policy_mask=keep)

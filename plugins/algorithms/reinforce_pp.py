@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
+from alignzoo.algorithms.policy_term import PolicyTermParams
 from alignzoo.algorithms.reinforce import KLPenalisedReinforce
-from alignzoo.plugin import hookimpl
 from alignzoo.types import AggregationParams, LossAggregation
 
 if TYPE_CHECKING:
@@ -38,8 +38,10 @@ torch = lazy_import("torch")
 ops = lazy_import("alignzoo.ops")
 
 
-class ReinforcePlusPlusParams(AggregationParams):
-    """Parameters of REINFORCE++; defaults follow Hu et al. 2025."""
+class ReinforcePlusPlusParams(AggregationParams, PolicyTermParams):
+    """Parameters of REINFORCE++; defaults follow Hu et al. 2025 (TRL's options on the policy term, ``delta``,
+    ``top_entropy_quantile``, ``off_policy_mask_threshold`` and ``mask_truncated_completions``,
+    from :class:`~alignzoo.algorithms.policy_term.PolicyTermParams`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -93,8 +95,7 @@ class ReinforcePlusPlus(KLPenalisedReinforce):
     Params = ReinforcePlusPlusParams
     params: ReinforcePlusPlusParams
 
-    @hookimpl
-    def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+    def fill_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         scores, kl = self.reward_terms(batch)
         p = self.params
         rewards, returns, advantages = reinforce_pp_advantages(

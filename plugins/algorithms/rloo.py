@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import ConfigDict, Field
 
 from alignzoo._lazy import lazy_import
+from alignzoo.algorithms.policy_term import PolicyTermParams
 from alignzoo.algorithms.reinforce import KLPenalisedReinforce
-from alignzoo.plugin import hookimpl
 from alignzoo.types import AggregationParams, LossAggregation
 
 if TYPE_CHECKING:
@@ -34,8 +34,10 @@ torch = lazy_import("torch")
 ops = lazy_import("alignzoo.ops")
 
 
-class RLOOParams(AggregationParams):
-    """Parameters of RLOO; defaults follow Ahmadian et al. 2024."""
+class RLOOParams(AggregationParams, PolicyTermParams):
+    """Parameters of RLOO; defaults follow Ahmadian et al. 2024 (TRL's options on the policy term, ``delta``,
+    ``top_entropy_quantile``, ``off_policy_mask_threshold`` and ``mask_truncated_completions``,
+    from :class:`~alignzoo.algorithms.policy_term.PolicyTermParams`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -87,8 +89,7 @@ class RLOO(KLPenalisedReinforce):
     Params = RLOOParams
     params: RLOOParams
 
-    @hookimpl
-    def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+    def fill_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         scores, kl = self.reward_terms(batch)
         mask = batch.response_mask
         rewards = sequence_rewards(scores, mask, kl, self.params.kl_coef)  # score - beta sum KL_t

@@ -55,12 +55,20 @@ def both_sides(
     )
     set_attributes(monkeypatch, trainer.args, delta=options.get("delta"))
     set_attributes(
-        monkeypatch, trainer, off_policy_mask_threshold=options.get("off_policy_mask_threshold")
+        monkeypatch,
+        trainer,
+        off_policy_mask_threshold=options.get("off_policy_mask_threshold"),
+        top_entropy_quantile=options.get("top_entropy_quantile", 1.0),
     )
     leaf = r.logps.clone().requires_grad_(True)
     rows = torch.arange(len(r.lengths))
+    entropies = entropy_of(r)
     trl_loss = trl_grpo_loss(
-        trainer, monkeypatch, leaf, r.trl_inputs(rows, beta, float(r.mask.sum()))
+        trainer,
+        monkeypatch,
+        leaf,
+        r.trl_inputs(rows, beta, float(r.mask.sum())),
+        entropies=entropies,
     )
     trl_loss.backward()
     assert leaf.grad is not None
@@ -74,8 +82,20 @@ def both_sides(
             **options,
         }
     )
-    ours = run_alignzoo(grpo, *r.alignzoo_batch(reference=beta > 0), advantages=False)
+    batch, outputs = r.alignzoo_batch(reference=beta > 0)
+    outputs.entropy = entropies
+    ours = run_alignzoo(grpo, batch, outputs, advantages=False)
     return ours, (trl_loss.detach(), leaf.grad)
+
+
+def entropy_of(r: Rollouts) -> torch.Tensor:
+    """Per-token entropies ``[B, R]`` for the rollouts: distinct values in (0, 3), seeded by the
+    rollouts' shape, with junk on padding (which both sides must ignore). Float32 values (held
+    in float64): TRL takes its threshold in float32 and compares it with the float64 entropies,
+    so at quantile 0 a float64 maximum can sit below its own rounded threshold."""
+    gen = torch.Generator().manual_seed(len(r.lengths) * 1_000 + int(r.logps.shape[1]))
+    values = (torch.rand(r.logps.shape, generator=gen) * 3.0).to(r.logps.dtype)
+    return torch.where(r.mask.bool(), values, 50.0)
 
 
 @pytest.mark.parametrize(("seed", "size", "width"), [(0, 6, 5), (1, 8, 7), (2, 9, 4)])
@@ -109,9 +129,28 @@ def test_off_policy_mask_matches_trl(
         assert bool(masked.any()) and not bool(masked.all())
 
 
-def test_the_options_with_both_on_match_trl(grpo_trainer, monkeypatch):
+@pytest.mark.parametrize(("seed", "size", "width"), [(0, 6, 5), (1, 8, 7), (2, 9, 4)])
+@pytest.mark.parametrize("quantile", [1.0, 0.2, 0.5, 0.0])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_top_entropy_quantile_matches_trl(
+    grpo_trainer, monkeypatch, quantile, level, beta, seed, size, width
+):
+    """TRL's get_high_entropy_mask (the threshold: torch.quantile of the response tokens'
+    entropies at 1 - rho) against alignzoo's, on entropies with junk on the padding."""
+    r = make_rollouts(seed, size, width)
+    options = {"top_entropy_quantile": quantile}
+    ours, theirs = both_sides(monkeypatch, grpo_trainer, r, level, beta, options)
+    assert_parity(ours, theirs)
+    tokens = int(r.mask.sum())
+    kept = int((ours[1] != 0).sum()) if beta == 0 else None
+    if quantile < 1.0 and kept is not None:  # premise: the mask drops tokens, keeps the top
+        assert 0 < kept < tokens
+
+
+def test_the_options_all_on_match_trl(grpo_trainer, monkeypatch):
     r = make_rollouts(3, 8, 6)
-    options = {"delta": 1.4, "off_policy_mask_threshold": 0.1}
+    options = {"delta": 1.4, "off_policy_mask_threshold": 0.1, "top_entropy_quantile": 0.4}
     assert_parity(*both_sides(monkeypatch, grpo_trainer, r, "token", 0.04, options))
 
 
@@ -124,7 +163,7 @@ def test_mask_truncated_completions_matches_trl(
     """TRL zeroes a truncated completion's mask when it generates (so its tokens leave
     num_items_in_batch too); alignzoo's GRPO zeroes its response mask in compute_advantages,
     from the engine's record batch.columns['truncated']."""
-    from alignzoo.plugins.algorithms.grpo import mask_truncated
+    from alignzoo.algorithms.policy_term import mask_truncated
     from tests.parity.test_trl_parity import GRPO_AGGREGATION
 
     r = make_rollouts(seed, size, width)
@@ -158,7 +197,96 @@ def test_mask_truncated_completions_matches_trl(
     )
     batch, outputs = r.alignzoo_batch(reference=beta > 0)
     batch.columns["truncated"] = cut
-    mask_truncated(batch)
+    mask_truncated(batch, "grpo")
     ours = run_alignzoo(grpo, batch, outputs, advantages=False)
     assert_parity(ours, (trl_loss.detach(), leaf.grad))
     assert float(ours[1][cut.bool()].abs().max()) == 0.0  # the cut ones get no gradient
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.5])
+@pytest.mark.parametrize(
+    "bonus",
+    [
+        {"coef": 0.05},
+        {"coef": 0.05, "use_adaptive_entropy": True, "entropy_target": 1.5},
+        {
+            "coef": 0.3,
+            "use_adaptive_entropy": True,
+            "entropy_target": 1.2,
+            "entropy_coef_delta": 0.02,
+            "entropy_coef_min": 0.25,
+            "entropy_coef_max": 0.33,
+        },
+    ],
+)
+def test_the_entropy_bonus_and_its_adaptive_coefficient_match_trl(
+    grpo_trainer, monkeypatch, bonus, quantile
+):
+    """GRPO with the entropy_bonus modifier against TRL's entropy_coef / use_adaptive_entropy,
+    over six optimizer steps whose entropies cross the target both ways: the loss, its gradient
+    w.r.t. the log-probs and the entropies, and the coefficient after every step."""
+    from alignzoo.plugins.modifiers.entropy_bonus import EntropyBonus
+    from alignzoo.registry import build_plugin_manager
+
+    set_grpo(
+        monkeypatch,
+        grpo_trainer,
+        loss_type="grpo",
+        level="token",
+        beta=0.0,
+        eps_low=0.2,
+        eps_high=0.2,
+        max_completion_length=8,
+    )
+    set_attributes(monkeypatch, grpo_trainer.args, delta=None)
+    set_attributes(
+        monkeypatch,
+        grpo_trainer,
+        off_policy_mask_threshold=None,
+        top_entropy_quantile=quantile,
+        entropy_coef=bonus["coef"],
+        use_adaptive_entropy=bonus.get("use_adaptive_entropy", False),
+        _entropy_bonus_enabled=True,
+        _last_world_entropy=float("inf"),
+        _entropy_window_stats=None,
+    )
+    defaults = EntropyBonus.Params()
+    set_attributes(
+        monkeypatch,
+        grpo_trainer.args,
+        **{
+            name: bonus.get(name, getattr(defaults, name))
+            for name in ("entropy_target", "entropy_coef_min", "entropy_coef_max")
+        },
+        entropy_coef_delta=bonus.get("entropy_coef_delta", defaults.entropy_coef_delta),
+    )
+    modifier = EntropyBonus(bonus)
+    pm = build_plugin_manager([GRPO({"beta": 0.0, "top_entropy_quantile": quantile}), modifier])
+    coefs, applied = [], []
+    for step, level in enumerate([2.0, 1.0, 1.0, 2.0, 0.5, 1.4]):
+        r = make_rollouts(step, 6, 5)
+        entropies = entropy_of(r) * (level / 1.5)  # mean entropy about `level`
+        entropies = torch.where(r.mask.bool(), entropies, 50.0)
+        leaf, e_leaf = r.logps.clone().requires_grad_(True), entropies.clone().requires_grad_(True)
+        rows = torch.arange(6)
+        inputs = r.trl_inputs(rows, 0.0, float(r.mask.sum()))
+        trl_loss = trl_grpo_loss(grpo_trainer, monkeypatch, leaf, inputs, entropies=e_leaf)
+        trl_loss.backward()
+        batch, outputs = r.alignzoo_batch(reference=False)
+        outputs.entropy = entropies.clone().requires_grad_(True)
+        result = pm.hook.compute_loss(batch=batch, outputs=outputs, context=batch.loss_context())
+        result.loss.backward()
+        assert_parity((result.loss.detach(), outputs.logprobs.grad), (trl_loss.detach(), leaf.grad))
+        mask = r.mask.bool()
+        torch.testing.assert_close(
+            torch.where(mask, outputs.entropy.grad, 0.0), torch.where(mask, e_leaf.grad, 0.0)
+        )
+        coefs.append((modifier.coef, grpo_trainer.entropy_coef))
+        applied.append(modifier.applied_coef())
+    for ours, theirs in coefs:
+        assert ours == pytest.approx(theirs, abs=1e-12)
+    if bonus.get("use_adaptive_entropy"):  # premise: the controller moved both ways
+        values = [c for c, _ in coefs]
+        steps = [b - a for a, b in zip([bonus["coef"], *values], values, strict=False)]
+        assert any(d > 0 for d in steps) and any(d < 0 for d in steps), values
+        assert 0.0 in applied and any(a > 0 for a in applied), applied

@@ -874,8 +874,10 @@ def trl_grpo_loss(
     monkeypatch: pytest.MonkeyPatch,
     per_token_logps: torch.Tensor,
     inputs: dict[str, Any],
+    entropies: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GRPOTrainer._compute_loss with the policy's per-token log-probs ``per_token_logps``."""
+    """GRPOTrainer._compute_loss with the policy's per-token log-probs ``per_token_logps`` (and
+    entropies ``entropies``, zeros when not given)."""
 
     def given(
         model: Any,
@@ -885,6 +887,8 @@ def trl_grpo_loss(
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, None]:
         assert logits_to_keep == per_token_logps.shape[1]
+        if entropies is not None:
+            return per_token_logps, entropies, None
         return per_token_logps, torch.zeros_like(per_token_logps.detach()), None
 
     monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", given)

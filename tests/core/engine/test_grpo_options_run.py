@@ -15,7 +15,12 @@ from .conftest import read_jsonl, tiny_experiment
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_grpo_arm_with_trls_options_trains(write_experiment, tmp_path, overlap) -> None:
-    params = {"mask_truncated_completions": True, "delta": 1.5, "off_policy_mask_threshold": 0.2}
+    params = {
+        "mask_truncated_completions": True,
+        "delta": 1.5,
+        "off_policy_mask_threshold": 0.2,
+        "top_entropy_quantile": 0.5,
+    }
     spec = tiny_experiment(
         budget={"steps": 3},
         training={"epochs": 2, "sampling": {"max_new_tokens": 3}},  # short: some are cut
@@ -32,6 +37,36 @@ def test_a_grpo_arm_with_trls_options_trains(write_experiment, tmp_path, overlap
     assert run_one(loaded, "grpo", 0, out).status == "finished"
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all("grpo/off_policy_masked" in r for r in rows)
-    cut = [r["grpo/truncated_masked"] for r in rows]
+    assert all("actor/off_policy_masked" in r for r in rows)
+    assert all(0.3 < r["actor/entropy_kept"] < 0.7 for r in rows), "about half the tokens"
+    cut = [r["actor/truncated_masked"] for r in rows]
     assert 0.0 < max(cut) < 1.0, f"premise: 3 new tokens cut some responses, not all ({cut})"
+
+
+@pytest.mark.slow
+def test_an_rloo_arm_with_the_options_and_an_adaptive_entropy_bonus_trains(
+    write_experiment, tmp_path
+) -> None:
+    """The options on another algorithm, and the entropy bonus's controller in a real run:
+    the coefficient is reported each step and moves by its step size."""
+    params = {"mask_truncated_completions": True, "top_entropy_quantile": 0.2, "delta": 2.0}
+    bonus = {"coef": 0.02, "use_adaptive_entropy": True, "entropy_target": 100.0}
+    spec = tiny_experiment(
+        budget={"steps": 3},
+        training={"sampling": {"max_new_tokens": 3}},
+        arms={
+            "rloo": {
+                "algorithm": {"name": "rloo", "params": params},
+                "labeler": "arithmetic",
+                "modifiers": [{"name": "entropy_bonus", "params": bonus}],
+            }
+        },
+    )
+    loaded = load_experiment(write_experiment(spec))
+    out = tmp_path / "run"
+    assert run_one(loaded, "rloo", 0, out).status == "finished"
+    rows = read_jsonl(out / "metrics.jsonl")
+    # entropy below the (high) target: no bonus on the first optimizer step, then 0.025, 0.03
+    assert [r["entropy_bonus/coef"] for r in rows] == pytest.approx([0.0, 0.025, 0.03])
+    assert all(0.0 < r["actor/entropy_kept"] < 0.5 for r in rows)
+    assert all("actor/truncated_masked" in r for r in rows)

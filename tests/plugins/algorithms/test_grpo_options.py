@@ -8,7 +8,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from alignzoo.plugins.algorithms.grpo import GRPO, off_policy_keep
+from alignzoo.algorithms.policy_term import off_policy_keep
+from alignzoo.plugins.algorithms.grpo import GRPO
 from alignzoo.testing.contract import check_algorithm
 
 

@@ -50,3 +50,81 @@ def test_entropy_bonus_default_coef_and_missing_entropy():
     pm = build_plugin_manager([GRPO(), EntropyBonus()])
     with pytest.raises(UserError, match="entropy"):
         pm.hook.compute_loss(batch=batch, outputs=outputs, context=batch.loss_context())
+
+
+def adaptive(**params):
+    base = {"coef": 0.1, "use_adaptive_entropy": True, "entropy_target": 1.0}
+    return EntropyBonus({**base, **params})
+
+
+def call(pm, entropy_value: float, micro_batches: int):
+    batch, outputs = grpo_inputs()
+    GRPO().compute_advantages(batch)
+    outputs.entropy = torch.full((2, 3), entropy_value, requires_grad=True)
+    context = batch.loss_context(micro_batches=micro_batches)
+    return pm.hook.compute_loss(batch=batch, outputs=outputs, context=context)
+
+
+def test_the_adaptive_coefficient_moves_once_per_optimizer_step_from_its_whole_window():
+    """Three micro-batches make one optimizer step: the coefficient moves after the third, from
+    the token mean of all three (4 tokens each: entropies 0.2, 0.2 and 2.9, mean 1.1 > 1.0,
+    so down), and the bonus applies from the next step only while the last mean was <= 1."""
+    modifier = adaptive(entropy_coef_delta=0.03)
+    pm = build_plugin_manager([GRPO(), modifier])
+    for value in (0.2, 0.2):
+        assert call(pm, value, 3).metrics["entropy_bonus/coef"] == 0.0  # no step's H yet
+        assert modifier.coef == 0.1  # the window is open: nothing moves
+    call(pm, 2.9, 3)
+    assert modifier.coef == pytest.approx(0.07) and modifier.last_entropy == pytest.approx(1.1)
+    assert call(pm, 0.5, 1).metrics["entropy_bonus/coef"] == 0.0  # 1.1 was above the target
+    assert modifier.coef == pytest.approx(0.1) and modifier.last_entropy == pytest.approx(0.5)
+    assert call(pm, 0.5, 1).metrics["entropy_bonus/coef"] == pytest.approx(0.1)
+
+
+def test_the_adaptive_coefficient_stays_within_its_bounds_and_restores_from_a_checkpoint():
+    modifier = adaptive(coef=0.1, entropy_coef_delta=0.05, entropy_coef_max=0.12)
+    pm = build_plugin_manager([GRPO(), modifier])
+    call(pm, 0.1, 1)
+    assert modifier.coef == pytest.approx(0.12)  # capped, not 0.15
+    restored = adaptive(coef=0.1, entropy_coef_delta=0.05, entropy_coef_max=0.12)
+    restored.load_state_dict(modifier.state_dict())
+    assert (restored.coef, restored.last_entropy) == (modifier.coef, modifier.last_entropy)
+    assert restored.applied_coef() == modifier.applied_coef() == pytest.approx(0.12)
+    floor = adaptive(coef=0.1, entropy_coef_delta=0.5, entropy_coef_min=0.02)
+    call(build_plugin_manager([GRPO(), floor]), 5.0, 1)
+    assert floor.coef == pytest.approx(0.02)
+
+
+def test_without_the_controller_the_coefficient_never_moves():
+    modifier = EntropyBonus({"coef": 0.1})
+    pm = build_plugin_manager([GRPO(), modifier])
+    result = call(pm, 0.1, 1)
+    assert modifier.coef == 0.1 and "entropy_bonus/coef" not in result.metrics
+
+
+def test_the_bonus_acts_on_the_tokens_the_policy_term_kept():
+    """With top_entropy_quantile the bonus is the mean entropy of the kept tokens only."""
+    batch, outputs = grpo_inputs()
+    grpo = GRPO({"top_entropy_quantile": 0.5})
+    grpo.compute_advantages(batch)
+    pm = build_plugin_manager([grpo, EntropyBonus({"coef": 0.1})])
+    result = pm.hook.compute_loss(batch=batch, outputs=outputs, context=batch.loss_context())
+    # real entropies 1, 2, 3, 0.5: the median is 1.5, so 2 and 3 are kept
+    assert result.policy_mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert result.metrics["entropy_bonus"] == pytest.approx(0.1 * 2.5)
+
+
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "must not exceed"),
+        ({"use_adaptive_entropy": True, "coef": 2.0}, "within"),
+        ({"entropy_coef_delta": -0.1}, "entropy_coef_delta"),
+        ({"entropy_target": -1.0}, "entropy_target"),
+    ],
+)
+def test_bad_controller_settings_are_refused_naming_the_field(params, says):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=says):
+        EntropyBonus.Params(**params)
