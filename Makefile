@@ -37,7 +37,7 @@ LOCK_ARGS ?=
 PIP_COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links $(LOCK_ARGS)
 
-.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-rlhf figures-bench figure-bench-trl figure-bench-decode figure-bench-decode-avx512 figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async figure-async test test-fast test-vllm test-verifiers lint bench clean
+.PHONY: setup vllm-env verifiers-env lock browser slurm demo rlhf figures figure-demo figure-demo-avx2 figure-demo-threads figure-tool-use figure-reasoning-gym figure-distillation figure-grpo-options figure-rlhf figures-bench figure-bench-trl figure-bench-decode figure-bench-decode-avx512 figure-bench-decode-avx2 figure-bench-labeling figure-bench-lora figure-bench-vllm-cpu figure-bench-annotate figure-bench-async figure-async test test-fast test-vllm test-verifiers lint bench clean
 
 # The lock first (hash-checked; alignzoo is not in it), then alignzoo itself, editable.
 $(VENV)/.installed: pyproject.toml requirements/dev.txt
@@ -130,7 +130,7 @@ rlhf: setup
 ## figure-demo-avx2 runs the demo with every kernel limited to AVX2 (torch's dispatch, oneDNN,
 ## MKL), which is how an AVX-512 or AMX CPU gives an AVX2-only CPU's numbers.
 FIGURES ?= runs/figures
-FIGURE_RUNS := demo:quickstart tool-use:tool_use reasoning-gym:reasoning_gym agent-gateway:agent_gateway distillation:distillation
+FIGURE_RUNS := demo:quickstart tool-use:tool_use reasoning-gym:reasoning_gym agent-gateway:agent_gateway distillation:distillation grpo-options:grpo_options
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # AVX-512 without AMX (AVX512_CORE_BF16 is oneDNN's level below AMX), as a CPU with no AMX has it.
 AVX512_ONLY := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 MKL_ENABLE_INSTRUCTIONS=AVX512
