@@ -70,3 +70,38 @@ def test_an_rloo_arm_with_the_options_and_an_adaptive_entropy_bonus_trains(
     assert [r["entropy_bonus/coef"] for r in rows] == pytest.approx([0.0, 0.025, 0.03])
     assert all(0.0 < r["actor/entropy_kept"] < 0.5 for r in rows)
     assert all("actor/truncated_masked" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_an_adaptive_entropy_bonus_resumes_exactly(write_experiment, tmp_path) -> None:
+    """The controller's coefficient and last entropy are checkpointed: stopped after step 2's
+    checkpoint (checkpoints every 2 steps, the controller moves every step) and resumed, the
+    run writes the uninterrupted run's metrics."""
+    from .conftest import back_to_checkpoint
+
+    bonus = {"coef": 0.02, "use_adaptive_entropy": True, "entropy_target": 100.0}
+    spec = tiny_experiment(
+        budget={"steps": 5},
+        training={"checkpoint_every": 2},
+        arms={
+            "grpo": {
+                "algorithm": {"name": "grpo", "params": {"top_entropy_quantile": 0.5}},
+                "labeler": "arithmetic",
+                "modifiers": [{"name": "entropy_bonus", "params": bonus}],
+            }
+        },
+    )
+    loaded = load_experiment(write_experiment(spec))
+    out = tmp_path / "run"
+    assert run_one(loaded, "grpo", 0, out).status == "finished"
+    volatile = ("time_s", "timing/", "throughput/", "labeler/")
+
+    def stable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows]
+
+    reference = stable(read_jsonl(out / "metrics.jsonl"))
+    coefs = [r["entropy_bonus/coef"] for r in reference]
+    assert coefs == pytest.approx([0.0, 0.025, 0.03, 0.035, 0.04]), "premise: it moves"
+    back_to_checkpoint(out, 2)
+    assert run_one(loaded, "grpo", 0, out, resume=True).status == "finished"
+    assert stable(read_jsonl(out / "metrics.jsonl")) == reference
