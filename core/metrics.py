@@ -119,6 +119,12 @@ ROLLOUT_KL_BEHAVIOUR = "rollout/kl_behaviour"
 """KL(pi_rollout || pi_old) per token (k3, on the sampled tokens): how far the weights that
 sampled the step's batch are from those that train on it (``training.async``)."""
 
+REFERENCE_SYNCS = "reference/syncs"
+"""The syncs of a moving reference so far (``training.sync_ref_model``): after the step's
+update, the optimizer steps taken divided by ``ref_model_sync_steps``, rounded down. It rises
+by one at each step whose update ended on a sync's optimizer step; reported only with the
+sync on."""
+
 CANONICAL: dict[str, str] = {
     KL_REF: "KL to the reference (k3, behaviour snapshot)",
     ENTROPY: "policy entropy per token (behaviour snapshot)",
@@ -161,6 +167,7 @@ ENGINE_NAMESPACES = (
     "eval/",
     "health/",
     "async/",
+    "reference/",
 )
 """Prefixes owned by the engine (and health checks): an algorithm's metrics may not use them."""
 

@@ -52,9 +52,9 @@ def _async_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
 
 def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
     """What keeps ``arm``'s components and settings from running together: its data (online
-    or offline, an environment), its teacher, its sampling temperature, rollout correction and
-    parallelism, each component's hook implementations against the hookspecs, and sample
-    weights nothing multiplies in."""
+    or offline, an environment), its teacher, its sampling temperature, rollout correction,
+    moving reference and parallelism, each component's hook implementations against the
+    hookspecs, and sample weights nothing multiplies in."""
     spec, algorithm = arm.spec, arm.components.get("algorithm")
     at = ("arms", arm.name)
     issues: list[ConfigIssue] = []
@@ -162,6 +162,15 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
             )
         )
     issues += _async_issues(arm, locator)
+    if spec.training.sync_ref_model and requirements is not None and not requirements.reference:
+        issues.append(
+            locator.issue(
+                (*at, "training", "sync_ref_model"),
+                f"{spec.algorithm.name} loads no reference model with these params (grpo with "
+                "beta 0, dpo with reference_free, simpo, sft, ...), so there is no reference "
+                "to sync; set sync_ref_model: false, or give the algorithm a reference",
+            )
+        )
     if spec.training.parallel == "fsdp2" and spec.model.lora is not None:
         issues.append(
             locator.issue(

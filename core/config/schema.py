@@ -549,6 +549,27 @@ class TrainingConfig(_Strict):
         "constant",
         description="Learning rate after warm-up: constant, or decayed to 0 over the budget.",
     )
+    sync_ref_model: bool = Field(
+        False,
+        description="A moving reference (TR-DPO, Gorbatovski et al. 2024; TRL's sync_ref_model): "
+        "every ref_model_sync_steps optimizer steps the reference becomes "
+        "ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference, parameter "
+        "by parameter, and its weights are checkpointed with the run. For an algorithm that "
+        "loads a reference (grpo with beta > 0, dpo without reference_free, kto, ppo, ...); a "
+        "LoRA arm then keeps a full reference copy, mixed with the merged policy.",
+    )
+    ref_model_mixup_alpha: float = Field(
+        0.6,
+        gt=0.0,
+        le=1.0,
+        description="α of the reference sync: π_ref <- α π_θ + (1 - α) π_ref (1 copies the "
+        "policy into the reference). Used with sync_ref_model.",
+    )
+    ref_model_sync_steps: PositiveInt = Field(
+        512,
+        description="τ of the reference sync: it happens after every optimizer step whose count "
+        "(the policy version) is a multiple of this. Used with sync_ref_model.",
+    )
     checkpoint_every: PositiveInt = Field(
         10, description="Steps between checkpoints (and the last step always)."
     )

@@ -141,6 +141,12 @@ class Run:
             saved[ASYNC_SLOT] = self.collector
         return saved
 
+    @property
+    def moving_reference(self) -> torch.nn.Module | None:
+        """The reference when it moves toward the policy (``training.sync_ref_model``), so
+        its checkpoints hold its weights; None otherwise."""
+        return self.models.reference if self.arm.training.sync_ref_model else None
+
     def sync_weights(self) -> None:
         """Stream the actor's current weights to the backend, with their policy version."""
         self.hooks.sync_weights(PolicyWeights(self.models.actor, self.learner.version))
@@ -333,7 +339,15 @@ def assemble(
 
     mcfg = arm_spec.model
     path = policy_path(mcfg, spec.data, log)
-    models = model_loading.load_models(path, mcfg, devices, req.reference, req.critic, seed)
+    moving = arm_spec.training.sync_ref_model
+    if moving and not req.reference:  # alignzoo validate says so first, with the field's line
+        raise UserError(
+            f"arms.{arm}.training.sync_ref_model: algorithm {arm_spec.algorithm.name!r} loads "
+            "no reference model here, so there is none to sync; set sync_ref_model: false"
+        )
+    models = model_loading.load_models(
+        path, mcfg, devices, req.reference, req.critic, seed, moving_reference=moving
+    )
     models.placements = placements
     if req.teacher and mcfg.teacher is not None and mcfg.teacher.served is not None:
         served = ServedTeacher(mcfg.teacher.served)

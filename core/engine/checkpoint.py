@@ -3,6 +3,9 @@
 Layout of ``checkpoints/step-000010/``:
     actor.safetensors, critic.safetensors   model weights (a LoRA actor: only its adapters;
                                             the frozen base is the starting policy)
+    reference.safetensors                   a moving reference's weights
+                                            (``training.sync_ref_model``: they are no longer
+                                            the starting policy's)
     trainer.pt                              optimizer, scheduler, torch RNG, components' state
                                             (read only with ``torch.load(weights_only=True)``)
     state.json                              step, samples, time_s, sampler cursor, run.state,
@@ -43,6 +46,7 @@ from alignzoo.weights import is_sharded
 
 KEEP = 2
 LATEST = "latest"
+REFERENCE_FILE = "reference.safetensors"
 
 
 @dataclass
@@ -84,12 +88,15 @@ def save_checkpoint(
     components: dict[str, Any],
     gathered: GatheredState | None = None,
     keep_step: int | None = None,
+    reference: Any | None = None,
 ) -> Path:
     """Write checkpoint ``step-<n>`` atomically, point ``latest`` at it, keep the last two
     (and the one of ``keep_step``: the best evaluated so far, for ``export --step best``).
 
     ``gathered``: the full weights and optimizer state of sharded models (from
-    :func:`gather_sharded`), written in place of the modules' own."""
+    :func:`gather_sharded`), written in place of the modules' own. ``reference``: a moving
+    reference (``training.sync_ref_model``), whose weights are saved too (it is never sharded:
+    every rank holds it whole)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     name = checkpoint_name(state.step)
     final = ckpt_dir / name
@@ -104,6 +111,8 @@ def save_checkpoint(
         save_actor(actor, tmp / "actor.safetensors")
         if critic is not None:
             save_model(critic, str(tmp / "critic.safetensors"))
+    if reference is not None:
+        save_model(reference, str(tmp / REFERENCE_FILE))
     trainer = {
         "optimizer": gathered.optimizer if gathered is not None else optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -224,17 +233,20 @@ def _read_trainer(folder: Path) -> dict[str, Any]:
     return trainer
 
 
-def check_checkpoint(folder: Path, critic: bool) -> None:
+def check_checkpoint(folder: Path, critic: bool, reference: bool = False) -> None:
     """Raise :class:`CheckpointError` unless every file of ``folder`` reads back whole.
 
     Reads state.json, every tensor of actor.safetensors (and critic.safetensors when the run
-    has a critic) and trainer.pt, without touching any model: a checkpoint that passes can be
-    loaded, one that fails is never half-applied.
+    has a critic, reference.safetensors when its reference moves) and trainer.pt, without
+    touching any model: a checkpoint that passes can be loaded, one that fails is never
+    half-applied.
     """
     _read_state(folder)
     _check_weights(folder / "actor.safetensors")
     if critic:
         _check_weights(folder / "critic.safetensors")
+    if reference:
+        _check_weights(folder / REFERENCE_FILE)
     _read_trainer(folder)
 
 
@@ -251,7 +263,7 @@ class ResumePoint:
         return self.folder is not None or bool(self.unusable)
 
 
-def find_resume_point(ckpt_dir: Path, critic: bool) -> ResumePoint:
+def find_resume_point(ckpt_dir: Path, critic: bool, reference: bool = False) -> ResumePoint:
     """The newest checkpoint of ``ckpt_dir`` that :func:`check_checkpoint` accepts.
 
     Complete checkpoints are the ``step-*`` folders (only complete ones are renamed into
@@ -264,7 +276,7 @@ def find_resume_point(ckpt_dir: Path, critic: bool) -> ResumePoint:
     complete = sorted((p for p in ckpt_dir.glob("step-*") if p.is_dir()), reverse=True)
     for folder in complete:
         try:
-            check_checkpoint(folder, critic)
+            check_checkpoint(folder, critic, reference)
         except CheckpointError as exc:
             point.unusable.append((folder, str(exc)))
             continue
@@ -340,8 +352,10 @@ def load_checkpoint(
     scheduler: Any,
     components: dict[str, Any],
     checked: bool = False,
+    reference: Any | None = None,
 ) -> TrainingState:
     """Restore models, optimizer, scheduler, RNGs and components; return the loop's state.
+    ``reference``: a moving reference, whose weights the checkpoint holds.
 
     A checkpoint written before the policy version was recorded gives the optimizer steps its
     schedule counted, which is what the version counts.
@@ -351,7 +365,7 @@ def load_checkpoint(
     changed.
     """
     if not checked:
-        check_checkpoint(folder, critic is not None)
+        check_checkpoint(folder, critic is not None, reference is not None)
     meta = _read_state(folder)
     trainer = _read_trainer(folder)
     if is_sharded(actor):
@@ -361,6 +375,8 @@ def load_checkpoint(
         if critic is not None:
             load_model(critic, str(folder / "critic.safetensors"), device=str(_device(critic)))
         optimizer.load_state_dict(trainer["optimizer"])
+    if reference is not None:
+        load_model(reference, str(folder / REFERENCE_FILE), device=str(_device(reference)))
     scheduler.load_state_dict(trainer["scheduler"])
     for slot, c in components.items():
         if slot in trainer["components"] and isinstance(c, Stateful):

@@ -21,6 +21,7 @@ import torch
 from alignzoo import distributed
 from alignzoo.config.schema import TrainingConfig
 from alignzoo.engine.models import Models, trainable_parameters
+from alignzoo.engine.refsync import mix_into_reference, sync_due
 
 
 def build_optimizer(
@@ -81,10 +82,16 @@ class Learner:
     A sampled batch records the version that sampled it (``RolloutBatch.policy_version``)."""
 
     def step(self) -> None:
-        """One optimizer step and one step of the schedule: the next policy version."""
+        """One optimizer step and one step of the schedule: the next policy version; then, with
+        ``training.sync_ref_model``, the reference's sync when this version is due one
+        (:mod:`~alignzoo.engine.refsync`)."""
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
+        if sync_due(self.cfg, self.version):
+            reference = self.models.reference
+            assert reference is not None  # assemble refuses a moving reference without one
+            mix_into_reference(reference, self.models.actor, self.cfg.ref_model_mixup_alpha)
 
     @property
     def actor_module(self) -> Any:

@@ -261,10 +261,16 @@ def needs_critic(loaded: LoadedExperiment, arm: str) -> bool:
     return bool(getattr(requirements, "critic", False))
 
 
-def resume_point(out: Path, critic: bool) -> ResumePoint:
+def moving_reference(loaded: LoadedExperiment, arm: str) -> bool:
+    """Whether the arm's reference moves (``training.sync_ref_model``: its checkpoints hold it)."""
+    return loaded.spec.arms[arm].training.sync_ref_model
+
+
+def resume_point(out: Path, critic: bool, reference: bool = False) -> ResumePoint:
     """Where a run in ``out`` would resume; raises :class:`UserError` when it has written
-    checkpoints and none of them is usable (the run folder is not touched)."""
-    point = find_resume_point(RunFolder(out).checkpoints, critic)
+    checkpoints and none of them is usable (the run folder is not touched). ``critic``,
+    ``reference``: the run's checkpoints hold a critic, a moving reference."""
+    point = find_resume_point(RunFolder(out).checkpoints, critic, reference)
     if point.folder is None and point.unusable:
         reasons = "; ".join(f"{folder.name}: {why}" for folder, why in point.unusable)
         raise UserError(
@@ -293,7 +299,8 @@ def start_or_resume(
     """
     out = run.context.out_dir
     if point is None:  # ``point``: a resume point its caller found (and checked) already
-        point = resume_point(out, run.models.critic is not None) if resume else ResumePoint(None)
+        saved = (run.models.critic is not None, run.moving_reference is not None)
+        point = resume_point(out, *saved) if resume else ResumePoint(None)
     for folder, why in point.unusable:
         log(f"checkpoint {folder} is unusable ({why}); resuming from an earlier one")
     if point.folder is None:  # run_one moved an earlier attempt's history aside already
@@ -308,6 +315,7 @@ def start_or_resume(
         learner.scheduler,
         run.stateful(),
         checked=True,  # find_resume_point read every file of it
+        reference=run.moving_reference,
     )
     learner.version = state.policy_version
     run.sync_weights()  # the backend samples from the checkpoint's weights
@@ -440,6 +448,7 @@ class _Loop:
             run.stateful(),
             gathered,
             keep_step=self.best_checkpoint_step(),
+            reference=run.moving_reference,
         )
         if self.mirror is not None:
             self.copy_to_mirror(saved)
@@ -548,7 +557,8 @@ def run_one(
     log = literal_log(console)
     if resume:  # a run folder without a checkpoint gets the mirror's newest, if it has one
         restore_from_mirror(loaded, arm, seed, RunFolder(source).checkpoints, log)
-    point = resume_point(source, needs_critic(loaded, arm)) if resume else ResumePoint(None)
+    saved = (needs_critic(loaded, arm), moving_reference(loaded, arm))
+    point = resume_point(source, *saved) if resume else ResumePoint(None)
     if point.folder is not None and resume_from is None:  # the pointer first (a kill between
         before = point_latest_at(point.folder)  # a checkpoint's rename and its pointer)
         if before is not None:

@@ -30,9 +30,10 @@ class Models:
     """The one owner of a run's models and where they live.
 
     ``actor`` is the trainable policy (a peft model under LoRA); ``reference`` the frozen
-    starting policy (None when the algorithm needs none); ``critic`` the value model (PPO);
-    ``teacher`` the frozen teacher of a distillation algorithm (on the reference's device, or
-    a :class:`~alignzoo.engine.served.ServedTeacher` behind an endpoint);
+    starting policy (None when the algorithm needs none; moved toward the actor by
+    ``training.sync_ref_model``, :mod:`~alignzoo.engine.refsync`); ``critic`` the value model
+    (PPO); ``teacher`` the frozen teacher of a distillation algorithm (on the reference's
+    device, or a :class:`~alignzoo.engine.served.ServedTeacher` behind an endpoint);
     ``devices`` maps each role (actor, ref, critic, reward, rollout, labeler) to the device the
     device mapper placed it on, ``placements`` to its full :class:`~alignzoo.types.Placement`; ``autocast`` is the mixed-precision context of forward passes.
     Everything else (the learner, the stages, the hooks' ``run``) reads the models from here.
@@ -64,8 +65,12 @@ def load_models(
     reference: bool,
     critic: bool,
     seed: int,
+    moving_reference: bool = False,
 ) -> Models:
-    """Tokenizer, actor and, when asked for, the reference and the critic, each on its device."""
+    """Tokenizer, actor and, when asked for, the reference and the critic, each on its device.
+
+    ``moving_reference`` (``training.sync_ref_model``): the reference will be moved toward the
+    policy, so a LoRA arm gets a copy of its own rather than the actor with adapters off."""
     device = devices.get("actor", "cpu")
     models = Models(
         tokenizer=load_tokenizer(path),
@@ -73,7 +78,8 @@ def load_models(
         policy_path=path,
         devices=dict(devices),
     )
-    if reference and cfg.lora is not None and models.device("ref") == device:
+    shared = cfg.lora is not None and models.device("ref") == device and not moving_reference
+    if reference and shared:
         models.reference = AdaptersOff(models.actor)  # the starting policy, no second copy
     elif reference:
         models.reference = load_reference(path, cfg, models.device("ref"))

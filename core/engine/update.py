@@ -24,6 +24,7 @@ from alignzoo.engine.behaviour import Behaviour, UpdatePasses
 from alignzoo.engine.hooks import Hooks, implementers
 from alignzoo.engine.learner import Learner
 from alignzoo.engine.modes import DataMode
+from alignzoo.engine.refsync import syncs_done
 from alignzoo.engine.scoring import packing_of
 from alignzoo.errors import RunError
 from alignzoo.kernels.forward import (
@@ -210,6 +211,9 @@ def update(
     whose metrics are returned with the rest. Every optimizer step advances the learner's
     policy version by one.
 
+    With ``training.sync_ref_model`` an optimizer step may end with the reference's sync
+    (:meth:`~alignzoo.engine.learner.Learner.step`); ``reference/syncs`` counts them so far.
+
     ``loss`` is each optimizer step's loss (the sum of its micro-batches' shares), averaged over
     the step's optimizer steps; the algorithm's metrics are averaged over micro-batches weighted
     by their samples, then over optimizer steps; ``lr`` is the learning rate the optimizer steps
@@ -276,6 +280,8 @@ def update(
     out.update(correction_metrics(batch, cfg.rollout_correction))
     if cfg.async_ is not None:
         out.update(behaviour_distance(batch))
+    if cfg.sync_ref_model:  # a moving reference: its syncs so far (the last may be this step's)
+        out[canonical.REFERENCE_SYNCS] = float(syncs_done(cfg, learner.version))
     return out
 
 

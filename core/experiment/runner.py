@@ -146,7 +146,7 @@ def check_before_writing(loaded: LoadedExperiment) -> None:
 def _check_resumable(loaded: LoadedExperiment, out: Path, say: Callable[..., Any] | None) -> None:
     """Before anything is written: every unfinished run that has checkpoints has a usable
     one (else :class:`UserError`, naming each checkpoint and why, with the folder untouched)."""
-    from alignzoo.engine.loop import needs_critic, resume_point
+    from alignzoo.engine.loop import moving_reference, needs_critic, resume_point
 
     for arm in loaded.spec.arms:
         for seed in loaded.spec.seeds:
@@ -155,7 +155,7 @@ def _check_resumable(loaded: LoadedExperiment, out: Path, say: Callable[..., Any
                 read_status(run.path).get("status") == RunStatus.FINISHED
             ):
                 continue
-            point = resume_point(run.path, needs_critic(loaded, arm))
+            point = resume_point(run.path, needs_critic(loaded, arm), moving_reference(loaded, arm))
             if point.unusable and say is not None:
                 for folder, why in point.unusable:
                     say(
@@ -413,12 +413,12 @@ def agree_on_resume(loaded: LoadedExperiment, arm: str, seed: int, run_dir: Path
     import socket
 
     from alignzoo.engine.checkpoint import checkpoint_manifest
-    from alignzoo.engine.loop import needs_critic, resume_point
+    from alignzoo.engine.loop import moving_reference, needs_critic, resume_point
     from alignzoo.engine.mirror import restore_from_mirror
 
     try:  # a folder without a checkpoint gets the mirror's newest first, on every rank
         restore_from_mirror(loaded, arm, seed, RunFolder(run_dir).checkpoints, lambda *_: None)
-        point = resume_point(run_dir, needs_critic(loaded, arm))
+        point = resume_point(run_dir, needs_critic(loaded, arm), moving_reference(loaded, arm))
         seen: Any = checkpoint_manifest(point.folder) if point.folder is not None else None
     except UserError as exc:
         seen = f"no usable checkpoint ({exc})"
