@@ -25,23 +25,25 @@ Variants, all selected by params:
   reward, its value). ``"sum_then_normalize"`` (the default) trains on the labeler's score as
   above, or, with ``reward_weights``, on the weighted sum ``sum_k w_k r_k`` of the raw rewards,
   normalised as ``scale_rewards`` says. ``"normalize_then_sum"`` is GDPO (Liu et al. 2026,
-  "GDPO: Group reward-Decoupled Normalization Policy Optimization", arXiv:2601.05242): each
-  reward is normalised in its group first, ``A_k = (r_k - mean_g(r_k)) / (std_g(r_k) + eps)``
-  (Bessel-corrected std), then ``A = sum_k w_k A_k`` is normalised over the whole batch,
-  ``(A - mean(A)) / (std(A) + eps)``; ``scale_rewards`` is not read (only its default is
-  accepted: TRL ignores it there). ``reward_weights`` (default: all 1) has one weight per
-  reward, in the labeler's order; a step whose labeler reports another number fails naming
-  it, and ``alignzoo validate`` refuses it when the labeler's rewards are known (a
-  combine's parts). The weights are the one list of weights: a ``combine`` read this way keeps
-  its own ``weights`` at 1 (validate refuses others, which would weigh only the value, unread
-  here), and ``labeling.normalize`` is refused in front of it (it rescales only the value).
-  As in TRL, a reward that does not apply to a sample (None) is left out of that reward's
-  statistics and of the sample's sum, and a sample none applies to gets advantage 0 and is
-  left out of every statistic. With eps 1e-4 the advantages are TRL's to float32 rounding, but
-  a group whose values of a reward are all equal contributes exactly 0 (TRL: its rounding noise
-  over eps). Only GRPO reads the rewards apart: RLOO, REINFORCE++ and PPO train on the score
-  (a combine's weighted sum). The rewards are read raw, so a modifier that rewrites
-  ``batch.scores`` (reward_hacking's penalty) does not reach these advantages.
+  "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL
+  Optimization", arXiv:2601.05242): each reward is normalised in its group first,
+  ``A_k = (r_k - mean_g(r_k)) / (std_g(r_k) + eps)`` (Bessel-corrected std), then
+  ``A = sum_k w_k A_k`` is normalised over the whole batch, ``(A - mean(A)) / (std(A) + eps)``
+  (``mean(A)`` is 0 by construction: not subtracted, as TRL's subtraction adds only noise);
+  ``scale_rewards`` is not read (only its default is accepted: TRL ignores it there).
+  ``reward_weights`` (default: all 1) has one weight per reward, in the labeler's order; a step
+  whose labeler reports another number fails naming it, and ``alignzoo validate`` refuses it
+  when the labeler's rewards are known (a combine's parts). The weights are the one list of
+  weights: a ``combine`` read this way keeps its own ``weights`` at 1 (validate refuses others,
+  which would weigh only the value, unread here), and ``labeling.normalize`` is refused in
+  front of it (it rescales only the value). As in TRL, a reward that does not apply to a sample
+  (None) is left out of that reward's statistics and of the sample's sum, and a sample none
+  applies to gets advantage 0 and is left out of every statistic. With eps 1e-4 the advantages
+  are TRL's to float32 rounding, but a group whose values of a reward are all equal contributes
+  exactly 0 (TRL: its rounding noise over eps). Only GRPO reads the rewards apart: RLOO,
+  REINFORCE++ and PPO train on the score (a combine's weighted sum). The rewards are read raw,
+  so a modifier that rewrites ``batch.scores`` (reward_hacking's penalty) does not reach these
+  advantages.
 - ``off_policy_mask_threshold`` (TRL's name): DeepSeek-V3.2's off-policy sequence masking
   (eq. 9): the policy term of a sequence with A < 0 whose mean ``log pi_sampling - log pi``
   exceeds the threshold is masked; the KL term and the normalisers are unchanged.
@@ -162,7 +164,8 @@ class GRPOParams(AggregationParams):
     eps: float = Field(
         1e-6,
         gt=0.0,
-        description="added to the std before dividing (TRL 1.16 adds 1e-4: set eps: 1e-4 for "
+        description="added to the std before dividing (with normalize_then_sum, to each "
+        "reward's group std and to the batch std; TRL 1.16 adds 1e-4: set eps: 1e-4 for "
         "its advantages to the last digit; the default is kept so recorded results rerun the same)",
     )
 
@@ -369,8 +372,9 @@ def decoupled_advantages(
 
     Each reward is normalised in its group over the samples it applies to (as
     :func:`group_advantages`: Bessel-corrected std, 0 for an all-equal group or a group of
-    one), the weighted sum taken over those, then normalised over the batch. A sample no
-    reward applies to gets 0 and counts in no statistic.
+    one), the weighted sum taken over those, then divided by its std over the batch (its
+    batch mean is 0 by construction). A sample no reward applies to gets 0 and counts in no
+    statistic.
     """
     normalised = torch.full_like(rewards, torch.nan)
     for k in range(rewards.shape[-1]):
@@ -381,8 +385,11 @@ def decoupled_advantages(
     ok = ~torch.isnan(total)
     kept = total[ok]
     out = torch.zeros_like(total)
-    # A_hat = (A - mean_batch(A)) / (std_batch(A) + eps)  (GDPO's batch-wise normalisation)
-    out[ok] = (kept - ops.global_mean(kept)) / (ops.global_std(kept) + eps)
+    # A_hat = (A - mean_batch(A)) / (std_batch(A) + eps)  (GDPO's batch-wise normalisation).
+    # mean_batch(A) is exactly 0 (each A_k sums to 0 over its group), so it is not subtracted:
+    # computed, it is rounding noise that would give a sample with A = 0 (an all-equal group)
+    # a sign that depends on the order of the batch.
+    out[ok] = kept / (ops.global_std(kept) + eps)
     return out
 
 
@@ -583,7 +590,7 @@ def grpo_loss(
 
 
 class GRPO(Algorithm):
-    """GRPO (Shao et al. 2024): group-relative advantages, clipped surrogate, k3 KL; Dr. GRPO, DAPO, GSPO, CISPO, SAPO, LUSPO and VESPO variants."""
+    """GRPO (Shao et al. 2024): group-relative advantages, clipped surrogate, k3 KL; Dr. GRPO, DAPO, GSPO, GDPO, CISPO, SAPO, LUSPO and VESPO variants."""
 
     Params = GRPOParams
     params: GRPOParams
