@@ -48,6 +48,13 @@ class RolloutBatch:
             with a batch that has them, it counts as all zero (see :meth:`concat`). Filled by
             the labeling stage in training passes (:mod:`alignzoo.labeling.dense`); read by
             the algorithms that declare ``AlgorithmRequirements.dense_rewards``.
+        reward_components ``[B, K]`` float32 and reward_names (K names): the separate rewards
+            of a labeler that reports several (``Score.info["rewards"]``: a ``combine``'s parts),
+            NaN where one does not apply to a sample (or the sample has none); None and ``()``
+            when no sample reported any. Filled by the labeling stage; read by an algorithm that
+            weighs the rewards itself (``AlgorithmRequirements.reward_components``). A
+            concatenation holds every part's names (first seen first), NaN where a part had
+            none of a name.
         advantages ``[B, R]``, returns ``[B, R]``: from ``compute_advantages``.
         weights ``[B]``: per-sample loss weights set by batch transforms (1.0 by default).
         entropy ``[B, R]``: per-token entropy of the behaviour snapshot (the policy before the
@@ -93,6 +100,8 @@ class RolloutBatch:
     token_rewards: torch.Tensor | None = None
     dense_rewards: torch.Tensor | None = None
     dense_mask: torch.Tensor | None = None
+    reward_components: torch.Tensor | None = None
+    reward_names: tuple[str, ...] = ()
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     weights: torch.Tensor | None = None
@@ -151,12 +160,16 @@ class RolloutBatch:
         """Stack batches along B (responses are right-padded and prompts left-padded to fit).
 
         A field set in only some of the batches is an error, except the dense rewards and
-        their mask: a batch without them had no step scores, and counts as all zero."""
+        their mask (a batch without them had no step scores, and counts as all zero) and the
+        reward components (a batch without one of them has NaN there: it does not apply)."""
         if len(batches) == 1:
             return batches[0]
         out: dict[str, Any] = {}
+        out["reward_components"], out["reward_names"] = _concat_rewards(batches)
         for f in fields(RolloutBatch):
             values = [getattr(b, f.name) for b in batches]
+            if f.name in ("reward_components", "reward_names"):
+                continue
             if f.name == "policy_version":  # replayed samples: the oldest policy among them
                 out[f.name] = min((v for v in values if v is not None), default=None)
             elif all(v is None for v in values):
@@ -194,6 +207,24 @@ _DENSE = torch.float32
 _ZERO_COLUMNS = ("truncated",)
 """Columns a batch recorded before the engine kept them lacks (a replayed group from an
 older checkpoint): zero, which is what they say of it (no response truncated)."""
+
+
+def _concat_rewards(batches: list[RolloutBatch]) -> tuple[torch.Tensor | None, tuple[str, ...]]:
+    """The reward components of ``batches`` stacked along B under every part's names (in the
+    order first seen), NaN where a part lacks a name or has none at all."""
+    reported = [(b.reward_components, b.reward_names) for b in batches]
+    names = tuple(dict.fromkeys(n for table, own in reported if table is not None for n in own))
+    if not names:
+        return None, ()
+    rows, device = [], None
+    for b, (table, own) in zip(batches, reported, strict=True):
+        row = torch.full((b.size, len(names)), torch.nan, dtype=_DENSE)
+        if table is not None:
+            device = device or table.device
+            for k, name in enumerate(own):
+                row[:, names.index(name)] = table[:, k].to("cpu", _DENSE)
+        rows.append(row)
+    return torch.cat(rows).to(device), names
 
 
 def _pad_cat(tensors: list[torch.Tensor], left: bool) -> torch.Tensor:

@@ -130,6 +130,16 @@ class Labeler(Component):
         False by default; a labeler that gives steps overrides it (it may depend on params)."""
         return False
 
+    @property
+    def reward_components(self) -> dict[str, float] | None:
+        """The rewards its Scores report apart in ``info["rewards"]``, in order, each with the
+        weight its value gives it (value = sum of weight x reward), when that is known before
+        the run; None (the default) when it is not. ``alignzoo validate`` holds it against an
+        algorithm that weighs the rewards itself (``AlgorithmRequirements.reward_components``:
+        their number, and weights of 1 in the value). A labeler that reports several rewards
+        overrides it (``combine`` gives its parts and weights)."""
+        return None
+
     def score(self, request: LabelRequest) -> Score:
         """Score one response to one prompt (called by the default ``score_batch``)."""
         raise NotImplementedError(f"{type(self).__name__} implements neither score nor score_batch")

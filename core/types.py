@@ -85,6 +85,15 @@ class AlgorithmRequirements:
             record of which sampled responses the length budget cut (kept for single-turn
             batches; TRL's ``mask_truncated_completions``). ``alignzoo validate`` refuses it
             for an arm with an environment, whose episodes end by ``episodes.on_failure``.
+        reward_components: ``compute_advantages`` reads each reward of a labeler that reports
+            several apart (``Score.info["rewards"]``, in ``batch.reward_components``; a labeler
+            that reports none counts as one reward, its value) and weighs them itself, instead
+            of the one score: None (the default) when it reads the score only; otherwise how
+            many rewards it weighs (one weight each; 0: any number). ``alignzoo validate``
+            refuses a labeler known to report another number of rewards
+            (``Labeler.reward_components``), or whose value weighs them by other than 1 (those
+            weights would apply to nothing), and ``labeling.normalize`` in front of such a
+            labeler (it rescales the value, and the rewards are read raw).
     """
 
     reference: bool = False
@@ -101,6 +110,7 @@ class AlgorithmRequirements:
     teacher_logprobs: bool = True
     dense_rewards: bool = False
     truncation: bool = False
+    reward_components: int | None = None
 
 
 @dataclass(frozen=True)
@@ -298,6 +308,17 @@ class Score:
       correct sample as desirable.
     - ``info["raw"]`` (number): the unscaled value of a labeler that rescales its scores per
       batch; evaluation reports it as ``eval/score`` so the metric means the same at every step.
+    - ``info["rewards"]`` (dict of name -> number or None): the separate rewards of a labeler
+      that gives several (TRL's several reward functions: a ``combine``'s parts, a verifiers
+      task's rubric), in the same order for every sample. None (or NaN) says that reward does
+      not apply to the sample (a TRL reward function's None); any other entry must be a
+      finite number (else the score is ``rejected``). The engine logs each one's mean as
+      ``reward/<name>`` and, in every labeling pass, places them in
+      ``batch.reward_components`` ``[B, K]`` (NaN where one does not apply) with their names
+      in ``batch.reward_names``, for an algorithm that weighs them itself
+      (``AlgorithmRequirements.reward_components``: GRPO's ``multi_objective_aggregation``
+      and ``reward_weights``). Report the rewards raw: such an algorithm reads them, not
+      ``value`` (which stays what the others train on, the rewards' sum or weighted sum).
 
     ``steps`` (a value's only): per-step scores of the response (a process reward model's),
     each a :class:`StepScore` naming a character span of the response text. In a training pass

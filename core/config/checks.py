@@ -188,6 +188,7 @@ def arm_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
             issues.append(locator.issue(slot_field(arm.name, slot), str(exc)))
     issues += _weights_without_a_taker(arm, locator)
     issues += _steps_without_a_taker(arm, locator)
+    issues += _reward_components_issues(arm, locator)
     return issues
 
 
@@ -297,6 +298,73 @@ def _steps_without_a_taker(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]
         )
         for slot in givers
     ]
+
+
+def _reward_components_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIssue]:
+    """An algorithm that weighs a labeler's rewards apart (``AlgorithmRequirements.
+    reward_components``, GRPO's ``multi_objective_aggregation`` / ``reward_weights``) in front
+    of a labeler whose rewards are known (``Labeler.reward_components``, a combine's parts): it
+    must report as many as the algorithm has weights, with the same names along the chain,
+    weigh none of them in its value (those weights would apply to nothing), and have no
+    ``labeling.normalize`` (which rescales the value only)."""
+    requirements = arm.loaded_requirements
+    if requirements is None or requirements.reward_components is None:
+        return []
+    wanted, algorithm = requirements.reward_components, arm.spec.algorithm.name
+    fallbacks = arm.spec.labeling.fallbacks
+    known: list[tuple[str, str, dict[str, float]]] = []  # slot, labeler name, its rewards
+    for slot, component in arm.components.items():
+        if slot != "labeler" and not slot.startswith("labeling.fallbacks."):
+            continue
+        rewards = getattr(component, "reward_components", None)
+        if isinstance(rewards, dict) and rewards:
+            ref = arm.spec.labeler if slot == "labeler" else fallbacks[int(slot.rsplit(".", 1)[1])]
+            known.append((slot, str(getattr(ref, "name", slot)), rewards))
+    issues = []
+    for slot, name, rewards in known:
+        listed = ", ".join(rewards)
+        if wanted and len(rewards) != wanted:
+            issues.append(
+                locator.issue(
+                    ("arms", arm.name, "algorithm", "params", "reward_weights"),
+                    f"reward_weights has {wanted} weights, and labeler {name!r} reports "
+                    f"{len(rewards)} rewards ({listed}): give one weight per reward, in that "
+                    "order",
+                )
+            )
+        if any(w != 1.0 for w in rewards.values()):
+            issues.append(
+                locator.issue(
+                    (*slot_field(arm.name, slot), "params", "weights"),
+                    f"labeler {name!r} weighs its rewards ({listed}) by "
+                    f"{list(rewards.values())} in its value, and algorithm {algorithm!r} "
+                    "(multi_objective_aggregation normalize_then_sum or reward_weights) reads "
+                    "each reward raw and weighs them itself: these weights would apply to "
+                    "nothing; move them to the algorithm's reward_weights and leave the "
+                    "labeler's unset",
+                )
+            )
+        if list(rewards) != list(known[0][2]):
+            issues.append(
+                locator.issue(
+                    slot_field(arm.name, slot),
+                    f"labeler {name!r} reports the rewards ({listed}), and the chain's first "
+                    f"reports ({', '.join(known[0][2])}): algorithm {algorithm!r} weighs each "
+                    "reward by its place, so every labeler of the chain must report the same",
+                )
+            )
+    normalize = arm.spec.labeling.normalize
+    if known and normalize is not None and (normalize.mode != "none" or normalize.clip is not None):
+        issues.append(
+            locator.issue(
+                ("arms", arm.name, "labeling", "normalize"),
+                f"normalize rescales (or clips) the labeler's value, and algorithm {algorithm!r} "
+                "(multi_objective_aggregation normalize_then_sum or reward_weights) reads the "
+                f"labeler's rewards ({', '.join(known[0][2])}) raw, not the value: it would "
+                "change nothing; remove it (the advantages are normalised in their groups anyway)",
+            )
+        )
+    return issues
 
 
 def eval_metric_issues(

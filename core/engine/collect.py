@@ -56,7 +56,15 @@ if TYPE_CHECKING:
     from alignzoo.labeling import LabelingStage
     from alignzoo.rollout.multiturn import Episodes
 
-_UNLABELED = ("scores", "score_valid", "label_info", "dense_rewards", "dense_mask")
+_UNLABELED = (
+    "scores",
+    "score_valid",
+    "label_info",
+    "dense_rewards",
+    "dense_mask",
+    "reward_components",
+    "reward_names",
+)
 """Fields the labeling pass fills: a checkpoint keeps the batch without them."""
 
 

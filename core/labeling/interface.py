@@ -14,6 +14,7 @@ Layers of :mod:`alignzoo.labeling`: this interface; :mod:`~alignzoo.labeling.orc
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +50,8 @@ def check_scores(scores: Any, n: int, responses: Sequence[str] | None = None) ->
     (with the reason) for an item that is not a Score, whose value is not a finite number or
     whose steps are unusable (:func:`step_problem`; with ``responses``, the requests' response
     texts, a span must also lie within its response); or the reason the whole answer is
-    rejected (not a list, the wrong count)."""
+    rejected (not a list, the wrong count). A value's ``info["rewards"]`` must pass
+    :func:`rewards_problem`."""
     if not isinstance(scores, (list, tuple)):
         return f"returned {type(scores).__name__}, not a list of Score"
     if len(scores) != n:
@@ -70,6 +72,10 @@ def check_scores(scores: Any, n: int, responses: Sequence[str] | None = None) ->
             if problem is None and s.steps:
                 length = len(responses[i]) if responses is not None else None
                 found = step_problem(s.steps, length)
+                if found is not None:
+                    problem = f"returned {found} for response {i}"
+            if problem is None and isinstance(s.info, dict) and "rewards" in s.info:
+                found = rewards_problem(s.info["rewards"])
                 if found is not None:
                     problem = f"returned {found} for response {i}"
         if problem is None:
@@ -102,3 +108,46 @@ def step_problem(steps: Any, length: int | None = None) -> str | None:
         if not math.isfinite(score):
             return f"step {k} with a non-finite score ({score})"
     return None
+
+
+def rewards_problem(rewards: Any) -> str | None:
+    """What makes a Score's ``info["rewards"]`` unusable, or None: not a dict of name ->
+    number or None, or a number that is infinite (None and NaN say the reward does not apply
+    to the sample)."""
+    if not isinstance(rewards, dict):
+        return f"info['rewards'] of type {type(rewards).__name__}, not a dict of name -> number"
+    for name, value in rewards.items():
+        if not isinstance(name, str):
+            return f"info['rewards'] with the name {name!r}; expected a string"
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return f"info['rewards'][{name!r}] = {value!r}; expected a number or None"
+        if math.isinf(float(value)):
+            return f"info['rewards'][{name!r}] = {value}; expected a finite number or None"
+    return None
+
+
+def reward_table(scores: Sequence[Score]) -> tuple[tuple[str, ...], list[list[float]]]:
+    """The separate rewards the valued ``scores`` report (``info["rewards"]``): their names,
+    in the order first seen, and one row per score, NaN where a reward is None or missing
+    (and everywhere in a score that is not a value). No names and no rows when no score
+    reports any."""
+    reported = [
+        s.info["rewards"]
+        for s in scores
+        if s.outcome == Outcome.VALUE and isinstance(s.info.get("rewards"), dict)
+    ]
+    names = tuple(dict.fromkeys(str(name) for rewards in reported for name in rewards))
+    if not names:
+        return (), []
+    rows = []
+    for s in scores:
+        rewards = s.info.get("rewards") if s.outcome == Outcome.VALUE else None
+        rewards = rewards if isinstance(rewards, dict) else {}
+        rows.append([_number(rewards.get(name)) for name in names])
+    return names, rows
+
+
+def _number(value: Any) -> float:
+    return math.nan if value is None else float(value)

@@ -58,7 +58,7 @@ from alignzoo.labeling.callers import (
     Slot,
     slot_stats,
 )
-from alignzoo.labeling.interface import LabelRequest, Outcome, Score
+from alignzoo.labeling.interface import LabelRequest, Outcome, Score, reward_table
 from alignzoo.labeling.normalize import STATE_KEY as NORM_STATE_KEY
 from alignzoo.labeling.normalize import RunningStats, resolve, transform
 from alignzoo.labeling.report import SLOWEST, LabelReport, MetricsExporter, slowest_calls
@@ -645,7 +645,9 @@ def label(
     step: int | None = None,
     tokenizer: Any = None,
 ) -> LabelReport:
-    """Fill ``batch.scores``, ``batch.score_valid`` and ``batch.label_info`` (in place) through
+    """Fill ``batch.scores``, ``batch.score_valid``, ``batch.label_info`` and, when a labeler
+    reports several rewards (``Score.info["rewards"]``), ``batch.reward_components`` with
+    ``batch.reward_names`` (:func:`~alignzoo.labeling.interface.reward_table`) (in place) through
     ``stage`` (the run's labeling stage; without one, a plain single-labeler stage over
     ``hooks``, :func:`default_stage`), and return the report. Samples without a value get score 0 and
     ``info["outcome"]``; the report's ``keep`` says which samples may be trained on.
@@ -672,6 +674,11 @@ def label(
         {**s.info, "outcome": s.outcome.value} if s.outcome != Outcome.VALUE else dict(s.info)
         for s in report.scores
     ]
+    names, rows = reward_table(report.scores)  # a labeler's several rewards, apart
+    batch.reward_names = names
+    batch.reward_components = (
+        torch.tensor(rows, dtype=torch.float32).reshape(len(rows), len(names)) if names else None
+    )
     if tokenizer is not None:
         from alignzoo.labeling.dense import fill
 

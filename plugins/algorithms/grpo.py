@@ -22,6 +22,31 @@ Variants, all selected by params:
   (DeepSeek-V3.2's off-policy sequence mask, eq. 9) and ``mask_truncated_completions``
   (responses cut by the length budget carry no loss; their rewards stay in their group's
   statistics). The KL term and the normalisers are unchanged by all four.
+- ``multi_objective_aggregation`` and ``reward_weights`` (TRL's names and defaults): several
+  rewards, from a labeler that reports them apart (``Score.info["rewards"]``: a ``combine``'s
+  parts, a verifiers rubric; ``batch.reward_components``; a labeler that reports none is one
+  reward, its value). ``"sum_then_normalize"`` (the default) trains on the labeler's score as
+  above, or, with ``reward_weights``, on the weighted sum ``sum_k w_k r_k`` of the raw rewards,
+  normalised as ``scale_rewards`` says. ``"normalize_then_sum"`` is GDPO (Liu et al. 2026,
+  "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL
+  Optimization", arXiv:2601.05242): each reward is normalised in its group first,
+  ``A_k = (r_k - mean_g(r_k)) / (std_g(r_k) + eps)`` (Bessel-corrected std), then
+  ``A = sum_k w_k A_k`` is normalised over the whole batch, ``(A - mean(A)) / (std(A) + eps)``
+  (``mean(A)`` is 0 by construction: not subtracted, as TRL's subtraction adds only noise);
+  ``scale_rewards`` is not read (only its default is accepted: TRL ignores it there).
+  ``reward_weights`` (default: all 1) has one weight per reward, in the labeler's order; a step
+  whose labeler reports another number fails naming it, and ``alignzoo validate`` refuses it
+  when the labeler's rewards are known (a combine's parts). The weights are the one list of
+  weights: a ``combine`` read this way keeps its own ``weights`` at 1 (validate refuses others,
+  which would weigh only the value, unread here), and ``labeling.normalize`` is refused in
+  front of it (it rescales only the value). As in TRL, a reward that does not apply to a sample
+  (None) is left out of that reward's statistics and of the sample's sum, and a sample none
+  applies to gets advantage 0 and is left out of every statistic. With eps 1e-4 the advantages
+  are TRL's to float32 rounding, but a group whose values of a reward are all equal contributes
+  exactly 0 (TRL: its rounding noise over eps). Only GRPO reads the rewards apart: RLOO,
+  REINFORCE++ and PPO train on the score (a combine's weighted sum). The rewards are read raw,
+  so a modifier that rewrites ``batch.scores`` (reward_hacking's penalty) does not reach these
+  advantages.
 - ``surrogate``: the policy-gradient term of each token. ``"clip"`` (the default) is PPO's
   clipped surrogate above; the others are TRL's ``loss_type`` of the same name:
 
@@ -81,6 +106,7 @@ torch = lazy_import("torch")
 ops = lazy_import("alignzoo.ops")
 
 ScaleRewards = Literal["group", "batch", "none"]
+MultiObjective = Literal["sum_then_normalize", "normalize_then_sum"]
 Surrogate = Literal["clip", "cispo", "sapo", "luspo", "vespo"]
 
 SURROGATE_PARAMS: dict[str, tuple[str, ...]] = {
@@ -124,8 +150,26 @@ class GRPOParams(AggregationParams, PolicyTermParams):
     eps: float = Field(
         1e-6,
         gt=0.0,
-        description="added to the std before dividing (TRL 1.16 adds 1e-4: set eps: 1e-4 for "
+        description="added to the std before dividing (with normalize_then_sum, to each "
+        "reward's group std and to the batch std; TRL 1.16 adds 1e-4: set eps: 1e-4 for "
         "its advantages to the last digit; the default is kept so recorded results rerun the same)",
+    )
+
+    multi_objective_aggregation: MultiObjective = Field(
+        "sum_then_normalize",
+        description="how several rewards (a labeler's Score.info['rewards'], e.g. a combine's "
+        "parts) make the advantage: sum_then_normalize weighs and sums them (the labeler's "
+        "score, or sum_k w_k r_k with reward_weights), then normalises as scale_rewards says; "
+        "normalize_then_sum (GDPO) normalises each in its group, sums them weighted and "
+        "normalises the sum over the batch (TRL's multi_objective_aggregation)",
+    )
+    reward_weights: list[float] | None = Field(
+        None,
+        min_length=1,
+        description="one weight per reward the labeler reports (Score.info['rewards'], in its "
+        "order; a labeler that reports none is one reward, its value), applied to the raw "
+        "rewards (a combine's own weights stay 1). Null: all 1, and with sum_then_normalize "
+        "the labeler's score as it is (TRL's reward_weights)",
     )
 
     @field_validator("scale_rewards", mode="before")
@@ -137,6 +181,30 @@ class GRPOParams(AggregationParams, PolicyTermParams):
         if value is False:
             return "none"
         return value
+
+    @model_validator(mode="after")
+    def _multi_objective(self) -> GRPOParams:
+        if self.reward_weights is not None and not all(map(math.isfinite, self.reward_weights)):
+            raise ValueError(f"reward_weights must be finite numbers, not {self.reward_weights}")
+        if (
+            self.multi_objective_aggregation == "normalize_then_sum"
+            and self.scale_rewards != "group"
+        ):
+            raise ValueError(
+                f"scale_rewards {self.scale_rewards!r} is not read by multi_objective_aggregation "
+                "'normalize_then_sum' (GDPO divides each reward by its group's std and the "
+                "weighted sum by the batch's; TRL ignores scale_rewards there): remove it, or "
+                "use sum_then_normalize"
+            )
+        return self
+
+    @property
+    def reads_reward_components(self) -> bool:
+        """Whether the advantages weigh the labeler's rewards apart rather than its score."""
+        return (
+            self.multi_objective_aggregation == "normalize_then_sum"
+            or self.reward_weights is not None
+        )
 
     surrogate: Surrogate = Field(
         "clip",
@@ -240,6 +308,75 @@ def group_advantages(
         batch_std = ops.global_std(scores)  # over the whole (global) batch
         return centred / (batch_std + eps).clamp(min=1e-12)
     return centred  # Dr. GRPO: no std normalisation (Liu et al. 2025)
+
+
+def reward_matrix(batch: RolloutBatch, count: int | None = None) -> torch.Tensor:
+    """The rewards ``[B, K]`` a multi-objective advantage weighs: ``batch.reward_components``
+    (NaN where one does not apply), or the score as the one reward of a labeler that reports
+    none. ``count``: how many weights there are (a step whose labeler reports another number
+    of rewards fails, naming ``reward_weights``)."""
+    if batch.reward_components is not None:
+        rewards, names = batch.reward_components, batch.reward_names
+    elif batch.scores is not None:
+        rewards, names = batch.scores.unsqueeze(-1), ("its score",)
+    else:
+        raise UserError("grpo: batch.scores is missing; the labeler must score every sample")
+    if count is not None and rewards.shape[-1] != count:
+        raise UserError(
+            f"grpo: reward_weights has {count} weights, and the labeler reports "
+            f"{rewards.shape[-1]} reward(s) ({', '.join(names)}): give one weight per reward, in "
+            "that order (a labeler reports several in Score.info['rewards'], as combine does "
+            "for its parts; one that reports none is one reward, its value)"
+        )
+    return ops.upcast(rewards)
+
+
+def weighted_reward_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_k w_k r_k`` per sample ``[B]`` over the rewards that apply to it (NaN ones are
+    left out, as TRL's nansum); NaN for a sample none applies to."""
+    total = (rewards * weights.to(rewards)).nansum(dim=-1)  # sum_k w_k r_k
+    return torch.where(torch.isnan(rewards).all(dim=-1), torch.nan, total)
+
+
+def scorable_group_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, scale: ScaleRewards, eps: float
+) -> torch.Tensor:
+    """:func:`group_advantages` over the samples whose score is not NaN, and 0 for the others
+    (TRL's unscorable completions: no signal, and left out of every statistic)."""
+    ok = ~torch.isnan(scores)
+    if bool(ok.all()):
+        return group_advantages(scores, group_ids, scale, eps)
+    out = torch.zeros_like(scores)
+    out[ok] = group_advantages(scores[ok], group_ids[ok], scale, eps)
+    return out
+
+
+def decoupled_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, weights: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """GDPO's sequence advantages ``[B]`` (``normalize_then_sum``) from rewards ``[B, K]``.
+
+    Each reward is normalised in its group over the samples it applies to (as
+    :func:`group_advantages`: Bessel-corrected std, 0 for an all-equal group or a group of
+    one), the weighted sum taken over those, then divided by its std over the batch (its
+    batch mean is 0 by construction). A sample no reward applies to gets 0 and counts in no
+    statistic.
+    """
+    normalised = torch.full_like(rewards, torch.nan)
+    for k in range(rewards.shape[-1]):
+        ok = ~torch.isnan(rewards[:, k])
+        # A_k = (r_k - mean_group(r_k)) / (std_group(r_k) + eps)  (GDPO: per-reward, per group)
+        normalised[ok, k] = group_advantages(rewards[ok, k], group_ids[ok], "group", eps)
+    total = weighted_reward_sum(normalised, weights)  # A = sum_k w_k A_k
+    ok = ~torch.isnan(total)
+    kept = total[ok]
+    out = torch.zeros_like(total)
+    # A_hat = (A - mean_batch(A)) / (std_batch(A) + eps)  (GDPO's batch-wise normalisation).
+    # mean_batch(A) is exactly 0 (each A_k sums to 0 over its group), so it is not subtracted:
+    # computed, it is rounding noise that would give a sample with A = 0 (an all-equal group)
+    # a sign that depends on the order of the batch.
+    out[ok] = kept / (ops.global_std(kept) + eps)
+    return out
 
 
 def policy_log_ratio(
@@ -403,7 +540,7 @@ def grpo_loss(
 
 
 class GRPO(Algorithm):
-    """GRPO (Shao et al. 2024): group-relative advantages, clipped surrogate, k3 KL; Dr. GRPO, DAPO, GSPO, CISPO, SAPO, LUSPO and VESPO variants."""
+    """GRPO (Shao et al. 2024): group-relative advantages, clipped surrogate, k3 KL; Dr. GRPO, DAPO, GSPO, GDPO, CISPO, SAPO, LUSPO and VESPO variants."""
 
     Params = GRPOParams
     params: GRPOParams
@@ -418,20 +555,42 @@ class GRPO(Algorithm):
             rollout_correction=True,
             weights=True,
             truncation=self.params.mask_truncated_completions,
+            reward_components=self._reward_count(),
         )
+
+    def _reward_count(self) -> int | None:
+        """How many rewards the advantages weigh apart (0: any); None: the score only."""
+        if not self.params.reads_reward_components:
+            return None
+        weights = self.params.reward_weights
+        return len(weights) if weights is not None else 0
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         if batch.scores is None:
             raise UserError("grpo: batch.scores is missing; the labeler must score every sample")
-        seq_adv = group_advantages(
-            batch.scores, batch.group_ids, self.params.scale_rewards, self.params.eps
-        )
+        seq_adv = self._sequence_advantages(batch)
         if self.params.mask_truncated_completions:
             mask_truncated(batch, "grpo")  # after the group statistics: their rewards still count
         mask = batch.response_mask
         batch.advantages = seq_adv.unsqueeze(-1) * mask.to(seq_adv.dtype)
         return batch
+
+    def _sequence_advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        """One advantage per sample ``[B]``: from the labeler's score, or, when the params
+        weigh several rewards (``multi_objective_aggregation``, ``reward_weights``), from
+        each of them."""
+        p = self.params
+        assert batch.scores is not None
+        if not p.reads_reward_components:
+            return group_advantages(batch.scores, batch.group_ids, p.scale_rewards, p.eps)
+        count = len(p.reward_weights) if p.reward_weights is not None else None
+        rewards = reward_matrix(batch, count)
+        weights = torch.tensor(p.reward_weights or [1.0] * rewards.shape[-1])
+        if p.multi_objective_aggregation == "normalize_then_sum":
+            return decoupled_advantages(rewards, batch.group_ids, weights, p.eps)
+        summed = weighted_reward_sum(rewards, weights)  # the score: sum_k w_k r_k
+        return scorable_group_advantages(summed, batch.group_ids, p.scale_rewards, p.eps)
 
     @hookimpl
     def compute_loss(

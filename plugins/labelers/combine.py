@@ -7,6 +7,14 @@ values go to ``info["rewards"]`` (the engine logs their means as ``reward/<part>
 (abstain, parse failure, rejected), the combined sample takes that outcome too: a sum with a
 missing term would be a different reward. A part's step scores (``Score.steps``, a process
 reward model's) pass through scaled by its weight, so the dense rewards sum as the values do.
+
+``info["rewards"]`` holds each part's raw value (before its weight), in the parts' order: the
+engine places them in ``batch.reward_components`` for an algorithm that weighs several rewards
+itself. GRPO does with ``multi_objective_aggregation: normalize_then_sum`` (GDPO: each part
+normalised in its group before the sum) or ``reward_weights`` (TRL's names): its
+``reward_weights`` are then the one list of weights, applied to the parts' raw values in this
+order, and ``weights`` here must be left unset (or all 1): ``alignzoo validate`` refuses others,
+which would weigh only the value, that such an algorithm does not read.
 """
 
 from __future__ import annotations
@@ -77,6 +85,11 @@ class CombineLabeler(Labeler):
     def gives_steps(self) -> bool:
         """Whether any part gives step scores (they pass through, weighted)."""
         return any(part.gives_steps for part in self.labelers.values())
+
+    @property
+    def reward_components(self) -> dict[str, float]:
+        """Its parts, by name in order, each with its weight in the value."""
+        return {name: w for (name, _), w in zip(self.parts, self.weights, strict=True)}
 
     def provenance_parts(self) -> dict[str, Any]:
         """The parts, by name, for the run's provenance."""

@@ -4,6 +4,7 @@ a batch, and the :class:`DataMode` base class the modes of :mod:`alignzoo.engine
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -86,10 +87,12 @@ _RESERVED = {"mean", "std", "valid_frac"}
 
 def part_rewards(infos: list[dict[str, Any]]) -> dict[str, float]:
     """``reward/<part>``: the mean of each part of a combined reward (``info["rewards"]``, as
-    the combine labeler writes it) over the samples that carry it."""
+    the combine labeler writes it) over the samples it applies to (not None or NaN)."""
     sums: dict[str, list[float]] = {}
     for info in infos:
         for name, value in (info.get("rewards") or {}).items():
+            if value is None or math.isnan(float(value)):
+                continue
             sums.setdefault(str(name), []).append(float(value))
     return {
         f"reward/{'part_' + n if n in _RESERVED else n}": sum(v) / len(v)
