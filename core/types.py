@@ -85,6 +85,10 @@ class AlgorithmRequirements:
             record of which sampled responses the length budget cut (kept for single-turn
             batches; TRL's ``mask_truncated_completions``). ``alignzoo validate`` refuses it
             for an arm with an environment, whose episodes end by ``episodes.on_failure``.
+        log_sum_sq_probs: fill ``outputs.log_sum_sq_probs`` ``[B, R]``: ``log Σ_v p_v²`` of
+            the current policy's distribution at each response position, without gradients,
+            computed in the same pass over the vocabulary as the log-probs (WPO's weights, DPO's
+            ``use_weighting``).
     """
 
     reference: bool = False
@@ -101,6 +105,7 @@ class AlgorithmRequirements:
     teacher_logprobs: bool = True
     dense_rewards: bool = False
     truncation: bool = False
+    log_sum_sq_probs: bool = False
 
 
 @dataclass(frozen=True)
