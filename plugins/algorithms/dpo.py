@@ -176,9 +176,9 @@ class LossType:
     params: tuple[str, ...] = ()
     """The params only this loss reads: setting one without the loss is refused."""
     f_divergence: bool = False
-    """It reads the pairs' scores only through h = ψ(ρ_w) - ψ(ρ_l) (or its own score, ``sft``
-    none), so it takes any ``f_divergence_type``: f-DPO's reparameterisation leaves a β log Z(x)
-    that cancels in that difference only (the others are refused one but the reverse KL)."""
+    """It reads the pairs' scores only through h = ψ(ρ_w) - ψ(ρ_l) (``sft`` reads none), so it
+    takes any ``f_divergence_type``: f-DPO's reparameterisation leaves a β log Z(x) that
+    cancels in that difference only. The other losses take the reverse KL only (as in TRL)."""
     check: Callable[[DPOParams], None] | None = None
     """Refuses (ValueError) params the loss cannot use."""
 
@@ -290,7 +290,8 @@ class DPOParams(BaseModel):
         allow_inf_nan=False,
         description=(
             "α of f_divergence_type alpha_divergence, f'(u) = (u^(α-1) - 1)/(α-1): 0 is the "
-            "forward KL, 1 the reverse KL (the paper's α is 1 minus this one); at most 1"
+            "forward KL, 1 the reverse KL (the paper's α is 1 minus this one); at most 1 (above "
+            "it f'(0) is finite, and f-DPO's closed form needs f'(u) -> -inf as u -> 0)"
         ),
     )
     use_weighting: bool = Field(
