@@ -249,6 +249,9 @@ class PolicyOutputs:
     logits ``[B, R, V]``: the policy's logits that predict each response token, with gradients,
         before any temperature (when the algorithm asks for ``teacher_logits``).
     teacher_logits ``[B, R, V]``: the teacher's at the same positions, without gradients.
+    log_sum_sq_probs ``[B, R]``: ``log Σ_v p_v²`` of the current policy's distribution at each
+        response position (the one ``logprobs`` are taken from), without gradients (when the
+        algorithm asks for it: WPO's weights).
     """
 
     logprobs: torch.Tensor
@@ -256,3 +259,4 @@ class PolicyOutputs:
     values: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None

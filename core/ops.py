@@ -281,14 +281,59 @@ def logprobs_and_entropy(
         return chosen, _entropy_of_logp(logp.detach())
 
 
+EntropyMode = Literal["none", "grad", "detached"]
+"""Whether a pass returns the entropy: not at all, with gradients, or without (for metrics)."""
+
+SQ_PROBS_AT_ONCE = 1 << 22
+"""The most floats :func:`log_sum_sq` adds to the log-probs it reads (one chunk of
+positions at a time): 16 MB in fp32, where a second tensor of the logits' size would be GBs."""
+
+
+def log_sum_sq(logp: torch.Tensor) -> torch.Tensor:
+    """``log Σ_v p_v²`` per position of log-probs ``[..., V]`` -> ``[...]``, without gradients
+    (WPO's weights, :mod:`alignzoo.plugins.algorithms.dpo`), computed a chunk of positions at a
+    time so that no second tensor of ``logp``'s size exists. A token outside the support
+    (log-prob ``-inf``) adds nothing."""
+    flat = logp.detach().reshape(-1, logp.shape[-1])
+    out = flat.new_empty(flat.shape[0])
+    rows = max(1, SQ_PROBS_AT_ONCE // max(1, flat.shape[1]))
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], rows):
+            out[start : start + rows] = torch.logsumexp(2.0 * flat[start : start + rows], dim=-1)
+    return out.view(logp.shape[:-1])
+
+
+def token_outputs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    entropy: EntropyMode = "none",
+    log_sum_sq_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """From one log-softmax of ``logits [..., V]`` (in at least fp32): the log-probs of
+    ``tokens [...]`` (:func:`logprobs_from_logits`), their entropy when asked (with or without
+    gradients, :func:`logprobs_and_entropy`'s) and, with ``log_sum_sq_probs``, ``log Σ_v p_v²``
+    without gradients (:func:`log_sum_sq`); None for what is not asked."""
+    logp = torch.log_softmax(upcast(logits), dim=-1)
+    chosen = torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    ent = None
+    if entropy == "grad":
+        ent = _entropy_of_logp(logp)
+    elif entropy == "detached":
+        with torch.no_grad():
+            ent = _entropy_of_logp(logp.detach())
+    return chosen, ent, log_sum_sq(logp) if log_sum_sq_probs else None
+
+
 class _HeadLogprobs(torch.autograd.Function):
-    """Log-probs (and entropy) of ``tokens`` under ``softmax(hidden W^T)``, ``rows`` rows at a
-    time, never holding the ``[N, V]`` logits of all rows at once; see :func:`head_logprobs`.
+    """Log-probs (and entropy, and log Σ_v p_v²) of ``tokens`` under ``softmax(hidden W^T)``,
+    ``rows`` rows at a time, never holding the ``[N, V]`` logits of all rows at once; see
+    :func:`head_token_outputs`.
 
     Forward, per chunk of rows (z = the chunk's logits):
 
         z = h W^T                       log Z = logsumexp(z)
         log p(y) = z_y - log Z          H = log Z - sum_v p_v z_v
+        log sum_v p_v^2 = logsumexp(2z) - 2 log Z       (no gradient)
 
     Saved for the backward pass: h, W, the tokens, log Z (and H): no ``[N, V]`` tensor. The
     backward pass recomputes each chunk's z (one more head matmul) and applies
@@ -305,11 +350,13 @@ class _HeadLogprobs(torch.autograd.Function):
         tokens: torch.Tensor,
         rows: int,
         with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with_sq_probs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         count = hidden.shape[0]
         chosen = hidden.new_empty(count)
         log_z = hidden.new_empty(count)
         entropy = hidden.new_empty(count) if with_entropy else None
+        sq_probs = hidden.new_empty(count) if with_sq_probs else None
         for start in range(0, count, rows):
             end = min(count, start + rows)
             logits = hidden[start:end] @ weight.t()
@@ -319,14 +366,21 @@ class _HeadLogprobs(torch.autograd.Function):
             if entropy is not None:
                 mean_logit = (torch.softmax(logits, dim=-1) * logits).sum(-1)
                 entropy[start:end] = log_z[start:end] - mean_logit
+            if sq_probs is not None:  # log sum_v p_v^2 = logsumexp(2z) - 2 log Z
+                sq_probs[start:end] = torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * log_z[start:end]
         ctx.rows = rows
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, tokens, log_z, entropy)
-        return chosen, entropy
+        if sq_probs is not None:
+            ctx.mark_non_differentiable(sq_probs)
+        return chosen, entropy, sq_probs
 
     @staticmethod
     def backward(
-        ctx: Any, grad_chosen: torch.Tensor | None, grad_entropy: torch.Tensor | None
+        ctx: Any,
+        grad_chosen: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None,
+        _grad_sq_probs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, tokens, log_z, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -349,7 +403,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 grad_hidden[start:end] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t(), h)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def head_logprobs(
@@ -357,7 +411,7 @@ def head_logprobs(
     weight: torch.Tensor,
     tokens: torch.Tensor,
     rows: int,
-    entropy: Literal["none", "grad", "detached"] = "none",
+    entropy: EntropyMode = "none",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[...]`` of ``tokens [...]`` under the LM head ``softmax(hidden W^T)``
     (``hidden [..., H]``, ``weight [V, H]``, fp32), and their entropy when asked (with or
@@ -365,14 +419,30 @@ def head_logprobs(
     ``hidden @ weight.T``, computed ``rows`` positions at a time so that no more than
     ``rows x V`` logits exist at once, in the forward pass or the backward pass (which
     recomputes a chunk's logits instead of keeping them)."""
+    chosen, ent, _ = head_token_outputs(hidden, weight, tokens, rows, entropy)
+    return chosen, ent
+
+
+def head_token_outputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    rows: int,
+    entropy: EntropyMode = "none",
+    log_sum_sq_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`head_logprobs`'s log-probs and entropy and, with ``log_sum_sq_probs``,
+    ``log Σ_v p_v²``
+    per position without gradients, from the same chunks of logits (the numbers of
+    :func:`token_outputs` over ``hidden @ weight.T``)."""
     shape = tokens.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    chosen, ent = _HeadLogprobs.apply(
-        flat_hidden, weight, tokens.reshape(-1), max(1, rows), entropy != "none"
+    chosen, ent, sq = _HeadLogprobs.apply(
+        flat_hidden, weight, tokens.reshape(-1), max(1, rows), entropy != "none", log_sum_sq_probs
     )
     if ent is not None:
         ent = (ent.detach() if entropy == "detached" else ent).view(shape)
-    return chosen.view(shape), ent
+    return chosen.view(shape), ent, None if sq is None else sq.view(shape)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,10 @@ class AlgorithmRequirements:
             (``Labeler.reward_components``), or whose value weighs them by other than 1 (those
             weights would apply to nothing), and ``labeling.normalize`` in front of such a
             labeler (it rescales the value, and the rewards are read raw).
+        log_sum_sq_probs: fill ``outputs.log_sum_sq_probs`` ``[B, R]``: ``log Σ_v p_v²`` of
+            the current policy's distribution at each response position, without gradients,
+            computed in the same pass over the vocabulary as the log-probs (WPO's weights, DPO's
+            ``use_weighting``).
     """
 
     reference: bool = False
@@ -111,6 +115,7 @@ class AlgorithmRequirements:
     dense_rewards: bool = False
     truncation: bool = False
     reward_components: int | None = None
+    log_sum_sq_probs: bool = False
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from alignzoo.kernels.forward import (
     critic_forward,
     evaluating,
     outside_support,
-    policy_forward,
     policy_forward_with_logits,
+    policy_outputs,
     response_logits,
 )
 from alignzoo.kernels.packing import Packing, padding_fraction
@@ -151,24 +151,27 @@ def micro_step(
     packing = packing_of(learner.cfg)
     logits = teacher_logits = None
     if requirements.teacher_logits:  # a divergence over the vocabulary: both whole logits
-        logprobs, entropy, logits = policy_forward_with_logits(
+        token, logits = policy_forward_with_logits(
             learner.actor_module,
             mb,
             entropy=requirements.entropy,
             autocast=models.autocast,
             detached_entropy=passes.needs_entropy,
             packing=packing,
+            log_sum_sq_probs=requirements.log_sum_sq_probs,
         )
         teacher_logits = frozen_logits(models.teacher, mb, models.autocast, packing)
     else:
-        logprobs, entropy = policy_forward(
+        token = policy_outputs(
             learner.actor_module,
             mb,
             entropy=requirements.entropy,
             autocast=models.autocast,
             detached_entropy=passes.needs_entropy,
             packing=packing,
+            log_sum_sq_probs=requirements.log_sum_sq_probs,
         )
+    logprobs, entropy = token.logprobs, token.entropy
     outside = None
     if truncates(mb.sampling):  # a token the sampler kept and this pass cuts: not trained on
         fill = mb.old_logprobs if mb.old_logprobs is not None else 0.0
@@ -184,6 +187,7 @@ def micro_step(
         entropy=entropy if requirements.entropy else None,
         logits=logits,
         teacher_logits=None if teacher_logits is None else teacher_logits.to(logprobs.device),
+        log_sum_sq_probs=token.log_sum_sq_probs,
     )
     if models.critic is not None:
         values = critic_forward(

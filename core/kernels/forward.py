@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,10 +18,10 @@ from alignzoo.batch import RolloutBatch
 from alignzoo.kernels.lean import can_run_lean, lean_head, lean_hidden, lean_logits
 from alignzoo.kernels.packing import PackedRows, Packing, pack
 from alignzoo.ops import (
-    head_logprobs,
-    logprobs_and_entropy,
-    logprobs_from_logits,
+    EntropyMode,
+    head_token_outputs,
     tempers,
+    token_outputs,
     truncates,
     warp_logits,
 )
@@ -29,8 +29,8 @@ from alignzoo.ops import (
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
 # The most logits (floats) the policy's log-prob pass holds at once: beyond it, a Qwen2 / Llama
-# head runs in chunks of positions (alignzoo.ops.head_logprobs). 2^25 floats = 128 MB in fp32,
-# where 64 x 512 positions of a 151,936-token vocabulary are 20 GB (and its log-softmax 20 GB
+# head runs in chunks of positions (alignzoo.ops.head_token_outputs). 2^25 floats = 128 MB in
+# fp32, where 64 x 512 positions of a 151,936-token vocabulary are 20 GB (and its log-softmax 20 GB
 # more, kept for the backward pass).
 LOGITS_AT_ONCE = 1 << 25
 
@@ -167,6 +167,20 @@ def response_logits(
     return logits[:, prompt_len - 1 : prompt_len + resp_len - 1]
 
 
+class TokenOutputs(NamedTuple):
+    """What one policy pass gives per response token ``[B, R]``: the log-probs of
+    ``batch.response_ids``, and the entropy and ``log Σ_v p_v²`` of the distribution each token
+    was drawn from when asked (None otherwise)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+
+
+def _entropy_mode(entropy: bool, detached_entropy: bool) -> EntropyMode:
+    return "grad" if entropy else "detached" if detached_entropy else "none"
+
+
 def policy_forward(
     model: Any,
     batch: RolloutBatch,
@@ -186,17 +200,44 @@ def policy_forward(
     that distribution with gradients; ``detached_entropy`` (when ``entropy`` is False) returns
     it without, from the same log-softmax, for metrics only. ``packing`` runs the batch's
     samples packed (:mod:`alignzoo.kernels.packing`): the same numbers without the padding.
+    :func:`policy_outputs` gives ``log Σ_v p_v²`` from the same pass besides.
     """
-    chunked = _chunked_head_logprobs(
-        model, batch, autocast, entropy, detached_entropy, truncate, packing
+    out = policy_outputs(model, batch, entropy, autocast, detached_entropy, truncate, packing)
+    return out.logprobs, out.entropy
+
+
+def policy_outputs(
+    model: Any,
+    batch: RolloutBatch,
+    entropy: bool = False,
+    autocast: AutocastFactory = no_autocast,
+    detached_entropy: bool = False,
+    truncate: bool = True,
+    packing: Packing | None = None,
+    log_sum_sq_probs: bool = False,
+) -> TokenOutputs:
+    """:func:`policy_forward`'s log-probs and entropy and, with ``log_sum_sq_probs``,
+    ``log Σ_v p_v²`` per response token without gradients (for WPO's weights:
+    ``AlgorithmRequirements.log_sum_sq_probs``), of the same distribution and from the same
+    pass over the vocabulary: the whole logits' one log-softmax, or each chunk of the LM
+    head's logits (:func:`~alignzoo.ops.head_token_outputs`); on the lean path, transformers'
+    forward and packed rows alike."""
+    chunked = _chunked_head_outputs(
+        model,
+        batch,
+        autocast,
+        _entropy_mode(entropy, detached_entropy),
+        truncate,
+        packing,
+        log_sum_sq_probs,
     )
     if chunked is not None:
         return chunked
     logits = warp_logits(response_logits(model, batch, autocast, packing), batch.sampling, truncate)
     tokens = batch.response_ids.to(logits.device)
-    if entropy or detached_entropy:
-        return logprobs_and_entropy(logits, tokens, entropy_grad=entropy)
-    return logprobs_from_logits(logits, tokens), None
+    return TokenOutputs(
+        *token_outputs(logits, tokens, _entropy_mode(entropy, detached_entropy), log_sum_sq_probs)
+    )
 
 
 def policy_forward_with_logits(
@@ -206,29 +247,28 @@ def policy_forward_with_logits(
     autocast: AutocastFactory = no_autocast,
     detached_entropy: bool = False,
     packing: Packing | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """:func:`policy_forward`'s log-probs and entropy and, from the same pass, the response
-    logits ``[B, R, V]`` before any temperature (for a loss over the whole vocabulary, GKD's):
-    the logits are held whole, never in chunks of positions."""
+    log_sum_sq_probs: bool = False,
+) -> tuple[TokenOutputs, torch.Tensor]:
+    """:func:`policy_outputs`' numbers and, from the same pass, the response logits
+    ``[B, R, V]`` before any temperature (for a loss over the whole vocabulary, GKD's): the
+    logits are held whole, never in chunks of positions."""
     logits = response_logits(model, batch, autocast, packing)
     tokens = batch.response_ids.to(logits.device)
     warped = warp_logits(logits, batch.sampling, True)
-    if entropy or detached_entropy:
-        logprobs, ent = logprobs_and_entropy(warped, tokens, entropy_grad=entropy)
-        return logprobs, ent, logits
-    return logprobs_from_logits(warped, tokens), None, logits
+    mode = _entropy_mode(entropy, detached_entropy)
+    return TokenOutputs(*token_outputs(warped, tokens, mode, log_sum_sq_probs)), logits
 
 
-def _chunked_head_logprobs(
+def _chunked_head_outputs(
     model: Any,
     batch: RolloutBatch,
     autocast: AutocastFactory,
-    entropy: bool,
-    detached_entropy: bool,
+    entropy: EntropyMode,
     truncate: bool,
     packing: Packing | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """:func:`policy_forward`'s numbers with the LM head in chunks of positions, for a model
+    log_sum_sq_probs: bool = False,
+) -> TokenOutputs | None:
+    """:func:`policy_outputs`' numbers with the LM head in chunks of positions, for a model
     of the lean path whose response logits would exceed :data:`LOGITS_AT_ONCE` floats and
     whose head is a plain fp32 ``nn.Linear`` outside autocast, sampled without top-k / top-p
     (a temperature divides the hidden states: ``(h / T) W^T = z / T``); None otherwise (the
@@ -258,13 +298,15 @@ def _chunked_head_logprobs(
         else:
             inputs = model_inputs(batch, device)
             hidden = lean_hidden(model, **inputs, logits_to_keep=resp_len + 1)[:, :resp_len]
-    mode = "grad" if entropy else "detached" if detached_entropy else "none"
     tokens = batch.response_ids.to(device)
     if tempers(batch.sampling):  # (h / T) W^T = z / T, row by row
         assert batch.sampling is not None
         temperature = batch.sampling[:, 0].to(device=device, dtype=hidden.dtype)
         hidden = hidden / torch.where(temperature > 0, temperature, 1.0).view(-1, 1, 1)
-    return head_logprobs(hidden, weight, tokens, LOGITS_AT_ONCE // weight.shape[0], mode)
+    chunk = LOGITS_AT_ONCE // weight.shape[0]
+    return TokenOutputs(
+        *head_token_outputs(hidden, weight, tokens, chunk, entropy, log_sum_sq_probs)
+    )
 
 
 def critic_forward(

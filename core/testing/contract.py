@@ -528,6 +528,9 @@ def _prop_micro_batches(
                 teacher_logits=(
                     None if outputs.teacher_logits is None else outputs.teacher_logits[index]
                 ),
+                log_sum_sq_probs=(
+                    None if outputs.log_sum_sq_probs is None else outputs.log_sum_sq_probs[index]
+                ),
             )
             result = pm.hook.compute_loss(batch=batch.select(part), outputs=micro, context=context)
             loss = result.loss.reshape(())

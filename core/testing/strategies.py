@@ -81,6 +81,7 @@ TOKEN_FIELDS = (
     "values",
     "policy_values",
     "entropy",
+    "log_sum_sq_probs",
 )
 """Per-token ``[B, R]`` fields of a :class:`BatchCase`."""
 
@@ -116,6 +117,7 @@ def make_batch(
     scores: Any = None,
     weights: Any = None,
     entropy: Any = None,
+    log_sum_sq_probs: Any = None,
     policy_values: Any = None,
     mismatched_logprobs: Any = None,
     mismatched_ref_logprobs: Any = None,
@@ -132,7 +134,8 @@ def make_batch(
 
     ``logprobs`` ``[B, R]`` become ``outputs.logprobs``, a fresh leaf tensor with
     ``requires_grad`` (read its ``.grad`` after ``loss.backward()``); so do ``policy_values``
-    (``outputs.values``). ``mismatched_logprobs`` and ``mismatched_ref_logprobs`` go to
+    (``outputs.values``). ``entropy`` and ``log_sum_sq_probs`` fill the ``outputs`` fields of
+    those names (without gradients). ``mismatched_logprobs`` and ``mismatched_ref_logprobs`` go to
     ``batch.columns`` under those names (what the unpaired data mode computes, without
     gradients). ``mask`` defaults to all ones, ``group_ids`` to one group per sample,
     ``response_ids`` to token 1 everywhere. Every other argument fills the batch field of the
@@ -209,6 +212,7 @@ def make_batch(
             values=leaf(policy_values),
             logits=logits,
             teacher_logits=None if teacher is None else spread_logits(teacher, ids, vocabulary),
+            log_sum_sq_probs=opt(log_sum_sq_probs),
         )
         return batch, outputs
     if requires_grad:
@@ -217,6 +221,7 @@ def make_batch(
         logprobs=logp,
         entropy=opt(entropy),
         values=leaf(policy_values),
+        log_sum_sq_probs=opt(log_sum_sq_probs),
     )
     return batch, outputs
 
@@ -261,6 +266,7 @@ class BatchCase:
     values: Rows | None = None
     policy_values: Rows | None = None
     entropy: Rows | None = None
+    log_sum_sq_probs: Rows | None = None
     scores: tuple[float, ...] | None = None
     labels: tuple[float, ...] | None = None
     weights: tuple[float, ...] | None = None
@@ -299,6 +305,7 @@ class BatchCase:
             scores=self.scores,
             weights=self.weights,
             entropy=self.entropy,
+            log_sum_sq_probs=self.log_sum_sq_probs,
             policy_values=self.policy_values,
             mismatched_logprobs=self.mismatched_logprobs,
             mismatched_ref_logprobs=self.mismatched_ref_logprobs,
@@ -457,7 +464,8 @@ def batch_cases(
     - ``data="unpaired"``: 1-8 samples with ``labels`` (:func:`unpaired_labels`).
     - ``data="demonstrations"``: 1-8 samples, a group each, nothing but the log-probs.
     - ``reference``: ``ref_logprobs``; ``critic``: ``values`` and ``policy_values``;
-      ``entropy``: ``entropy``; unpaired data: ``mismatched_logprobs`` (and
+      ``entropy``: ``entropy``; ``log_sum_sq_probs``: ``log_sum_sq_probs`` in [-10, 0];
+      unpaired data: ``mismatched_logprobs`` (and
       ``mismatched_ref_logprobs`` with a reference), sequence log-probs in [-50·R, 0].
 
     ``logprobs`` is the strategy of every per-token log-prob (policy, old, reference), default
@@ -508,6 +516,8 @@ def batch_cases(
         case["policy_values"] = _rows(draw, value_strategy, size, width)
     if requirements.entropy:
         case["entropy"] = _rows(draw, st.floats(0.0, 5.0, width=32), size, width)
+    if requirements.log_sum_sq_probs:  # from a certain token (0) to e^10 equally likely ones
+        case["log_sum_sq_probs"] = _rows(draw, st.floats(-10.0, 0.0, width=32), size, width)
     if requirements.data == "unpaired":
         seq = st.floats(LOGPROB_MIN * width, 0.0, width=32)
         case["mismatched_logprobs"] = _column(draw, seq, size)
@@ -532,7 +542,8 @@ def padding_fill(
 ) -> tuple[dict[str, Rows], tuple[tuple[int, ...], ...]]:
     """Arbitrary padding for :meth:`BatchCase.repadded`: 1..max_extra more columns.
 
-    Log-prob fields get values in [-50, 0], values in [-10, 10], entropy in [0, 10].
+    Log-prob fields get values in [-50, 0], values in [-10, 10], entropy in [0, 10],
+    ``log_sum_sq_probs`` in [-20, 0].
     """
     width = case.width + draw(st.integers(1, max_extra))
     logp = st.floats(LOGPROB_MIN, 0.0, width=32)
@@ -544,6 +555,7 @@ def padding_fill(
         "values": st.floats(-10.0, 10.0, width=32),
         "policy_values": st.floats(-10.0, 10.0, width=32),
         "entropy": st.floats(0.0, 10.0, width=32),
+        "log_sum_sq_probs": st.floats(-20.0, 0.0, width=32),
     }
     fill = {
         name: _rows(draw, kinds[name], case.size, width)

@@ -26,6 +26,33 @@ Unlike TRL, ``sigmoid`` reads ``label_smoothing`` there too (it is cDPO with ε 
 ``reference_free: true`` drops π_ref (its log-probs are taken as 0), so no reference model is
 loaded and the rewards are β log π(y).
 
+TRL 1.16's options that change the objective, under its names and defaults, each with any loss
+that can take it (the params refuse the rest, naming the field):
+
+- ``ld_alpha`` (LD-DPO: Liu et al. 2024, "Length Desensitization in Direct Preference
+  Optimization"; default None, in [0, 1]): the sequence log-probs of both responses of a pair,
+  under the policy and the reference, count the first ℓ_p = min(|y_w|, |y_l|) response tokens
+  once and the longer one's tokens past ℓ_p α times (:func:`ld_token_weights`; ℓ_p counts
+  response tokens only, not the prompt, as TRL's completion mask). Every loss takes it; ``sft``'s
+  NLL still counts every token once, as TRL's.
+- ``f_divergence_type`` and ``f_alpha_divergence_coef`` (f-DPO: Wang et al. 2023, "Beyond
+  Reverse KL"; defaults ``reverse_kl``, which is DPO, and 0.5): each log-ratio ρ becomes
+  ψ(ρ) = f'(e^ρ) (:func:`f_divergence_score`: ``forward_kl``, ``js_divergence``,
+  ``alpha_divergence`` with α ≤ 1) in the losses built on the chosen-minus-rejected difference
+  (the ``f_divergence`` trait: sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop,
+  sft, as TRL); the rewards reported stay β ρ.
+- ``use_weighting`` (WPO: Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference
+  Optimization"; default False): each pair's loss terms are multiplied by w(y_w) w(y_l), each
+  w(y) = exp(mean_t [log p(y_t) - log Σ_v p_v²]) under the current policy, without gradient
+  (:func:`wpo_weights`). The engine computes log Σ_v p_v² in the policy's own pass over the
+  vocabulary (``AlgorithmRequirements.log_sum_sq_probs``, ``outputs.log_sum_sq_probs``). Not
+  with ``aot`` / ``aot_unpaired`` (they sort: a term belongs to no pair); ``sft``'s term is
+  weighted pair by pair (TRL 1.16 fails on ``sft`` and ``hinge`` with it:
+  tests/parity/test_trl_dpo_options.py). ``dpo/wpo_weight`` reports the mean pair weight.
+
+All three work on offline and online pairs alike (online, the policy's log-probs and
+log Σ_v p_v² are those of the distribution the samples were drawn from).
+
 Data layout (how the engine hands pairs to this algorithm):
 
 - ``batch.group_ids [B]``: the two responses of one pair share a group id. Each group holds
@@ -49,11 +76,12 @@ that reads the step's mean chosen length (``sft``), for which it adds
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, model_validator
 from pydantic_core import core_schema
@@ -92,7 +120,9 @@ CHOSEN_LENGTH = "dpo/chosen_length"
 class Pairs:
     """N preference pairs as a loss of :data:`LOSS_TYPES` reads them: the sequence log-probs
     ``[N]`` of the chosen y_w and the rejected y_l under the policy and the reference (zeros
-    without one), their log-ratios ρ_w, ρ_l and margin h, and the response lengths."""
+    without one; LD-DPO's weighted sums under ``ld_alpha``), their log-ratios ρ_w, ρ_l, their
+    scores ψ(ρ_w), ψ(ρ_l) (ψ = the f-divergence's f', :func:`f_divergence_score`; ψ(ρ) = ρ
+    for the reverse KL, DPO's) and margin h = ψ(ρ_w) - ψ(ρ_l), and the response lengths."""
 
     chosen_logps: torch.Tensor  # log π(y_w)
     rejected_logps: torch.Tensor  # log π(y_l)
@@ -101,14 +131,25 @@ class Pairs:
     chosen_lengths: torch.Tensor  # |y_w|
     rejected_lengths: torch.Tensor  # |y_l|
     mean_chosen_length: torch.Tensor | None = None  # L̄_w of the step, if a loss reads it
+    chosen_nll_logps: torch.Tensor | None = None  # log π(y_w) over every token at weight 1
+    score: Callable[[torch.Tensor], torch.Tensor] | None = None  # ψ; None: the identity
     chosen_ratio: torch.Tensor = field(init=False)  # ρ_w
     rejected_ratio: torch.Tensor = field(init=False)  # ρ_l
-    margin: torch.Tensor = field(init=False)  # h = ρ_w - ρ_l
+    chosen_score: torch.Tensor = field(init=False)  # ψ(ρ_w)
+    rejected_score: torch.Tensor = field(init=False)  # ψ(ρ_l)
+    margin: torch.Tensor = field(init=False)  # h = ψ(ρ_w) - ψ(ρ_l)
 
     def __post_init__(self) -> None:
         self.chosen_ratio = self.chosen_logps - self.ref_chosen_logps  # ρ_w = log π(y_w)/π_ref(y_w)
         self.rejected_ratio = self.rejected_logps - self.ref_rejected_logps  # ρ_l
-        self.margin = self.chosen_ratio - self.rejected_ratio  # h, the log-ratio margin
+        score = self.score or (lambda ratio: ratio)
+        self.chosen_score, self.rejected_score = (
+            score(self.chosen_ratio),
+            score(self.rejected_ratio),
+        )
+        self.margin = self.chosen_score - self.rejected_score  # h, the (log-ratio) margin
+        if self.chosen_nll_logps is None:
+            self.chosen_nll_logps = self.chosen_logps
 
     def rewards(self, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The implicit rewards r(x, y) = β log π(y|x)/π_ref(y|x) of the chosen and the rejected
@@ -134,6 +175,10 @@ class LossType:
     """It reads :attr:`Pairs.mean_chosen_length` (``compute_advantages`` puts it in the batch)."""
     params: tuple[str, ...] = ()
     """The params only this loss reads: setting one without the loss is refused."""
+    f_divergence: bool = False
+    """It reads the pairs' scores only through h = ψ(ρ_w) - ψ(ρ_l) (``sft`` reads none), so it
+    takes any ``f_divergence_type``: f-DPO's reparameterisation leaves a β log Z(x) that
+    cancels in that difference only. The other losses take the reverse KL only (as in TRL)."""
     check: Callable[[DPOParams], None] | None = None
     """Refuses (ValueError) params the loss cannot use."""
 
@@ -180,6 +225,9 @@ class _RegisteredLossType:
 
 LossTypeName = Annotated[str, _RegisteredLossType()]
 
+FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]
+"""The f-divergences of ``f_divergence_type`` (TRL 1.16's names)."""
+
 
 class DPOParams(BaseModel):
     """Parameters of DPO and its variants."""
@@ -217,6 +265,42 @@ class DPOParams(BaseModel):
     )
     reference_free: bool = Field(
         False, description="drop the reference policy: rewards are β log π(y) (no ref model)"
+    )
+    ld_alpha: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "α of LD-DPO (Liu 2024): each response's tokens past the shorter response of its "
+            "pair count α times in its sequence log-prob, under the policy and the reference "
+            "(1 is DPO, 0 drops them); None: every token counts once"
+        ),
+    )
+    f_divergence_type: FDivergence = Field(
+        "reverse_kl",
+        description=(
+            "the f-divergence to the reference of f-DPO (Wang 2023): reverse_kl is DPO's; "
+            "forward_kl, js_divergence and alpha_divergence replace each log-ratio ρ by f'(e^ρ) "
+            "in the losses built on the chosen-minus-rejected difference"
+        ),
+    )
+    f_alpha_divergence_coef: float = Field(
+        0.5,
+        le=1.0,
+        allow_inf_nan=False,
+        description=(
+            "α of f_divergence_type alpha_divergence, f'(u) = (u^(α-1) - 1)/(α-1): 0 is the "
+            "forward KL, 1 the reverse KL (the paper's α is 1 minus this one); at most 1 (above "
+            "it f'(0) is finite, and f-DPO's closed form needs f'(u) -> -inf as u -> 0)"
+        ),
+    )
+    use_weighting: bool = Field(
+        False,
+        description=(
+            "WPO (Zhou 2024): weight each pair's loss by its chosen and rejected responses' "
+            "per-token probabilities under the policy, exp(mean_t [log p(y_t) - log Σ_v p_v²]), "
+            "without gradient"
+        ),
     )
 
     @property
@@ -269,7 +353,92 @@ class DPOParams(BaseModel):
         for entry in self.loss_entries:
             if entry.check is not None:
                 entry.check(self)
+        if self.f_divergence_type != "reverse_kl":
+            others = [name for name in types if not LOSS_TYPES[name].f_divergence]
+            if others:
+                takers = [name for name, entry in LOSS_TYPES.items() if entry.f_divergence]
+                raise ValueError(
+                    f"f_divergence_type {self.f_divergence_type!r} applies to loss_type "
+                    f"{', '.join(takers)} only, not {', '.join(others)} (f-DPO's log Z(x) term "
+                    "cancels only in the chosen-minus-rejected difference); use "
+                    "f_divergence_type: reverse_kl with it"
+                )
+        if (
+            "f_alpha_divergence_coef" in self.model_fields_set
+            and self.f_divergence_type != "alpha_divergence"
+        ):
+            raise ValueError(
+                "f_alpha_divergence_coef applies to f_divergence_type alpha_divergence only, not "
+                f"{self.f_divergence_type!r}; remove it"
+            )
+        sorting = [name for name in types if LOSS_TYPES[name].sorts]
+        if self.use_weighting and sorting:
+            raise ValueError(
+                f"use_weighting (WPO's per-pair weights) cannot weight loss_type "
+                f"{', '.join(sorting)}: it sorts over the pairs, so a loss term belongs to no one "
+                "pair; set use_weighting: false"
+            )
         return self
+
+
+# --------------------------------------------------------------------------- the options
+
+
+def f_divergence_score(ratio: torch.Tensor, params: DPOParams) -> torch.Tensor:
+    """ψ(ρ) = f'(u) at u = π(y)/π_ref(y) = e^ρ: the score f-DPO (Wang et al. 2023, "Beyond
+    Reverse KL: Generalizing Direct Preference Optimization with Diverse Divergence
+    Constraints") puts in place of the log-ratio ρ, the loss being
+    -log σ(β ψ(ρ_w) - β ψ(ρ_l)) for ``sigmoid``. f' is taken up to an additive constant, which
+    cancels in h (as TRL 1.16's, e.g. 1 - 1/u for the forward KL where the paper's table has
+    -1/u). Where e^((α-1)ρ) would overflow it is capped as TRL caps it (at e^80; e^11 in fp16),
+    and passes no gradient there."""
+    kind = params.f_divergence_type
+    if kind == "reverse_kl":
+        return ratio  # f(u) = u log u: f'(u) = log u (+ 1)
+    if kind == "js_divergence":
+        return math.log(2.0) + logsig(ratio)  # f'(u) = log(2u / (1 + u)) = log 2 + log σ(ρ)
+    alpha = 0.0 if kind == "forward_kl" else params.f_alpha_divergence_coef
+    if abs(alpha - 1.0) < 1e-6:  # the limit α -> 1 of (u^(α-1) - 1)/(α-1) is log u
+        return ratio
+    cap = 11.0 if ratio.dtype == torch.float16 else 80.0
+    t = ((alpha - 1.0) * ratio).clamp(max=cap)  # (α-1) ρ = log u^(α-1)
+    # α-divergence: f'(u) = (u^(α-1) - 1)/(α-1) (the paper's (1 - u^(-α'))/α', α' = 1 - α);
+    # α = 0 is the forward KL f(u) = -log u: f'(u) = 1 - 1/u (+ a constant)
+    return torch.expm1(t) / (alpha - 1.0)
+
+
+def ld_token_weights(
+    mask: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, alpha: float
+) -> torch.Tensor:
+    """LD-DPO's per-token weights ``[B, R]`` (Liu et al. 2024, "Length Desensitization in
+    Direct Preference Optimization"): 1 on the first ℓ_p real tokens of each
+    response, ℓ_p = min(|y_w|, |y_l|) the public length of its pair, and α on the tokens past
+    it (the longer response's verbose tail); 0 on padding. A row's real tokens are counted in
+    order (``response_mask`` > 0), as TRL counts its completion mask."""
+    real = mask > 0
+    position = real.to(mask.dtype).cumsum(dim=-1)  # 1, 2, ... on the real tokens
+    lengths = real.to(mask.dtype).sum(dim=-1)
+    public = torch.minimum(lengths[chosen], lengths[rejected])  # ℓ_p of each pair
+    public_of_row = torch.zeros_like(lengths)
+    public_of_row[chosen], public_of_row[rejected] = public, public
+    # log π̂(y) = Σ_{t ≤ ℓ_p} log π(y_t) + α Σ_{t > ℓ_p} log π(y_t)
+    weights = torch.where(position <= public_of_row[:, None], 1.0, alpha).to(mask.dtype)
+    return torch.where(real, weights, torch.zeros_like(weights))
+
+
+def wpo_weights(
+    logprobs: torch.Tensor, log_sum_sq_probs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """WPO's weight of each response ``[B]`` (Zhou et al. 2024, "WPO: Enhancing RLHF with
+    Weighted Preference Optimization", with its aligned probabilities), without gradient:
+    the geometric mean over its tokens of p(y_t) / Σ_v p_v², the probability of the token
+    relative to the policy's expected one at that position; a pair is weighted by the product
+    of its two responses' weights."""
+    with torch.no_grad():
+        aligned = logprobs.detach() - log_sum_sq_probs.detach()  # log p(y_t) - log Σ_v p_v²
+        lengths = (mask > 0).to(aligned.dtype).sum(dim=-1).clamp(min=1.0)
+        # w(x, y) = exp((1/|y|) Σ_t [log p(y_t) - log Σ_v p_v²])
+        return torch.exp(ops.masked_sum(aligned, mask, dim=-1) / lengths)
 
 
 # --------------------------------------------------------------------------- the losses
@@ -285,7 +454,7 @@ def smoothed(z: torch.Tensor, eps: float) -> torch.Tensor:
     return -(1.0 - eps) * logsig(z) - eps * logsig(-z)
 
 
-@register_loss("sigmoid", smoothed=True)
+@register_loss("sigmoid", smoothed=True, f_divergence=True)
 def sigmoid(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     """DPO (Rafailov 2023, eq. 7); with ``label_smoothing`` ε, conservative DPO (cDPO, Mitchell
     2023, "A note on DPO with noisy preferences"), the expected loss when a fraction ε of the
@@ -294,7 +463,7 @@ def sigmoid(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     return smoothed(params.beta * pairs.margin, params.label_smoothing)
 
 
-@register_loss("ipo")
+@register_loss("ipo", f_divergence=True)
 def ipo(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     """IPO: Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
     Preferences", the empirical loss with β playing the role of the paper's τ. As in the paper,
@@ -303,14 +472,14 @@ def ipo(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     return (pairs.margin - 1.0 / (2.0 * params.beta)) ** 2  # (h - 1/(2τ))²
 
 
-@register_loss("hinge")
+@register_loss("hinge", f_divergence=True)
 def hinge(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     """The SLiC calibration loss (Zhao et al. 2023, "SLiC-HF") on the reference-adjusted
     margin."""
     return torch.relu(1.0 - params.beta * pairs.margin)  # max(0, 1 - βh)
 
 
-@register_loss("robust", smoothed=True)
+@register_loss("robust", smoothed=True, f_divergence=True)
 def robust(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     """rDPO: Chowdhury et al. 2024, "Provably Robust DPO: Aligning Language Models with Noisy
     Feedback", the unbiased loss under a known flip rate ε = ``label_smoothing``."""
@@ -327,7 +496,7 @@ def _exo_needs_label_smoothing(params: DPOParams) -> None:
         )
 
 
-@register_loss("exo_pair", smoothed=True, check=_exo_needs_label_smoothing)
+@register_loss("exo_pair", smoothed=True, f_divergence=True, check=_exo_needs_label_smoothing)
 def exo_pair(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     """EXO: Ji et al. 2024, "Towards Efficient Exact Optimization of Language Model Alignment"
     (eq. 16, K = 2): KL(q ‖ p_ε) between q = (σ(βh), σ(-βh)) over {y_w, y_l} and the smoothed
@@ -409,7 +578,7 @@ def apo_down(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     return torch.sigmoid(beta * pairs.chosen_ratio) + 1.0 - torch.sigmoid(beta * pairs.margin)
 
 
-@register_loss("discopop", params=("discopop_tau",))
+@register_loss("discopop", params=("discopop_tau",), f_divergence=True)
 def discopop(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     """DiscoPOP (LRML): Lu et al. 2024, "Discovering Preference Optimization Algorithms with
     and for Large Language Models" (eq. 5), with z = βh, ω = σ(z/τ) and τ = ``discopop_tau``.
@@ -424,26 +593,28 @@ def discopop(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     return (1.0 - omega) * -logsig(z) + torch.exp(logsig(z / tau) - z)
 
 
-@register_loss("sft", chosen_length=True)
+@register_loss("sft", chosen_length=True, f_divergence=True)
 def sft(pairs: Pairs, params: DPOParams) -> torch.Tensor:
     """The negative log-likelihood of the chosen responses, a token mean over every chosen
     token of the step (TRL's "sft" term): each pair contributes -log π(y_w) / L̄_w, with L̄_w
     the mean chosen length of the step batch over every rank, so the micro-batching changes
     nothing (with several minibatches per batch it is the whole batch's mean, the same for
-    each of them). It does not use the reference."""
+    each of them). It does not use the reference, and every token counts once (``ld_alpha``
+    weights none of them here, as in TRL)."""
     if pairs.mean_chosen_length is None:
         raise UserError("DPO loss_type 'sft' needs the step's mean chosen length")
+    assert pairs.chosen_nll_logps is not None  # set by Pairs
     # -Σ_k log π(y_w,k) / Σ_k |y_w,k| = mean_k [-log π(y_w,k) / L̄_w]
-    return -pairs.chosen_logps / pairs.mean_chosen_length
+    return -pairs.chosen_nll_logps / pairs.mean_chosen_length
 
 
-@register_loss("sigmoid_norm")
+@register_loss("sigmoid_norm", f_divergence=True)
 def sigmoid_norm(pairs: Pairs, params: DPOParams) -> torch.Tensor:
-    """DPO on length-normalised log-ratios."""
+    """DPO on length-normalised log-ratios (scores ψ(ρ) under an f-divergence)."""
     # -log σ(β (ρ_w/|y_w| - ρ_l/|y_l|))
-    per_token_margin = pairs.chosen_ratio / pairs.chosen_lengths.clamp(
+    per_token_margin = pairs.chosen_score / pairs.chosen_lengths.clamp(
         min=1.0
-    ) - pairs.rejected_ratio / (pairs.rejected_lengths.clamp(min=1.0))
+    ) - pairs.rejected_score / (pairs.rejected_lengths.clamp(min=1.0))
     return -logsig(params.beta * per_token_margin)
 
 
@@ -474,6 +645,7 @@ class DPO(Algorithm):
             data="preference",
             entropy=False,
             weights=not self._sorting,
+            log_sum_sq_probs=self.params.use_weighting,
         )
 
     @hookimpl
@@ -496,7 +668,12 @@ class DPO(Algorithm):
         p = self.params
         labels = require_labels(batch, "DPO")
         chosen, rejected = pair_indices(batch.group_ids, labels)
-        logps = sequence_logps(outputs.logprobs, batch.response_mask)
+        mask = batch.response_mask
+        logps = nll_logps = sequence_logps(outputs.logprobs, mask)
+        token_weights = None  # LD-DPO's: 1 up to the pair's public length, α past it
+        if p.ld_alpha is not None:
+            token_weights = ld_token_weights(mask, chosen, rejected, p.ld_alpha)
+            logps = sequence_logps(outputs.logprobs * token_weights, mask)
         if p.reference_free:
             ref_logps = torch.zeros_like(logps)
         elif batch.ref_logprobs is None:
@@ -505,8 +682,11 @@ class DPO(Algorithm):
                 "set reference_free: true to train without one"
             )
         else:
-            ref_logps = sequence_logps(batch.ref_logprobs, batch.response_mask).detach()
-        lengths = batch.response_mask.sum(-1)
+            ref = (
+                batch.ref_logprobs if token_weights is None else batch.ref_logprobs * token_weights
+            )
+            ref_logps = sequence_logps(ref, mask).detach()
+        lengths = mask.sum(-1)
         mean_chosen_length = None
         if any(entry.chosen_length for entry in p.loss_entries):
             if CHOSEN_LENGTH not in batch.columns:
@@ -515,6 +695,10 @@ class DPO(Algorithm):
                     "missing; compute_advantages sets it"
                 )
             mean_chosen_length = batch.columns[CHOSEN_LENGTH][chosen].to(logps.dtype)
+        score = None  # ψ = f' of f-DPO's divergence; DPO's (the reverse KL) is the identity
+        if p.f_divergence_type != "reverse_kl":
+            score = functools.partial(f_divergence_score, params=p)
+        wpo = self._wpo_weights(outputs, mask, chosen, rejected)
         per_type: dict[str, torch.Tensor] = {}
         for name in p.loss_types:  # each loss reads pairs of its own: its own autograd graph
             pairs = Pairs(
@@ -525,8 +709,12 @@ class DPO(Algorithm):
                 lengths[chosen],
                 lengths[rejected],
                 mean_chosen_length,
+                chosen_nll_logps=nll_logps[chosen],
+                score=score,
             )
             per_type[name] = LOSS_TYPES[name].loss(pairs, p)
+            if wpo is not None:  # WPO: w(y_w) w(y_l) ℓ, each term as TRL weights it
+                per_type[name] = wpo * per_type[name]
         # Σ_j λ_j L_j: each L_j is a mean over the pairs, so the pair losses combine pair-wise
         losses = torch.zeros_like(pairs.chosen_logps)
         for name, loss_weight in zip(p.loss_types, p.weights_of_losses, strict=True):
@@ -545,7 +733,29 @@ class DPO(Algorithm):
         if len(per_type) > 1:  # each term of the combination, e.g. dpo/loss/sft
             for name, term in per_type.items():
                 metrics[f"dpo/loss/{name}"] = float(mean_over_pairs(term.detach(), weights, None))
+        if wpo is not None:
+            metrics["dpo/wpo_weight"] = float(wpo.mean())
         return LossOutput(loss=loss, metrics=metrics)
+
+    def _wpo_weights(
+        self,
+        outputs: PolicyOutputs,
+        mask: torch.Tensor,
+        chosen: torch.Tensor,
+        rejected: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """WPO's weight of each pair ``[N]``, w(y_w) w(y_l) (:func:`wpo_weights`), without
+        gradient; None unless ``use_weighting``."""
+        if not self.params.use_weighting:
+            return None
+        if outputs.log_sum_sq_probs is None:
+            raise UserError(
+                "DPO use_weighting needs outputs.log_sum_sq_probs (log Σ_v p_v² per response "
+                "token), which the engine computes when AlgorithmRequirements.log_sum_sq_probs"
+                " is set; DPO sets it with use_weighting"
+            )
+        per_response = wpo_weights(outputs.logprobs, outputs.log_sum_sq_probs, mask)
+        return per_response[chosen] * per_response[rejected]
 
     def _pair_weights(
         self,

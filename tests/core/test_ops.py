@@ -425,3 +425,60 @@ def test_the_chunked_head_keeps_no_logits_for_the_backward_pass():
     assert max(whole) >= positions * vocab  # the premise: the plain path keeps logits
     assert max(chunked) < positions * vocab
     assert max(chunked) == max(hidden.numel(), weight.numel())
+
+
+def direct_log_sum_sq(logits: torch.Tensor) -> torch.Tensor:
+    """log Σ_v softmax(z)_v² straight from the definition."""
+    return torch.log((torch.softmax(logits, dim=-1) ** 2).sum(-1))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 21, 100])
+def test_the_chunked_head_gives_log_sum_sq_probs_without_gradient(chunk):
+    """log Σ_v p_v² from each chunk's logits (WPO's weights): the whole logits' value, no
+    gradient through it, and the log-probs' and entropy's gradients as without it."""
+    hidden, weight, tokens = _head_case(torch.float64, seed=3)
+    logp, ent, sq = ops.head_token_outputs(
+        hidden, weight, tokens, chunk, entropy="grad", log_sum_sq_probs=True
+    )
+    assert sq is not None and not sq.requires_grad
+    torch.testing.assert_close(sq, direct_log_sum_sq(hidden @ weight.t()), rtol=1e-12, atol=1e-12)
+    assert ent is not None
+    got = torch.autograd.grad((logp * 0.7).sum() + (ent * 0.3).sum(), [hidden, weight])
+    plain_logp, plain_ent = ops.head_logprobs(hidden, weight, tokens, chunk, entropy="grad")
+    assert plain_ent is not None
+    ref = torch.autograd.grad((plain_logp * 0.7).sum() + (plain_ent * 0.3).sum(), [hidden, weight])
+    for mine, theirs in zip(got, ref, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    none = ops.head_token_outputs(hidden, weight, tokens, chunk)[2]
+    assert none is None
+
+
+def test_log_sum_sq_probs_of_whole_logits_in_chunks_of_positions(monkeypatch):
+    """ops.token_outputs takes log Σ_v p_v² from its one log-softmax, a few positions at a time
+    (ops.SQ_PROBS_AT_ONCE floats): the same numbers whatever the chunk; a token cut from the
+    support (logit -inf) adds nothing."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5, 13, generator=g, dtype=torch.float64) * 3
+    logits[0, 1, :4] = -math.inf  # top-k cut these
+    tokens = torch.randint(4, 13, (3, 5), generator=g)
+    expected = direct_log_sum_sq(logits)
+    for at_once in (13, 13 * 4, 13 * 100):  # 1, 4 and every position at a time
+        monkeypatch.setattr(ops, "SQ_PROBS_AT_ONCE", at_once)
+        logp, ent, sq = ops.token_outputs(logits, tokens, "detached", log_sum_sq_probs=True)
+        assert sq is not None and ent is not None
+        torch.testing.assert_close(sq, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logp, ops.logprobs_from_logits(logits, tokens))
+    assert ops.token_outputs(logits, tokens)[1:] == (None, None)
+
+
+def test_the_chunked_head_with_log_sum_sq_probs_keeps_no_logits():
+    hidden, weight, tokens = _head_case(torch.float32, rows=4, width=8, vocab=50)
+    sizes: list[int] = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ops.head_token_outputs(hidden, weight, tokens, 5, entropy="grad", log_sum_sq_probs=True)
+    assert max(sizes) == max(hidden.numel(), weight.numel()) < tokens.numel() * 50

@@ -45,6 +45,14 @@ def _aggregation(mode: str) -> dict:
     return {"loss_aggregation": mode, **({"norm_constant": 16} if mode.endswith("norm") else {})}
 
 
+DPO_OPTIONS = {
+    "ld_alpha": 0.3,
+    "f_divergence_type": "alpha_divergence",
+    "f_alpha_divergence_coef": 0.3,
+    "use_weighting": True,
+}
+"""DPO's TRL options all at once (LD-DPO, an f-divergence, WPO's weights)."""
+
 CASES = [
     *[
         (name, _aggregation(mode))
@@ -58,6 +66,10 @@ CASES = [
     ("dpo", {"loss_type": "hinge"}),
     ("dpo", {"loss_type": "robust", "label_smoothing": 0.2}),
     ("dpo", {"reference_free": True}),
+    ("dpo", {"ld_alpha": 0.5}),
+    ("dpo", {"f_divergence_type": "js_divergence", "loss_type": ["sigmoid", "sft"]}),
+    ("dpo", {"use_weighting": True}),  # outputs.log_sum_sq_probs from the update's pass
+    ("dpo", DPO_OPTIONS),
     ("simpo", {}),
     ("kto", {"desirable_weight": 1.2}),
 ]
@@ -83,16 +95,23 @@ def _models(policy_dir: Path, req: AlgorithmRequirements) -> Models:
     )
 
 
-def _step_batch(models: Models, hooks: Hooks, req: AlgorithmRequirements) -> tuple:
+def _step_batch(
+    models: Models, hooks: Hooks, req: AlgorithmRequirements, online: bool = False
+) -> tuple:
     """The step batch as the engine builds it: tokenised, scored without gradients (the
-    behaviour snapshot), picked by the data mode, extended by it, advantages computed."""
-    mode = select_mode(req, online=req.data == "online")
+    behaviour snapshot), picked by the data mode, extended by it, advantages computed.
+    ``online`` (a preference or unpaired algorithm): the samples were drawn at temperature
+    0.7 and the online mode pairs them by score."""
+    online = online or req.data == "online"
+    mode = select_mode(req, online=online)
     batch = tokenized_batch(models.tokenizer, PROMPTS, RESPONSES, [{}] * 8, max_new_tokens=16)
     assert sorted(batch.response_mask.sum(1).tolist()) == [1, 2, 2, 3, 3, 6, 11, 14]
     batch.group_ids = torch.tensor(GROUPS)
     batch.scores = torch.tensor(SCORES)
     batch.score_valid = torch.ones(8, dtype=torch.bool)
-    if req.data == "preference":
+    if online and req.data != "online":
+        batch.sampling = torch.tensor([[0.7, 0.0, 1.0]]).repeat(8, 1)
+    elif req.data == "preference":
         batch.labels = torch.tensor([1.0, 0.0] * 4)
     if req.data == "unpaired":
         batch.labels = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
@@ -105,7 +124,13 @@ def _step_batch(models: Models, hooks: Hooks, req: AlgorithmRequirements) -> tup
 
 
 def _accumulated_gradient(
-    models: Models, hooks: Hooks, req, mode, batch: RolloutBatch, micro: int
+    models: Models,
+    hooks: Hooks,
+    req,
+    mode,
+    batch: RolloutBatch,
+    micro: int,
+    metrics: dict[str, float] | None = None,
 ) -> torch.Tensor:
     trainable = [p for m in (models.actor, models.critic) if m is not None for p in m.parameters()]
     groups = [{"params": [p for p in models.actor.parameters()]}]
@@ -115,7 +140,9 @@ def _accumulated_gradient(
     cfg = TrainingConfig(lr=0.0, micro_batch_size=micro, max_grad_norm=None)
     learner = Learner(models, optimizer, build_scheduler(optimizer, cfg, None), cfg, seed=0)
     behaviour = SeparatePass(Scorer(models, micro), online=mode.online)  # the snapshot is taken
-    update(learner, hooks, req, mode, batch, 1, behaviour)  # one minibatch: one optimizer step
+    step = update(learner, hooks, req, mode, batch, 1, behaviour)  # one minibatch: one step
+    if metrics is not None:
+        metrics.update(step)
     return torch.cat([p.grad.flatten() for p in trainable if p.grad is not None])
 
 
@@ -129,6 +156,30 @@ def test_accumulated_gradient_does_not_depend_on_the_micro_batching(policy_dir, 
     whole = _accumulated_gradient(models, hooks, req, mode, batch, micro=batch.size)
     assert whole.abs().max() > 1e-4  # the premise: the loss has a gradient here
     for micro in (1, 2, 3):
+        grad = _accumulated_gradient(models, hooks, req, mode, batch, micro)
+        torch.testing.assert_close(grad, whole, atol=1e-6, rtol=1e-5, msg=f"micro {micro}")
+
+
+@pytest.mark.parametrize("params", [{}, DPO_OPTIONS], ids=str)
+def test_online_dpo_with_its_options_accumulates_the_same_gradient(policy_dir, params):
+    """Online pairs (sampled at temperature 0.7, paired best vs worst by score): LD-DPO's
+    lengths, the f-divergence and WPO's weights (log Σ_v p_v² of the tempered distribution,
+    from the update's own pass) work there as offline, whatever the micro-batching."""
+    component = get_registry().get("algorithm", "dpo")(params)
+    hooks = Hooks(build_plugin_manager([component]), "dpo")
+    req = hooks.algorithm_requirements()
+    assert req.log_sum_sq_probs == bool(params)
+    models = _models(policy_dir, req)
+    batch, mode = _step_batch(models, hooks, req, online=True)
+    assert mode.online and batch.size == 6  # group 2's two samples tie: no pair
+    assert batch.sampling is not None and batch.labels is not None
+    metrics: dict[str, float] = {}
+    whole = _accumulated_gradient(models, hooks, req, mode, batch, batch.size, metrics)
+    assert whole.abs().max() > 1e-4
+    assert ("dpo/wpo_weight" in metrics) == bool(params)  # WPO's weights were applied
+    if params:
+        assert 0.0 < metrics["dpo/wpo_weight"] != 1.0
+    for micro in (2, 4):
         grad = _accumulated_gradient(models, hooks, req, mode, batch, micro)
         torch.testing.assert_close(grad, whole, atol=1e-6, rtol=1e-5, msg=f"micro {micro}")
 

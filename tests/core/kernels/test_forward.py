@@ -32,8 +32,8 @@ def test_a_large_vocabulary_runs_the_head_in_chunks_with_the_same_numbers(
     world, monkeypatch
 ) -> None:
     """Where a batch's logits would exceed forward.LOGITS_AT_ONCE, policy_forward runs the LM
-    head a few positions at a time (ops.head_logprobs): the same log-probs, entropy and
-    gradients as the whole logits give."""
+    head a few positions at a time (ops.head_token_outputs): the same log-probs, entropy,
+    log Σ_v p_v² and gradients as the whole logits give."""
     from alignzoo import ops
     from alignzoo.kernels import forward
 
@@ -43,18 +43,22 @@ def test_a_large_vocabulary_runs_the_head_in_chunks_with_the_same_numbers(
 
     def run(chunked: bool) -> tuple[torch.Tensor, ...]:
         model.zero_grad(set_to_none=True)
-        logprobs, entropy = policy_forward(model, batch, entropy=True)
+        out = forward.policy_outputs(model, batch, entropy=True, log_sum_sq_probs=True)
+        logprobs, entropy, sq = out
+        assert entropy is not None and sq is not None and not sq.requires_grad
         mask = batch.response_mask
         ((logprobs * mask).sum() + (entropy * mask).sum() * 0.3).backward()
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         assert calls == ([1] if chunked else [])
-        return logprobs.detach(), entropy.detach(), *grads
+        return logprobs.detach(), entropy.detach(), sq, *grads
 
     calls: list[int] = []
     whole = run(chunked=False)
-    real = ops.head_logprobs
+    real = ops.head_token_outputs
     monkeypatch.setattr(forward, "LOGITS_AT_ONCE", vocab * 3)  # 3 positions at a time
-    monkeypatch.setattr(forward, "head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        forward, "head_token_outputs", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     chunked = run(chunked=True)
     assert len(chunked) == len(whole)
     for mine, theirs in zip(chunked, whole, strict=True):
