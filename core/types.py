@@ -198,15 +198,15 @@ class Placement(BaseModel):
 class LossOutput:
     """What ``compute_loss`` returns: a scalar loss tensor to minimise and float metrics.
 
-    ``policy_mask`` (optional, ``[B, R]``, 0/1): the response tokens the policy term trained
-    on, when the algorithm restricts them (``top_entropy_quantile``, the off-policy mask); a
-    modifier that acts on the policy's tokens (``entropy_bonus``) acts on the same ones. None:
+    ``entropy_mask`` (optional, ``[B, R]`` bool): the response tokens the algorithm's policy
+    term keeps by their entropy (``top_entropy_quantile``); a modifier that acts on the
+    policy's entropy (``entropy_bonus``) acts on the same ones, as TRL's bonus does. None:
     every response token.
     """
 
     loss: Any  # torch.Tensor, scalar, requires grad
     metrics: dict[str, float] = field(default_factory=dict)
-    policy_mask: Any = None  # torch.Tensor [B, R] or None
+    entropy_mask: Any = None  # torch.Tensor [B, R] bool, or None
 
 
 class AggregationParams(BaseModel):

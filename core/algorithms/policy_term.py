@@ -17,11 +17,13 @@ An algorithm adds :class:`PolicyTermParams` to its params and gets them under TR
   (:func:`mask_truncated`, called by ``compute_advantages`` after its statistics).
 
 :func:`policy_mask` builds the ``[B, R]`` multiplier of the policy term from the first three
-(with ``delta`` passed to the surrogate), and its metrics, one way for every algorithm.
+(with ``delta`` passed to the surrogate), the entropy quantile's own mask (for the entropy
+bonus) and their metrics, one way for every algorithm.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -119,6 +121,19 @@ def off_policy_keep(
     return (advantage >= 0) | (mean_kl <= threshold)  # M_i = 1 unless A_i < 0 and KL_i > delta
 
 
+@dataclass
+class PolicyMasks:
+    """What TRL's options keep of the policy term: ``keep``, the ``[B, R]`` 0/1 multiplier of
+    the policy term (None: every token); ``entropy``, the tokens the entropy quantile kept
+    (``[B, R]`` bool, None when ``top_entropy_quantile`` is 1), which a modifier that acts on
+    the policy's tokens (``entropy_bonus``) restricts itself to, as TRL's entropy bonus does;
+    and the options' metrics."""
+
+    keep: torch.Tensor | None
+    entropy: torch.Tensor | None
+    metrics: dict[str, torch.Tensor]
+
+
 def policy_mask(
     params: PolicyTermParams,
     logprobs: torch.Tensor,
@@ -128,15 +143,16 @@ def policy_mask(
     entropy: torch.Tensor | None,
     sampling_logprobs: torch.Tensor,
     name: str,
-) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """The ``[B, R]`` 0/1 multiplier of the policy term that ``top_entropy_quantile`` and
-    ``off_policy_mask_threshold`` ask for (None when both are off), and their metrics.
+) -> PolicyMasks:
+    """The multiplier of the policy term that ``top_entropy_quantile`` and
+    ``off_policy_mask_threshold`` ask for, the entropy quantile's own mask, and their metrics.
 
     ``sampling_logprobs`` are the log-probs the responses were sampled with (the backend's
     when recorded, else the behaviour policy's); ``name`` prefixes the error when the entropy
     the quantile needs is missing.
     """
     keep: torch.Tensor | None = None
+    high: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}
     if params.off_policy_mask_threshold is not None:
         sequences = off_policy_keep(
@@ -153,9 +169,8 @@ def policy_mask(
         high = high_entropy_mask(entropy, mask, params.top_entropy_quantile)
         metrics[ENTROPY_KEPT] = high.to(logprobs.dtype).sum() / mask.sum().clamp(min=1.0)
         keep = high if keep is None else keep & high
-    if keep is None:
-        return None, metrics
-    return keep.to(logprobs.dtype), metrics
+    multiplier = None if keep is None else keep.to(logprobs.dtype)
+    return PolicyMasks(multiplier, high, metrics)
 
 
 def mask_truncated(batch: RolloutBatch, name: str) -> None:

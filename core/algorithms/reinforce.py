@@ -108,7 +108,7 @@ class KLPenalisedReinforce(Algorithm):
                 f"{self.namespace}: compute_loss needs batch.advantages and batch.old_logprobs"
             )
         params = self.params
-        loss, metrics, keep = clipped_loss(params, batch, outputs, context, name=self.namespace)
+        loss, metrics, kept = clipped_loss(params, batch, outputs, context, name=self.namespace)
         if batch.ref_logprobs is not None:  # the estimator of the reward's KL penalty, now
             kl = ops.masked_kl_penalty(
                 outputs.logprobs.detach(),
@@ -118,7 +118,7 @@ class KLPenalisedReinforce(Algorithm):
             )
             metrics[f"{self.namespace}/kl_penalty"] = ops.masked_mean(kl, batch.response_mask)
         return LossOutput(
-            loss, {name: float(value) for name, value in metrics.items()}, policy_mask=keep
+            loss, {name: float(value) for name, value in metrics.items()}, entropy_mask=kept
         )
 
 
@@ -140,13 +140,14 @@ def clipped_loss(
     """PPO's clipped surrogate on ``batch.advantages``, symmetric clip, sample weights and the
     rollout correction applied, aggregated over the optimizer step (RLOO, REINFORCE++, OPD),
     with TRL's options on the policy term when ``params`` has them (``name`` prefixes errors).
-    Returns the loss, its metrics and the tokens the policy term kept (None: all)."""
+    Returns the loss, its metrics and the tokens the entropy quantile kept (None: all; the
+    entropy bonus acts on them)."""
     assert batch.advantages is not None and batch.old_logprobs is not None
-    keep, delta, metrics = None, None, {}
+    keep, entropy_kept, delta, metrics = None, None, None, {}
     if isinstance(params, PolicyTermParams):
         delta = params.delta
         sampling = batch.rollout_logprobs
-        keep, metrics = policy_mask(
+        masks = policy_mask(
             params,
             outputs.logprobs,
             batch.advantages,
@@ -155,6 +156,7 @@ def clipped_loss(
             sampling_logprobs=sampling if sampling is not None else batch.old_logprobs,
             name=name,
         )
+        keep, entropy_kept, metrics = masks.keep, masks.entropy, dict(masks.metrics)
         metrics.update(truncation_metrics(params, batch))
     loss, loss_metrics = ops.clipped_policy_loss(
         outputs.logprobs,
@@ -171,4 +173,4 @@ def clipped_loss(
         token_weights=batch.rollout_is_weights,  # TIS, when training.rollout_correction is on
         context=context,
     )  # -min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated over the optimizer step
-    return loss, {**loss_metrics, **metrics}, keep
+    return loss, {**loss_metrics, **metrics}, entropy_kept

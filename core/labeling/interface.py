@@ -14,7 +14,6 @@ Layers of :mod:`alignzoo.labeling`: this interface; :mod:`~alignzoo.labeling.orc
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,8 +111,9 @@ def step_problem(steps: Any, length: int | None = None) -> str | None:
 
 def rewards_problem(rewards: Any) -> str | None:
     """What makes a Score's ``info["rewards"]`` unusable, or None: not a dict of name ->
-    number or None, or a number that is infinite (None and NaN say the reward does not apply
-    to the sample)."""
+    number or None, a value ``float()`` does not take (a bool, a numpy or a one-element torch
+    number are taken), or one that is infinite (None and NaN say the reward does not apply to
+    the sample)."""
     if not isinstance(rewards, dict):
         return f"info['rewards'] of type {type(rewards).__name__}, not a dict of name -> number"
     for name, value in rewards.items():
@@ -121,9 +121,11 @@ def rewards_problem(rewards: Any) -> str | None:
             return f"info['rewards'] with the name {name!r}; expected a string"
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
             return f"info['rewards'][{name!r}] = {value!r}; expected a number or None"
-        if math.isinf(float(value)):
+        if math.isinf(number):
             return f"info['rewards'][{name!r}] = {value}; expected a finite number or None"
     return None
 

@@ -601,7 +601,7 @@ class GRPO(Algorithm):
         if self.params.beta > 0 and batch.ref_logprobs is None:
             raise UserError("grpo: beta > 0 needs batch.ref_logprobs (the reference model)")
         sampling = batch.rollout_logprobs
-        keep, mask_metrics = policy_mask(
+        masks = policy_mask(
             self.params,
             outputs.logprobs,
             batch.advantages,
@@ -620,8 +620,10 @@ class GRPO(Algorithm):
             weights=batch.weights,
             context=context,
             is_weights=batch.rollout_is_weights,
-            policy_mask=keep,
+            policy_mask=masks.keep,
         )
-        metrics.update(mask_metrics)
+        metrics.update(masks.metrics)
         metrics.update(truncation_metrics(self.params, batch))
-        return LossOutput(loss, {k: float(v) for k, v in metrics.items()}, policy_mask=keep)
+        return LossOutput(
+            loss, {k: float(v) for k, v in metrics.items()}, entropy_mask=masks.entropy
+        )

@@ -449,7 +449,7 @@ class PPO(Algorithm):
         if self.params.kl_loss_coef > 0 and batch.ref_logprobs is None:
             raise UserError("ppo: kl_loss_coef > 0 needs batch.ref_logprobs")
         sampling = batch.rollout_logprobs
-        keep, mask_metrics = policy_mask(
+        masks = policy_mask(
             self.params,
             outputs.logprobs,
             batch.advantages,
@@ -458,8 +458,8 @@ class PPO(Algorithm):
             sampling_logprobs=sampling if sampling is not None else batch.old_logprobs,
             name="ppo",
         )
-        loss, metrics = ppo_loss(batch, outputs, self.params, context, policy_mask=keep)
-        metrics.update({k: float(v) for k, v in mask_metrics.items()})
+        loss, metrics = ppo_loss(batch, outputs, self.params, context, policy_mask=masks.keep)
+        metrics.update({k: float(v) for k, v in masks.metrics.items()})
         metrics.update({k: float(v) for k, v in truncation_metrics(self.params, batch).items()})
         metrics.update(self._kl_metrics or {"kl/coef": self.kl_ctl.value})
-        return LossOutput(loss, metrics, policy_mask=keep)
+        return LossOutput(loss, metrics, entropy_mask=masks.entropy)

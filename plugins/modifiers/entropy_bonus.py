@@ -6,9 +6,11 @@ where the mean runs over the response tokens of the optimizer step (Williams & P
 Mnih et al. 2016, A3C). Adding it to an arm turns "GRPO" into "GRPO + entropy bonus" without
 editing GRPO. ``coef`` is TRL GRPOConfig's ``entropy_coef``.
 
-When the algorithm trains its policy term on some tokens only (``LossOutput.policy_mask``:
-``top_entropy_quantile``, the off-policy mask), the bonus acts on the same tokens, as TRL's:
-then its mean is each micro-batch's over its kept tokens, divided by the step's micro-batches.
+When the algorithm keeps its policy term to the highest-entropy tokens
+(``top_entropy_quantile``, ``LossOutput.entropy_mask``), the bonus acts on those tokens only, as
+TRL's: then it is the mean over each micro-batch's kept tokens, divided by the step's
+micro-batches and, under data parallelism, by the number of ranks (the mean of the ranks' means,
+as TRL's averaged gradients give). The off-policy mask does not restrict it (TRL's neither).
 
 Adaptive coefficient (Skywork-OR1, He et al. 2025; TRL's
 ``use_adaptive_entropy``): after each optimizer step the coefficient moves by
@@ -19,8 +21,9 @@ step's H was at or below the target:
 
     c_{k+1} = clip(c_k + delta * sign(H* - H_k), c_min, c_max)     applied: c_k * 1[H_{k-1} <= H*]
 
-(the first optimizer step, with no H yet, applies none). The coefficient and the last H are
-saved in checkpoints and restored on resume.
+(the first optimizer step, with no H yet, applies none). With the controller on, the
+coefficient and the last H are saved in checkpoints and restored on resume; without it the
+modifier keeps no state, and a resumed run takes ``coef`` from its configuration.
 """
 
 from __future__ import annotations
@@ -108,12 +111,16 @@ class EntropyBonus(Modifier):
         self._calls = 0  # micro-batches seen in this optimizer step
 
     def state_dict(self) -> dict[str, Any]:
-        """The adaptive controller's state (saved between steps, when no window is open)."""
+        """The adaptive controller's state (saved between steps, when no window is open);
+        empty without the controller."""
+        if not self.params.use_adaptive_entropy:
+            return {}
         return {"coef": self.coef, "last_entropy": self.last_entropy}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.coef = float(state["coef"])
-        self.last_entropy = float(state["last_entropy"])
+        if self.params.use_adaptive_entropy and state:
+            self.coef = float(state["coef"])
+            self.last_entropy = float(state["last_entropy"])
         self._window, self._calls = [0.0, 0.0], 0
 
     @hookimpl(wrapper=True)
@@ -139,10 +146,11 @@ class EntropyBonus(Modifier):
                 "must keep entropy=True"
             )
         mask = batch.response_mask
-        if result.policy_mask is not None:  # the tokens the policy term trained on (TRL's)
-            mask = mask * result.policy_mask.to(mask.dtype)
+        if result.entropy_mask is not None:  # the tokens the entropy quantile kept (TRL's)
+            mask = mask * result.entropy_mask.to(mask.device, mask.dtype)
             count = mask.sum().clamp(min=1.0)
-            entropy = (outputs.entropy * mask).sum() / count / max(context.micro_batches, 1)
+            shares = max(context.micro_batches, 1) * distributed.world_size()
+            entropy = (outputs.entropy * mask).sum() / count / shares
         else:  # the token mean over the optimizer step (this micro-batch's share), like the loss
             entropy = ops.aggregate_loss(outputs.entropy, mask, "token-mean", None, context)
         coef = self.applied_coef()

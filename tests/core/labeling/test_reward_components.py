@@ -122,7 +122,7 @@ def test_malformed_rewards_are_rejected_scores() -> None:
         Score(1.0, info={"rewards": [1.0, 2.0]}),
         Score(1.0, info={"rewards": {"a": "high"}}),
         Score(1.0, info={"rewards": {"a": math.inf}}),
-        Score(1.0, info={"rewards": {"a": True}}),
+        Score(1.0, info={"rewards": {"a": torch.ones(2)}}),
         Score.abstain("not a value: not checked"),
     ]
     checked = check_scores(scores, len(scores))
@@ -131,7 +131,19 @@ def test_malformed_rewards_are_rejected_scores() -> None:
     assert outcomes == [Outcome.VALUE] + [Outcome.REJECTED] * 4 + [Outcome.ABSTAIN]
     reasons = [s.info["reason"] for s in checked[1:5]]
     assert "not a dict" in reasons[0] and "'high'" in reasons[1]
-    assert "finite" in reasons[2] and "True" in reasons[3]
+    assert "finite" in reasons[2] and "expected a number" in reasons[3]
+
+
+def test_rewards_that_float_takes_are_values() -> None:
+    """What a labeler reported before the rewards were read apart keeps working: a bool, a
+    one-element tensor, a numpy number (reward/<name> has always logged float() of them)."""
+    import numpy as np
+
+    reported = {"ok": True, "rm": torch.tensor(0.5), "np": np.float32(0.25), "n": 3}
+    checked = check_scores([Score(1.0, info={"rewards": reported})], 1)
+    assert isinstance(checked, list) and checked[0].outcome == Outcome.VALUE
+    names, rows = reward_table(checked)
+    assert names == ("ok", "rm", "np", "n") and rows == [[1.0, 0.5, 0.25, 3.0]]
 
 
 def test_rewards_keep_their_order_and_nones_through_the_store_and_the_wire(tmp_path) -> None:

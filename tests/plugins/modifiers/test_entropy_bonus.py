@@ -110,7 +110,7 @@ def test_the_bonus_acts_on_the_tokens_the_policy_term_kept():
     pm = build_plugin_manager([grpo, EntropyBonus({"coef": 0.1})])
     result = pm.hook.compute_loss(batch=batch, outputs=outputs, context=batch.loss_context())
     # real entropies 1, 2, 3, 0.5: the median is 1.5, so 2 and 3 are kept
-    assert result.policy_mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert result.entropy_mask.tolist() == [[False, True, True], [False, False, False]]
     assert result.metrics["entropy_bonus"] == pytest.approx(0.1 * 2.5)
 
 
@@ -128,3 +128,52 @@ def test_bad_controller_settings_are_refused_naming_the_field(params, says):
 
     with pytest.raises(ValidationError, match=says):
         EntropyBonus.Params(**params)
+
+
+def test_the_off_policy_mask_leaves_the_bonus_alone():
+    """TRL restricts its bonus with the entropy mask only: a threshold (here one that masks no
+    sequence, and one that masks some) leaves the bonus and its gradient as without it."""
+
+    def entropy_gradient(params):
+        batch, outputs = grpo_inputs()
+        grpo = GRPO(params)
+        grpo.compute_advantages(batch)
+        pm = build_plugin_manager([grpo, EntropyBonus({"coef": 0.1})])
+        context = batch.loss_context(micro_batches=2)
+        pm.hook.compute_loss(batch=batch, outputs=outputs, context=context).loss.backward()
+        return outputs.entropy.grad
+
+    plain = entropy_gradient({})
+    for threshold in (1e9, 0.0):
+        torch.testing.assert_close(
+            entropy_gradient({"off_policy_mask_threshold": threshold}), plain
+        )
+
+
+def test_under_data_parallelism_the_kept_tokens_bonus_is_the_mean_of_the_ranks(monkeypatch):
+    """Each rank's loss is scaled by the world size and DDP averages the gradients: the
+    per-rank share of a bonus over the kept tokens is divided by the ranks, so the step's bonus
+    is the mean of the ranks' means (TRL's), not their sum."""
+    from alignzoo import distributed
+
+    def bonus():
+        batch, outputs = grpo_inputs()
+        grpo = GRPO({"top_entropy_quantile": 0.5})
+        grpo.compute_advantages(batch)
+        pm = build_plugin_manager([grpo, EntropyBonus({"coef": 0.1})])
+        plain = grpo.compute_loss(batch, outputs, batch.loss_context())
+        result = pm.hook.compute_loss(batch=batch, outputs=outputs, context=batch.loss_context())
+        return float(plain.loss - result.loss)
+
+    one = bonus()
+    assert one == pytest.approx(0.1 * 2.5)
+    monkeypatch.setattr(distributed, "world_size", lambda: 4)
+    assert bonus() == pytest.approx(one / 4)
+
+
+def test_without_the_controller_a_resumed_run_takes_coef_from_its_configuration():
+    old = EntropyBonus({"coef": 0.1})
+    assert old.state_dict() == {}
+    new = EntropyBonus({"coef": 0.3})
+    new.load_state_dict(old.state_dict())
+    assert new.coef == 0.3 and new.applied_coef() == 0.3
