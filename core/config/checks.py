@@ -353,6 +353,20 @@ def _reward_components_issues(arm: BuiltArm, locator: Locator) -> list[ConfigIss
                     "reward by its place, so every labeler of the chain must report the same",
                 )
             )
+    named = {slot for slot, _, _ in known}
+    for slot in arm.components:
+        if known and slot.startswith("labeling.fallbacks.") and slot not in named:
+            ref = fallbacks[int(slot.rsplit(".", 1)[1])]
+            issues.append(
+                locator.issue(
+                    slot_field(arm.name, slot),
+                    f"fallback {getattr(ref, 'name', slot)!r} reports no rewards apart, and "
+                    f"algorithm {algorithm!r} reads the rewards ({', '.join(known[0][2])}) of "
+                    "each sample: a sample this fallback scores would have none to read (its "
+                    "advantage 0); give a fallback that reports the same rewards (a combine of "
+                    "the same parts), or no fallback",
+                )
+            )
     normalize = arm.spec.labeling.normalize
     if known and normalize is not None and (normalize.mode != "none" or normalize.clip is not None):
         issues.append(

@@ -390,8 +390,9 @@ def f_divergence_score(ratio: torch.Tensor, params: DPOParams) -> torch.Tensor:
     Constraints") puts in place of the log-ratio ρ, the loss being
     -log σ(β ψ(ρ_w) - β ψ(ρ_l)) for ``sigmoid``. f' is taken up to an additive constant, which
     cancels in h (as TRL 1.16's, e.g. 1 - 1/u for the forward KL where the paper's table has
-    -1/u). Where e^((α-1)ρ) would overflow it is capped as TRL caps it (at e^80; e^11 in fp16),
-    and passes no gradient there."""
+    -1/u). Where e^((α-1)ρ) would overflow it is capped at e^80 (e^11 in fp16) and passes no
+    gradient there: TRL caps the alpha divergence so; its forward KL is not capped and
+    overflows in fp32 below ρ ≈ -88.7, where alignzoo's stays finite."""
     kind = params.f_divergence_type
     if kind == "reverse_kl":
         return ratio  # f(u) = u log u: f'(u) = log u (+ 1)

@@ -100,3 +100,14 @@ def test_normalize_then_sum_with_a_scale_it_does_not_read_is_refused(tmp_path, c
     algorithm = grpo(multi_objective_aggregation="normalize_then_sum", scale_rewards="batch")
     code, err = validate(experiment(tmp_path, algorithm, combine()), capsys)
     assert code == 2 and "scale_rewards 'batch' is not read" in err
+
+
+def test_a_fallback_that_reports_no_rewards_apart_is_refused(tmp_path, capsys) -> None:
+    """A sample a plain fallback scores would have no rewards for the algorithm to read."""
+    labeling = {"fallbacks": ["format"]}
+    algorithm = grpo(multi_objective_aggregation="normalize_then_sum")
+    code, err = validate(experiment(tmp_path, algorithm, combine(), labeling), capsys)
+    assert code == 2 and "arms.a.labeling.fallbacks.0" in err
+    assert "fallback 'format' reports no rewards apart" in err and "Traceback" not in err
+    plain = experiment(tmp_path, grpo(), combine(), labeling)  # reads the score: fine
+    assert validate(plain, capsys)[0] == 0
