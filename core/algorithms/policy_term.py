@@ -35,7 +35,7 @@ from alignzoo.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-    from alignzoo.batch import RolloutBatch
+    from alignzoo.batch import PolicyOutputs, RolloutBatch
 
 torch = lazy_import("torch")
 
@@ -171,6 +171,25 @@ def policy_mask(
         keep = high if keep is None else keep & high
     multiplier = None if keep is None else keep.to(logprobs.dtype)
     return PolicyMasks(multiplier, high, metrics)
+
+
+def batch_policy_mask(
+    params: PolicyTermParams, batch: RolloutBatch, outputs: PolicyOutputs, name: str
+) -> PolicyMasks:
+    """:func:`policy_mask` of a micro-batch: its advantages, response mask and sampling
+    log-probs (the backend's when recorded, else the behaviour policy's), the policy's
+    log-probs and entropy in ``outputs``."""
+    assert batch.advantages is not None and batch.old_logprobs is not None
+    sampling = batch.rollout_logprobs
+    return policy_mask(
+        params,
+        outputs.logprobs,
+        batch.advantages,
+        batch.response_mask,
+        entropy=outputs.entropy,
+        sampling_logprobs=sampling if sampling is not None else batch.old_logprobs,
+        name=name,
+    )
 
 
 def mask_truncated(batch: RolloutBatch, name: str) -> None:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from alignzoo._lazy import lazy_import
 from alignzoo.algorithms.policy_term import (
     PolicyTermParams,
+    batch_policy_mask,
     mask_truncated,
-    policy_mask,
     truncation_metrics,
 )
 from alignzoo.errors import UserError
@@ -146,16 +146,7 @@ def clipped_loss(
     keep, entropy_kept, delta, metrics = None, None, None, {}
     if isinstance(params, PolicyTermParams):
         delta = params.delta
-        sampling = batch.rollout_logprobs
-        masks = policy_mask(
-            params,
-            outputs.logprobs,
-            batch.advantages,
-            batch.response_mask,
-            entropy=outputs.entropy,
-            sampling_logprobs=sampling if sampling is not None else batch.old_logprobs,
-            name=name,
-        )
+        masks = batch_policy_mask(params, batch, outputs, name)
         keep, entropy_kept, metrics = masks.keep, masks.entropy, dict(masks.metrics)
         metrics.update(truncation_metrics(params, batch))
     loss, loss_metrics = ops.clipped_policy_loss(

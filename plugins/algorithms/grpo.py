@@ -83,8 +83,8 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from alignzoo._lazy import lazy_import
 from alignzoo.algorithms.policy_term import (
     PolicyTermParams,
+    batch_policy_mask,
     mask_truncated,
-    policy_mask,
     truncation_metrics,
 )
 from alignzoo.errors import UserError
@@ -600,16 +600,7 @@ class GRPO(Algorithm):
             raise UserError("grpo: compute_loss needs batch.advantages and batch.old_logprobs")
         if self.params.beta > 0 and batch.ref_logprobs is None:
             raise UserError("grpo: beta > 0 needs batch.ref_logprobs (the reference model)")
-        sampling = batch.rollout_logprobs
-        masks = policy_mask(
-            self.params,
-            outputs.logprobs,
-            batch.advantages,
-            batch.response_mask,
-            entropy=outputs.entropy,
-            sampling_logprobs=sampling if sampling is not None else batch.old_logprobs,
-            name="grpo",
-        )
+        masks = batch_policy_mask(self.params, batch, outputs, "grpo")
         loss, metrics = grpo_loss(
             outputs.logprobs,
             batch.old_logprobs,

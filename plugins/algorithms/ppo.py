@@ -55,8 +55,8 @@ from pydantic import ConfigDict, Field, model_validator
 from alignzoo._lazy import lazy_import
 from alignzoo.algorithms.policy_term import (
     PolicyTermParams,
+    batch_policy_mask,
     mask_truncated,
-    policy_mask,
     truncation_metrics,
 )
 from alignzoo.errors import UserError
@@ -448,16 +448,7 @@ class PPO(Algorithm):
             raise UserError("ppo: compute_loss needs batch.advantages and batch.old_logprobs")
         if self.params.kl_loss_coef > 0 and batch.ref_logprobs is None:
             raise UserError("ppo: kl_loss_coef > 0 needs batch.ref_logprobs")
-        sampling = batch.rollout_logprobs
-        masks = policy_mask(
-            self.params,
-            outputs.logprobs,
-            batch.advantages,
-            batch.response_mask,
-            entropy=outputs.entropy,
-            sampling_logprobs=sampling if sampling is not None else batch.old_logprobs,
-            name="ppo",
-        )
+        masks = batch_policy_mask(self.params, batch, outputs, "ppo")
         loss, metrics = ppo_loss(batch, outputs, self.params, context, policy_mask=masks.keep)
         metrics.update({k: float(v) for k, v in masks.metrics.items()})
         metrics.update({k: float(v) for k, v in truncation_metrics(self.params, batch).items()})
