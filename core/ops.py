@@ -264,8 +264,7 @@ def warp_logits(
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[tokens]: ``[B, R, V]`` and ``[B, R]`` -> ``[B, R]`` (computed in fp32)."""
-    logp = torch.log_softmax(upcast(logits), dim=-1)
-    return torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    return token_outputs(logits, tokens)[0]
 
 
 def logprobs_and_entropy(
@@ -273,12 +272,9 @@ def logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`logprobs_from_logits` and :func:`entropy_from_logits` from one log-softmax;
     ``entropy_grad=False`` computes the entropy without gradients (for metrics only)."""
-    logp = torch.log_softmax(upcast(logits), dim=-1)
-    chosen = torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
-    if entropy_grad:
-        return chosen, _entropy_of_logp(logp)
-    with torch.no_grad():
-        return chosen, _entropy_of_logp(logp.detach())
+    chosen, entropy, _ = token_outputs(logits, tokens, "grad" if entropy_grad else "detached")
+    assert entropy is not None
+    return chosen, entropy
 
 
 EntropyMode = Literal["none", "grad", "detached"]
@@ -432,9 +428,8 @@ def head_token_outputs(
     log_sum_sq_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`head_logprobs`'s log-probs and entropy and, with ``log_sum_sq_probs``,
-    ``log Σ_v p_v²``
-    per position without gradients, from the same chunks of logits (the numbers of
-    :func:`token_outputs` over ``hidden @ weight.T``)."""
+    ``log Σ_v p_v²`` per position without gradients, from the same chunks of logits (the
+    numbers of :func:`token_outputs` over ``hidden @ weight.T``)."""
     shape = tokens.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     chosen, ent, sq = _HeadLogprobs.apply(

@@ -66,6 +66,7 @@ from .test_trl_parity import (  # noqa: F401 - tokenizer, trl_args, dpo_trainer 
     to_shifted,
     tokenizer,
     trl_args,
+    trl_examples,
 )
 
 LOOSE = {"rtol": 1e-5, "atol": 1e-7}
@@ -100,15 +101,7 @@ def run_trl(
     instead of being given their plain sums; ``sq_probs`` ``[2N, R]`` (TRL's row order): the
     log Σ_v p_v² its fused head returns."""
     n = pairs.n
-    examples = [
-        {
-            "prompt_ids": pairs.prompts[k],
-            "chosen_ids": pairs.completions[k],
-            "rejected_ids": pairs.completions[n + k],
-        }
-        for k in range(n)
-    ]
-    inputs = trainer.data_collator(examples)
+    inputs = trainer.data_collator(trl_examples(pairs))
     completion = inputs["completion_mask"]
     if ref_pass:
         ref_table = to_shifted(pairs.ref_logps, pairs.lengths, completion).detach().to(dtype)

@@ -409,10 +409,10 @@ def make_pairs(seed: int, n_pairs: int, width: int, unit_length: bool = False) -
     )
 
 
-def run_trl_dpo(trainer: DPOTrainer, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRL's DPO loss on the pairs and its gradient, in alignzoo's row order ``[2N, R]``."""
+def trl_examples(pairs: Pairs) -> list[dict[str, list[int]]]:
+    """The pairs as DPOTrainer's data collator takes them (prompt, chosen, rejected ids)."""
     n = pairs.n
-    examples = [
+    return [
         {
             "prompt_ids": pairs.prompts[k],
             "chosen_ids": pairs.completions[k],
@@ -420,7 +420,14 @@ def run_trl_dpo(trainer: DPOTrainer, pairs: Pairs) -> tuple[torch.Tensor, torch.
         }
         for k in range(n)
     ]
-    inputs = trainer.data_collator(examples)  # input_ids [2N, L]: [chosen..., rejected...]
+
+
+def run_trl_dpo(trainer: DPOTrainer, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's DPO loss on the pairs and its gradient, in alignzoo's row order ``[2N, R]``."""
+    n = pairs.n
+    inputs = trainer.data_collator(
+        trl_examples(pairs)
+    )  # input_ids [2N, L]: [chosen..., rejected...]
     ref = masked_sum(pairs.ref_logps, pairs.mask)
     inputs["ref_chosen_logps"], inputs["ref_rejected_logps"] = ref[:n], ref[n:]
     leaf = to_shifted(pairs.logps, pairs.lengths, inputs["completion_mask"])
