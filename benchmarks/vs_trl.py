@@ -211,7 +211,7 @@ class PhaseMeter:
 
             self.wrap(loop, "train_step", "step")  # the step's window (not evaluation's)
             self.wrap(HFBackend, "generate", "generation")
-            self.wrap(update, "policy_forward", "log-prob forward")
+            self.wrap(update, "policy_outputs", "log-prob forward")
         else:
             import trl
 

@@ -17,7 +17,7 @@ from alignzoo import distributed
 from alignzoo.config.loader import EVAL_LABELER, LoadedExperiment, at_override
 from alignzoo.config.schema import ArmSpec, ExperimentSpec
 from alignzoo.engine import models as model_loading
-from alignzoo.engine.behaviour import Behaviour, choose_behaviour
+from alignzoo.engine.behaviour import Behaviour, choose_behaviour, traces_decode
 from alignzoo.engine.collect import Collector, LabelAhead, build_collector
 from alignzoo.engine.context import RunContext
 from alignzoo.engine.evaluate import eval_rows
@@ -420,6 +420,7 @@ def assemble(
     collector: Collector
     if settings is None:
         collector = build_collector(*parts, overlap)
+        collector.traces = traces_decode(arm_spec.training, mode, overlap)
     else:  # producers in processes of their own
         from alignzoo.engine.producers import AsyncCollector, ProducerJob
 

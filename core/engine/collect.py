@@ -45,6 +45,7 @@ from alignzoo import distributed
 from alignzoo import metrics as canonical
 from alignzoo.batch import RolloutBatch
 from alignzoo.engine.modes import Collected, DataMode, StepSource, labeled, sample
+from alignzoo.kernels import trace as decode_trace
 from alignzoo.labeling import LabelReport, label
 
 if TYPE_CHECKING:
@@ -91,6 +92,9 @@ class Collector:
     learner: Learner  # whose weights the backend samples with (their version)
     labeling: LabelingStage
     episodes: Episodes | None  # an arm with an environment samples episodes
+    # The update follows the sampling with the same weights: the decode loop may record its
+    # activations for the update's backward pass (alignzoo.kernels.trace, traces_decode).
+    traces: bool = False
 
     def source(self, seeds: list[int], step: int | None) -> StepSource:
         return StepSource(
@@ -108,7 +112,8 @@ class Collector:
         """Step ``step``'s batch, labeled."""
         rows, seeds = self.sampler.next_seeded(self.cfg.prompts_per_step)
         rows, seeds = distributed.shard(rows), distributed.shard(seeds)  # this rank's share
-        collected = self.mode.collect(rows, self.source(seeds, step))
+        with decode_trace.recording(self.traces):
+            collected = self.mode.collect(rows, self.source(seeds, step))
         collected.metrics.update(self.behaviour.at_collection(collected.batch))
         return collected
 

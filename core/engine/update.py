@@ -27,6 +27,7 @@ from alignzoo.engine.modes import DataMode
 from alignzoo.engine.refsync import syncs_done
 from alignzoo.engine.scoring import packing_of
 from alignzoo.errors import RunError
+from alignzoo.kernels import trace as decode_trace
 from alignzoo.kernels.forward import (
     AutocastFactory,
     critic_forward,
@@ -278,6 +279,7 @@ def update(
                     )
                 sums[f"{role}/grad_norm"].append(norm)
             sums[canonical.LR].append(learner.lr)
+            decode_trace.release()  # recorded with the weights this step changes
             learner.step()
     out = {k: sum(v) / len(v) for k, v in sums.items()}
     out.update(passes.finish(batch))

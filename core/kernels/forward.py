@@ -17,6 +17,7 @@ import torch
 from alignzoo.batch import RolloutBatch
 from alignzoo.kernels.lean import can_run_lean, lean_head, lean_hidden, lean_logits
 from alignzoo.kernels.packing import PackedRows, Packing, pack
+from alignzoo.kernels.trace import traced_hidden
 from alignzoo.ops import (
     EntropyMode,
     head_token_outputs,
@@ -143,6 +144,9 @@ def response_logits(
     With ``packing``, the samples run packed (:mod:`alignzoo.kernels.packing`) and the same
     logits are gathered back into the batch's layout.
     """
+    traced = traced_hidden(model, batch)
+    if traced is not None:  # the decode loop's activations (alignzoo.kernels.trace)
+        return lean_head(model, traced)
     packed = packed_rows(batch, packing, model)
     if packed is not None:
         out, is_hidden = _packed_model_outputs(model, packed, autocast)
@@ -292,8 +296,11 @@ def _chunked_head_outputs(
     with autocast():
         if torch.is_autocast_enabled(device.type):
             return None
-        packed = packed_rows(batch, packing, model)
-        if packed is not None:
+        traced = traced_hidden(model, batch)
+        packed = None if traced is not None else packed_rows(batch, packing, model)
+        if traced is not None:
+            hidden = traced
+        elif packed is not None:
             hidden = packed.gather(_packed_model_outputs(model, packed, autocast)[0])
         else:
             inputs = model_inputs(batch, device)

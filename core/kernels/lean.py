@@ -31,16 +31,21 @@ KV heads and the KV-cache decode path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from alignzoo.kernels.trace import DecodeTrace
+
 SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
 
-def _unwrapped(model: Any) -> Any:
-    get_base = getattr(model, "get_base_model", None)  # peft: its (adapter-injected) base model
+def unwrapped_model(model: Any) -> Any:
+    """The module whose layers the lean path runs: a peft model's (adapter-injected) base model,
+    ``model`` itself otherwise."""
+    get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
 
@@ -48,7 +53,7 @@ def lean_reason(model: Any) -> str | None:
     """None when :func:`lean_logits` can run ``model``; otherwise why not (for logs and tests)."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "wrapped in DistributedDataParallel (its forward starts the gradient reduction)"
-    base = _unwrapped(model)
+    base = unwrapped_model(model)
     name = type(base).__name__
     if name not in SUPPORTED:
         return f"{name} is not one of {', '.join(SUPPORTED)}"
@@ -85,19 +90,21 @@ def can_run_lean(model: Any) -> bool:
 
 
 @dataclass
-class _Shape:
+class LayerShape:
+    """The attention's shape and the norms' epsilon of a model the lean path runs."""
+
     heads: int
     kv_heads: int
     head_dim: int
     eps: float
 
 
-def _shape(base: Any) -> _Shape:
+def layer_shape(base: Any) -> LayerShape:
     config = base.config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return _Shape(heads, kv_heads, head_dim, float(config.rms_norm_eps))
+    return LayerShape(heads, kv_heads, head_dim, float(config.rms_norm_eps))
 
 
 # The fused functions below work through their rows in chunks of at most this many elements
@@ -145,19 +152,34 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, rstd, weight = ctx.saved_tensors
-        width = x.shape[-1]
-        flat, g = x.reshape(-1, width), grad.reshape(-1, width)
-        grad_x = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        for rows in _row_chunks(flat.shape[0], width):
-            normed = flat[rows] * rstd[rows]
-            if grad_weight is not None:
-                grad_weight += (g[rows] * normed).sum(0)
-            if grad_x is not None:
-                grad_normed = g[rows] * weight
-                mean = (grad_normed * normed).mean(-1, keepdim=True)
-                torch.sub(grad_normed, normed.mul_(mean), out=grad_x[rows]).mul_(rstd[rows])
-        return None if grad_x is None else grad_x.view(x.shape), grad_weight, None
+        grad_x, grad_weight = rms_norm_backward(x, rstd, weight, grad, *ctx.needs_input_grad[:2])
+        return grad_x, grad_weight, None
+
+
+def rms_norm_backward(
+    x: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    need_x: bool = True,
+    need_weight: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of ``x`` and ``weight`` of ``w * x * r`` (:class:`_RMSNorm`'s equations)
+    for the output's ``grad``, with ``rstd`` (``r`` per row, ``[rows, 1]``), chunk by chunk
+    of rows; None for one not asked."""
+    width = x.shape[-1]
+    flat, g = x.reshape(-1, width), grad.reshape(-1, width)
+    grad_x = torch.empty_like(flat) if need_x else None
+    grad_weight = torch.zeros_like(weight) if need_weight else None
+    for rows in _row_chunks(flat.shape[0], width):
+        normed = flat[rows] * rstd[rows]
+        if grad_weight is not None:
+            grad_weight += (g[rows] * normed).sum(0)
+        if grad_x is not None:
+            grad_normed = g[rows] * weight
+            mean = (grad_normed * normed).mean(-1, keepdim=True)
+            torch.sub(grad_normed, normed.mul_(mean), out=grad_x[rows]).mul_(rstd[rows])
+    return None if grad_x is None else grad_x.view(x.shape), grad_weight
 
 
 # Activations of fewer elements than this take the plain autograd ops instead of _RMSNorm and
@@ -206,7 +228,7 @@ class KVCache:
     @classmethod
     def empty(cls, model: Any, rows: int, capacity: int, device: torch.device) -> KVCache:
         """An empty cache for ``rows`` sequences of at most ``capacity`` tokens."""
-        layers = len(_unwrapped(model).model.layers)
+        layers = len(unwrapped_model(model).model.layers)
         return cls(
             valid=torch.zeros((rows, capacity), dtype=torch.bool, device=device),
             keys=[None] * layers,
@@ -281,26 +303,51 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         gate, up, weight = ctx.saved_tensors
         need_gate, need_up, need_weight, need_residual = ctx.needs_input_grad
-        width = gate.shape[-1]
-        g, u = gate.reshape(-1, width), up.reshape(-1, width)
-        grad_out = grad.reshape(-1, grad.shape[-1])
+        grads = swiglu_down_backward(gate, up, weight, grad, need_gate, need_up, need_weight)
+        return (*grads, grad if need_residual else None)
+
+
+def swiglu_down_backward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    need_gate: bool = True,
+    need_up: bool = True,
+    need_weight: bool = True,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of ``g``, ``u`` and ``W_down`` of ``W_down (silu(g) * u)``
+    (:class:`_SwiGLUDown`'s equations) for the output's ``grad``, recomputing ``silu(g)``
+    and the product chunk by chunk of rows; None for one not asked. ``out``: the ``[tokens,
+    intermediate]`` tensors (views allowed) to write the gate's and up's gradients to."""
+    width = gate.shape[-1]
+    g, u = gate.reshape(-1, width), up.reshape(-1, width)
+    grad_out = grad.reshape(-1, grad.shape[-1])
+    grad_gate: torch.Tensor | None
+    grad_up: torch.Tensor | None
+    if out is not None:
+        grad_gate, grad_up = out
+    else:
         grad_gate = torch.empty_like(gate) if need_gate else None
         grad_up = torch.empty_like(up) if need_up else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
-        for rows in _row_chunks(g.shape[0], width):
-            act = F.silu(g[rows])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_out[rows].t(), act * u[rows])
-            if grad_gate is None and grad_up is None:
-                continue
-            grad_product = grad_out[rows].mm(weight)
-            if grad_up is not None:
-                torch.mul(grad_product, act, out=grad_up.view(-1, width)[rows])
-            if grad_gate is not None:
-                torch.ops.aten.silu_backward.grad_input(
-                    grad_product.mul_(u[rows]), g[rows], grad_input=grad_gate.view(-1, width)[rows]
-                )
-        return grad_gate, grad_up, grad_weight, grad if need_residual else None
+    gate_rows = None if grad_gate is None else grad_gate.reshape(-1, width)
+    up_rows = None if grad_up is None else grad_up.reshape(-1, width)
+    grad_weight = torch.zeros_like(weight) if need_weight else None
+    for rows in _row_chunks(g.shape[0], width):
+        act = F.silu(g[rows])
+        if grad_weight is not None:
+            grad_weight.addmm_(grad_out[rows].t(), act * u[rows])
+        if gate_rows is None and up_rows is None:
+            continue
+        grad_product = grad_out[rows].mm(weight)
+        if up_rows is not None:
+            torch.mul(grad_product, act, out=up_rows[rows])
+        if gate_rows is not None:
+            torch.ops.aten.silu_backward.grad_input(
+                grad_product.mul_(u[rows]), g[rows], grad_input=gate_rows[rows]
+            )
+    return grad_gate, grad_up, grad_weight
 
 
 class _RotateInPlace(torch.autograd.Function):
@@ -334,12 +381,23 @@ class _RotateInPlace(torch.autograd.Function):
         c, s = ctx.saved_tensors
         half = c.shape[-1]
         g = grad.reshape(*grad.shape[:-1], ctx.heads, 2 * half)
-        g1, g2 = g[..., :half], g[..., half:]
         out = torch.empty(g.shape, dtype=grad.dtype, device=grad.device)
-        d1, d2 = out[..., :half], out[..., half:]
-        torch.mul(g1, c, out=d1).addcmul_(g2, s)
-        torch.mul(g2, c, out=d2).addcmul_(g1, s, value=-1.0)
+        rotate_backward(g, c, s, out)
         return out.view(grad.shape), None, None, None
+
+
+def rotate_backward(
+    grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """RoPE's input gradient (:class:`_RotateInPlace`'s equations) written to ``out``, for the
+    rotated output's ``grad [..., D]`` with the first halves ``cos``, ``sin`` ``[..., D/2]``
+    of the default RoPE's (broadcast against ``grad``'s halves)."""
+    half = cos.shape[-1]
+    g1, g2 = grad[..., :half], grad[..., half:]
+    d1, d2 = out[..., :half], out[..., half:]
+    torch.mul(g1, cos, out=d1).addcmul_(g2, sin)
+    torch.mul(g2, cos, out=d2).addcmul_(g1, sin, value=-1.0)
+    return out
 
 
 def _plain_linear(module: Any) -> bool:
@@ -376,7 +434,7 @@ class PackedLinears:
         if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
             return
         with torch.no_grad():
-            for module in _unwrapped(model).model.layers.modules():
+            for module in unwrapped_model(model).model.layers.modules():
                 weight = getattr(module, "weight", None)
                 if (
                     type(module) is torch.nn.Linear
@@ -498,6 +556,32 @@ def _project_rotated(
     return _rotate(per_head, cos.unsqueeze(1), sin.unsqueeze(1))
 
 
+def visible_keys(
+    key_valid: torch.Tensor, start: int, segments: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Which keys each query sees, ``[B, 1, T, S]`` bool, for the ``T = S - start`` queries at
+    columns ``start .. S - 1`` over the keys ``key_valid [B, S]`` says are real tokens: query i
+    (column start + i) sees key j when j <= start + i and j is real, and always itself (so a
+    padding row's attention is never empty). ``segments [B, T]`` (packed samples, no cache:
+    ``start`` 0) keeps each query to its own sample's keys."""
+    keys_len = key_valid.shape[1]
+    query_col = torch.arange(start, keys_len, device=key_valid.device)
+    key_col = torch.arange(keys_len, device=key_valid.device)
+    causal = key_col[None, :] <= query_col[:, None]  # [T, S]
+    mask = (causal[None] & key_valid[:, None, :]) | (
+        key_col[None, None, :] == query_col[None, :, None]
+    )
+    if segments is not None:
+        mask = mask & (segments[:, :, None] == segments[:, None, :])
+    return mask.unsqueeze(1)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as sdpa adds it to the scores: 0 where a key is seen, -inf where not."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(~mask, float("-inf"))
+
+
 def lean_logits(
     model: Any,
     input_ids: torch.Tensor,
@@ -506,6 +590,7 @@ def lean_logits(
     logits_to_keep: int = 0,
     cache: KVCache | None = None,
     linear: Linear | None = None,
+    trace: DecodeTrace | None = None,
 ) -> torch.Tensor:
     """Logits ``[B, T or logits_to_keep, V]`` of ``input_ids [B, T]`` (attention mask and
     position ids as transformers takes them), the same as ``model(...).logits``.
@@ -514,17 +599,17 @@ def lean_logits(
     and attend to everything before them; ``attention_mask`` then covers only the new tokens.
     ``logits_to_keep`` > 0 runs the LM head over the last that many positions only.
     ``linear(module, x)`` runs the layers' projections (None: the module itself; the decode
-    loop passes :class:`PackedLinears`).
+    loop passes :class:`PackedLinears`). ``trace``: as :func:`lean_hidden`'s.
     """
     hidden = lean_hidden(
-        model, input_ids, attention_mask, position_ids, logits_to_keep, cache, linear
+        model, input_ids, attention_mask, position_ids, logits_to_keep, cache, linear, trace=trace
     )
     return lean_head(model, hidden)
 
 
 def lean_head(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head of a model the lean path runs, over ``hidden`` from :func:`lean_hidden`."""
-    return _unwrapped(model).lm_head(hidden)
+    return unwrapped_model(model).lm_head(hidden)
 
 
 def lean_hidden(
@@ -536,15 +621,18 @@ def lean_hidden(
     cache: KVCache | None = None,
     linear: Linear | None = None,
     segments: torch.Tensor | None = None,
+    trace: DecodeTrace | None = None,
 ) -> torch.Tensor:
     """What the LM head reads: the final norm's output ``[B, T or logits_to_keep, H]``;
     arguments as :func:`lean_logits` (whose logits are ``lm_head`` of this). ``segments``
     ``[B, T]`` (a packed batch's sample of each token, :mod:`alignzoo.kernels.packing`; not
-    with a cache) lets a query see only keys of its own segment."""
+    with a cache) lets a query see only keys of its own segment. ``trace`` (with ``cache``,
+    without gradients) records each layer's activations for a backward pass against them
+    (:mod:`alignzoo.kernels.trace`)."""
     if linear is None:
         linear = _call
-    base = _unwrapped(model)
-    shape = _shape(base)
+    base = unwrapped_model(model)
+    shape = layer_shape(base)
     inner = base.model
     rows, width = input_ids.shape
     new_valid = attention_mask.to(torch.bool)
@@ -559,19 +647,11 @@ def lean_hidden(
         cache.valid[:, start : start + width] = new_valid
         key_valid = cache.valid[:, : start + width]
     keys_len = start + width
-    # Query i (column start + i) sees key j when j <= start + i and j is a real token; every
-    # query sees itself, so a padding row's attention is never empty.
-    query_col = torch.arange(start, keys_len, device=input_ids.device)
-    key_col = torch.arange(keys_len, device=input_ids.device)
-    causal = key_col[None, :] <= query_col[:, None]  # [T, S]
-    mask = (causal[None] & key_valid[:, None, :]) | (
-        key_col[None, None, :] == query_col[None, :, None]
-    )
-    if segments is not None:  # packed samples: a query sees its own sample's keys only
-        if cache is not None:
-            raise ValueError("packed segments take no KV cache")
-        mask = mask & (segments[:, :, None] == segments[:, None, :])
-    mask = mask.unsqueeze(1)  # [B, 1, T, S]
+    if segments is not None and cache is not None:
+        raise ValueError("packed segments take no KV cache")
+    mask = visible_keys(key_valid, start, segments)
+    if trace is not None:
+        trace.record_positions(start, position_ids)
     # The additive form sdpa turns a boolean mask into (0 where seen, -inf where not), made
     # once in the activations' dtype: not again in every layer, nor kept once per layer for
     # the backward pass ([B, 1, T, S] floats each: 550 MB over 8 layers at 64 x 518 tokens).
@@ -591,8 +671,7 @@ def lean_hidden(
         if cache is not None:
             k, v = cache.write(index, start, k, v)
         if bias is None or bias.dtype != q.dtype:
-            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-            bias.masked_fill_(~mask, float("-inf"))
+            bias = additive_mask(mask, q.dtype)
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -603,11 +682,17 @@ def lean_hidden(
             enable_gqa=gqa,
         )
         out = out.transpose(1, 2).reshape(rows, width, shape.heads * shape.head_dim)
+        if trace is not None:
+            trace.record_attention(index, start, hidden, q, out)
         hidden = _linear_residual(attn.o_proj, out, hidden, linear)
-        hidden = _mlp_residual(
-            layer.mlp, _rms_norm(hidden, layer.post_attention_layernorm, shape.eps), hidden, linear
-        )
+        normed = _rms_norm(hidden, layer.post_attention_layernorm, shape.eps)
+        if trace is not None:
+            hidden = trace.record_mlp(index, start, layer.mlp, normed, hidden, linear)
+        else:
+            hidden = _mlp_residual(layer.mlp, normed, hidden, linear)
 
+    if trace is not None:
+        trace.record_final(start, hidden)
     if cache is not None:
         cache.length = keys_len
     if logits_to_keep:

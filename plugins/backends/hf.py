@@ -175,7 +175,12 @@ class HFBackend(Backend):
                 use_loop = decoder == "loop" and use_cache
                 if use_loop:
                     part_seeds = seeds[start : start + size] if seeds is not None else None
-                    chunks.append(self._decode_chunk(part, n, sampling, part_seeds, refresh=True))
+                    whole = len(prompts) <= size  # a trace covers one decode loop's rows
+                    chunks.append(
+                        self._decode_chunk(
+                            part, n, sampling, part_seeds, refresh=True, record=whole
+                        )
+                    )
                 else:  # transformers' generate samples from the global RNG
                     chunks.append(self._generate_chunk(part, n, sampling))
         pad = self._pad_id()
@@ -251,6 +256,7 @@ class HFBackend(Backend):
         seeds: list[int] | None = None,
         stop_token_ids: list[int] | None = None,
         refresh: bool = False,
+        record: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         """Sample n continuations of each prompt with the decode loop; tensors as
         :meth:`_generate_chunk` returns them, then each token's policy version ``[rows, T]``
@@ -260,7 +266,9 @@ class HFBackend(Backend):
 
         ``refresh``: before the prefill and each decode step, take newer weights from an
         asynchronous producer's feed (:mod:`alignzoo.rollout.partial`, when one is installed)
-        and go on with them; the cache of the tokens so far is kept."""
+        and go on with them; the cache of the tokens so far is kept. ``record``: the rows are
+        the whole batch, whose activations the lean loop may record for the update
+        (:func:`alignzoo.kernels.trace.start` decides)."""
         model, pad = self.model, self._pad_id()
         version = partial.refresh() if refresh else None
         eos_ids = list(dict.fromkeys([*self._eos_ids(), *(stop_token_ids or [])]))
@@ -273,7 +281,22 @@ class HFBackend(Backend):
             getattr(self.params, "pack_weights", True)
             and sampling.max_new_tokens >= PACK_FROM_NEW_TOKENS
         )
-        decoder = _decoder(model, len(prompt_tokens), mask.shape[1] + sampling.max_new_tokens, pack)
+        capacity = mask.shape[1] + sampling.max_new_tokens
+        decoder = _decoder(model, len(prompt_tokens), capacity, pack)
+        trace = None
+        # The update's backward pass can run against this loop's activations
+        # (alignzoo.kernels.trace), over long generations only, as the packed weights.
+        if (
+            record
+            and isinstance(decoder, _LeanDecoder)
+            and not partial.active()
+            and sampling.max_new_tokens >= PACK_FROM_NEW_TOKENS
+        ):
+            from alignzoo.kernels import trace as decode_trace
+
+            # The loop feeds the prompt and every sampled token but the last.
+            trace = decode_trace.start(model, len(prompt_tokens), n, capacity - 1)
+            decoder.trace = trace
         # One prefill per prompt: its n samples share the cache.
         logits = decoder.prefill(prompt_ids.to(device), mask, positions)
         if n > 1:
@@ -328,6 +351,9 @@ class HFBackend(Backend):
         response, response_mask = cut_after_eos(response, eos_ids, pad)
         response_logprobs = response_logprobs.masked_fill(response_mask == 0, 0.0)
         ids = prompt_ids.repeat_interleave(n, dim=0)
+        if trace is not None:
+            assert isinstance(decoder, _LeanDecoder)
+            trace.finish(decoder.cache, ids, response)
         token_versions = None
         if version is not None:
             token_versions = torch.tensor(versions, dtype=torch.long).expand(rows, -1).clone()
@@ -417,6 +443,7 @@ class _LeanDecoder:
         self.cache = KVCache.empty(model, rows, capacity, _model_device(model))
         self.pack = pack  # decode steps through MKL-packed weights (HFBackend's pack_weights)
         self.linear: Any = None  # the weights packed for the decode steps' row count
+        self.trace: Any = None  # a DecodeTrace recording the activations (alignzoo.kernels.trace)
 
     def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
@@ -445,7 +472,14 @@ class _LeanDecoder:
         from alignzoo.kernels.lean import lean_logits
 
         logits = lean_logits(
-            self.model, ids, mask, positions, logits_to_keep=1, cache=self.cache, linear=linear
+            self.model,
+            ids,
+            mask,
+            positions,
+            logits_to_keep=1,
+            cache=self.cache,
+            linear=linear,
+            trace=self.trace,
         )
         return logits[:, -1].float()
 

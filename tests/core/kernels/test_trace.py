@@ -1,0 +1,123 @@
+"""The update's backward pass against the decode loop's activations (alignzoo.kernels.trace)
+gives the gradient of autograd through the lean forward, for Qwen2 and Llama, grouped KV heads,
+biases, padded prompts, responses that end early and any subset of the rows in any order; a
+trace never serves a batch it did not record or weights that changed since."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from alignzoo.kernels import trace as decode_trace
+from alignzoo.kernels.forward import policy_outputs
+from alignzoo.plugins.backends.hf import PACK_FROM_NEW_TOKENS, HFBackend
+from alignzoo.types import SamplingParams
+from alignzoo.world.tokenizer import build_tokenizer
+
+PROMPTS = ["12+7=", "3+45=", "100+250="]  # different lengths: left padding
+NEW_TOKENS = PACK_FROM_NEW_TOKENS
+
+
+def _model(arch: str, tokenizer, kv_heads: int = 4) -> torch.nn.Module:
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=arch == "qwen2",
+    )
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
+    with torch.no_grad():  # random biases and norm weights: a backward that skipped one differs
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
+            elif name.endswith("proj.weight"):
+                p.mul_(4.0)  # context-dependent logits: attention and MLP matter
+        eos = model.get_input_embeddings().weight
+        eos[tokenizer.eos_token_id] *= 3.0  # some responses end early, at varied lengths
+    return model
+
+
+def _sample(
+    model, tokenizer, n: int = 3, record: bool = True, new_tokens: int = NEW_TOKENS, **params
+):
+    backend = HFBackend(params)
+    backend.on_run_start(
+        SimpleNamespace(tokenizer=tokenizer, device=lambda role: "cpu", actor=model)
+    )
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+    with decode_trace.recording(record):
+        batch = backend.generate(PROMPTS, [], n, sampling, seeds=[1, 2, 3])
+    batch.sampling = torch.tensor([[1.0, 0.0, 1.0]]).expand(batch.size, -1).clone()
+    return batch
+
+
+def _loss_and_grads(
+    model, batch, weights: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = policy_outputs(model, batch, entropy=True)
+    mask = batch.response_mask
+    loss = (out.logprobs * weights * mask).sum() + 0.1 * (out.entropy * mask).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logprobs.detach(), grads
+
+
+def _forbid_the_forward(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the lean forward ran where the trace should serve")
+
+    monkeypatch.setattr("alignzoo.kernels.forward.lean_hidden", refuse)
+    monkeypatch.setattr("alignzoo.kernels.forward.lean_logits", refuse)
+
+
+@pytest.mark.parametrize(("arch", "kv_heads"), [("qwen2", 4), ("qwen2", 2), ("llama", 1)])
+def test_the_traced_gradient_equals_autograd_through_the_forward(arch, kv_heads, monkeypatch):
+    tokenizer = build_tokenizer()
+    model = _model(arch, tokenizer, kv_heads)
+    batch = _sample(model, tokenizer)
+    lengths = batch.response_mask.sum(1)
+    assert lengths.min() < lengths.max(), "premise: responses of different lengths"
+    assert decode_trace.current() is not None, "premise: the decode loop recorded a trace"
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+
+    with monkeypatch.context() as patched:
+        _forbid_the_forward(patched)
+        traced_logprobs, traced = _loss_and_grads(model, batch, weights)
+    decode_trace.release()
+    logprobs, expected = _loss_and_grads(model, batch, weights)
+
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(traced_logprobs[mask], logprobs[mask], rtol=1e-5, atol=1e-5)
+    assert set(traced) == set(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(traced[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_micro_batch_is_any_subset_of_the_rows_in_any_order(monkeypatch):
+    tokenizer = build_tokenizer()
+    model = _model("qwen2", tokenizer, 2)
+    batch = _sample(model, tokenizer)
+    index = [7, 0, 4, 2]
+    part = batch.select(index)
+    weights = torch.randn(part.response_mask.shape, generator=torch.Generator().manual_seed(1))
+    with monkeypatch.context() as patched:
+        _forbid_the_forward(patched)
+        _, traced = _loss_and_grads(model, part, weights)
+    decode_trace.release()
+    _, expected = _loss_and_grads(model, part, weights)
+    for name, grad in expected.items():
+        torch.testing.assert_close(traced[name], grad, rtol=1e-4, atol=1e-5, msg=name)
