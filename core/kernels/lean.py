@@ -672,18 +672,26 @@ def lean_hidden(
             k, v = cache.write(index, start, k, v)
         if bias is None or bias.dtype != q.dtype:
             bias = additive_mask(mask, q.dtype)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=bias,
-            dropout_p=0.0,  # lean_reason refuses attention dropout in training
-            scale=attn.scaling,
-            enable_gqa=gqa,
-        )
+        logsumexp = None
+        if trace is not None and not gqa and q.device.type == "cpu":
+            # The kernel sdpa runs here, called for its softmax's log-normalisers too (the
+            # trace's backward pass takes the same kernel's backward).
+            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=bias, scale=attn.scaling
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=bias,
+                dropout_p=0.0,  # lean_reason refuses attention dropout in training
+                scale=attn.scaling,
+                enable_gqa=gqa,
+            )
         out = out.transpose(1, 2).reshape(rows, width, shape.heads * shape.head_dim)
         if trace is not None:
-            trace.record_attention(index, start, hidden, q, out)
+            trace.record_attention(index, start, hidden, q, out, logsumexp)
         hidden = _linear_residual(attn.o_proj, out, hidden, linear)
         normed = _rms_norm(hidden, layer.post_attention_layernorm, shape.eps)
         if trace is not None:

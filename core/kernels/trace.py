@@ -183,6 +183,9 @@ class DecodeTrace:
         self.up = buffers(capacity, self.rows, inner)
         self.out = torch.empty((capacity, self.rows, hidden), device=device)
         self.q = buffers(self.rows, heads, capacity, dim)
+        # The attention's log-normalisers, when every step ran the CPU flash kernel
+        # (lean_hidden: no grouped KV heads), whose backward then takes them.
+        self.logsumexp: list[torch.Tensor] | None = buffers(self.rows, heads, capacity)
         self.positions = torch.zeros((self.rows, capacity), dtype=torch.long, device=device)
         self.params = _trained(base)
         self.state = _state(self.params)
@@ -205,12 +208,24 @@ class DecodeTrace:
         self.positions[:, start : start + positions.shape[1]] = self._rows(positions)
 
     def record_attention(
-        self, layer: int, start: int, h: torch.Tensor, q: torch.Tensor, o: torch.Tensor
+        self,
+        layer: int,
+        start: int,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        o: torch.Tensor,
+        logsumexp: torch.Tensor | None = None,
     ) -> None:
-        """A layer's input, rotated queries ``[B, heads, T, D]`` and attention output."""
+        """A layer's input, rotated queries ``[B, heads, T, D]``, attention output and, from
+        the CPU flash kernel, its log-normalisers ``[B, heads, T]``."""
         self._put(self.h[layer], start, h)
-        self.q[layer][:, :, start : start + q.shape[2]] = self._rows(q)
+        width = q.shape[2]
+        self.q[layer][:, :, start : start + width] = self._rows(q)
         self._put(self.o[layer], start, o)
+        if logsumexp is None:
+            self.logsumexp = None
+        elif self.logsumexp is not None:
+            self.logsumexp[layer][:, :, start : start + width] = self._rows(logsumexp)
 
     def record_mlp(
         self,
@@ -457,22 +472,24 @@ def _layer_backward(
     keys, values = cache.keys[index], cache.values[index]
     assert keys is not None and values is not None
     k, v = view.row_major(keys, 2), view.row_major(values, 2)
-    groups = heads // kv_heads
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = float(attn.scaling)
-    probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias), dim=-1)
-    dv = torch.matmul(probs.transpose(-1, -2), do)
-    dprobs = torch.matmul(do, v.transpose(-1, -2))
-    delta = (do * per_head(o)).sum(-1, keepdim=True)
-    dscores = dprobs.sub_(delta).mul_(probs).mul_(scale)
-    del probs, delta, do
-    dq = torch.matmul(dscores, k)
-    dk = torch.matmul(dscores.transpose(-1, -2), q)
-    del dscores
-    if groups > 1:
-        dk = dk.view(rows, kv_heads, groups, columns, dim).sum(2)
-        dv = dv.view(rows, kv_heads, groups, columns, dim).sum(2)
+    if trace.logsumexp is not None:  # the flash kernel's backward, as the decode loop ran it
+        logsumexp = view.row_major(trace.logsumexp[index], 2)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do,
+            q,
+            k,
+            v,
+            per_head(o).contiguous(),
+            logsumexp,
+            0.0,
+            False,
+            attn_mask=bias,
+            scale=scale,
+        )
+    else:
+        dq, dk, dv = _attention_backward(q, k, v, per_head(o), do, bias, scale, kv_heads)
+    del do
     half = dim // 2
     c, s = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)  # [B, 1, S, D/2]
 
@@ -489,3 +506,34 @@ def _layer_backward(
     dn = _accumulate(grads, wanted, (attn.q_proj, attn.k_proj, attn.v_proj), normed, flat)
     del dqkv, flat, normed
     return _norm_backward(h, rstd, dn, layer.input_layernorm, grads, wanted).add_(dm)
+
+
+def _attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    do: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``q [B, heads, S, D]`` and of ``k``, ``v [B, kv_heads, S, D]`` of
+    ``o = softmax(q k^T s + bias) v`` for ``do`` (the equations at the top of this module;
+    each KV head serves ``heads / kv_heads`` query heads, as sdpa's ``enable_gqa``)."""
+    rows, heads, columns, dim = q.shape
+    groups = heads // kv_heads
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias), dim=-1)
+    dv = torch.matmul(probs.transpose(-1, -2), do)
+    dprobs = torch.matmul(do, v.transpose(-1, -2))
+    delta = (do * o).sum(-1, keepdim=True)
+    dscores = dprobs.sub_(delta).mul_(probs).mul_(scale)
+    del probs, delta
+    dq = torch.matmul(dscores, k)
+    dk = torch.matmul(dscores.transpose(-1, -2), q)
+    if groups > 1:
+        dk = dk.view(rows, kv_heads, groups, columns, dim).sum(2)
+        dv = dv.view(rows, kv_heads, groups, columns, dim).sum(2)
+    return dq, dk, dv
