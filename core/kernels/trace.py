@@ -48,6 +48,7 @@ from alignzoo.kernels.lean import (
     additive_mask,
     can_run_lean,
     layer_shape,
+    mlp_projections,
     rms_norm_backward,
     rotate_backward,
     swiglu_down_backward,
@@ -238,7 +239,7 @@ class DecodeTrace:
     ) -> torch.Tensor:
         """``residual + mlp(normed)`` (the layer's output), its gate and up projections and
         ``residual`` recorded."""
-        gate, up = linear(mlp.gate_proj, normed), linear(mlp.up_proj, normed)
+        gate, up = mlp_projections(mlp, normed, linear)
         self._put(self.m[layer], start, residual)
         self._put(self.gate[layer], start, gate)
         self._put(self.up[layer], start, up)

@@ -321,10 +321,22 @@ def test_cached_decoding_gives_the_logits_of_the_whole_sequence(arch, packed):
                 used.append(id(module))
             return super().__call__(module, x)
 
+        def split(self, owner, x):
+            out = super().split(owner, x)
+            if out is not None:
+                used.append(id(owner))
+            return out
+
     if packed:
         packer = Counted(model, 4 * n)
-        # Every projection of every layer, where torch has MKL (the llama's with biases).
-        assert len(packer.packed) == (7 * 2 if torch.backends.mkl.is_available() else 0)
+        # Every projection of every layer, where torch has MKL (the llama's with biases): o and
+        # down alone, q/k/v and gate/up each as one matrix.
+        mkl = torch.backends.mkl.is_available()
+        assert len(packer.packed) == (2 * 2 if mkl else 0)
+        assert len(packer.joint) == (2 * 2 if mkl else 0)
+        assert sorted(widths for *_, widths in packer.joint.values()) == (
+            [[32, 16, 16], [32, 16, 16], [48, 48], [48, 48]] if mkl else []
+        )
         extra["linear"] = packer
     new = torch.randint(2, VOCAB, (4 * n, steps), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -349,7 +361,7 @@ def test_cached_decoding_gives_the_logits_of_the_whole_sequence(arch, packed):
         full_positions = (all_mask.cumsum(dim=1) - 1).clamp(min=0)
         whole = model(input_ids=all_ids, attention_mask=all_mask, position_ids=full_positions)
     width = ids.shape[1]
-    assert len(used) == (steps * len(packer.packed) if packed else 0)
+    assert len(used) == (steps * (len(packer.packed) + len(packer.joint)) if packed else 0)
     for t, logits in enumerate(stepped):
         torch.testing.assert_close(logits, whole.logits[:, width - 1 + t], rtol=1e-5, atol=1e-5)
 

@@ -121,3 +121,80 @@ def test_a_micro_batch_is_any_subset_of_the_rows_in_any_order(monkeypatch):
     _, expected = _loss_and_grads(model, part, weights)
     for name, grad in expected.items():
         torch.testing.assert_close(traced[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_without_gradients_the_trace_gives_the_forwards_log_probs(monkeypatch):
+    """A no-grad pass over a traced batch (the behaviour's) reads the recorded hidden states."""
+    tokenizer = build_tokenizer()
+    model = _model("qwen2", tokenizer)
+    batch = _sample(model, tokenizer)
+    with torch.no_grad(), monkeypatch.context() as patched:
+        _forbid_the_forward(patched)
+        traced = policy_outputs(model, batch).logprobs
+    decode_trace.release()
+    with torch.no_grad():
+        expected = policy_outputs(model, batch).logprobs
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(traced[mask], expected[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_a_trace_never_serves_changed_weights_or_samples_it_did_not_record():
+    tokenizer = build_tokenizer()
+    model = _model("qwen2", tokenizer)
+    batch = _sample(model, tokenizer)
+    trace = decode_trace.current()
+    assert trace is not None and decode_trace.traced_hidden(model, batch) is not None
+
+    other = batch.select(list(range(batch.size)))
+    other.response_ids = other.response_ids.clone()
+    other.response_ids[2, 0] = (other.response_ids[2, 0] + 1) % len(tokenizer)
+    assert decode_trace.traced_hidden(model, other) is None, "a sample it did not record"
+    wider = batch.select([0, 1])
+    wider.response_ids = torch.nn.functional.pad(wider.response_ids, (0, 1), value=0)
+    assert decode_trace.traced_hidden(model, wider) is None, "another layout"
+    assert decode_trace.traced_hidden(_model("qwen2", tokenizer), batch) is None, "another model"
+
+    with torch.no_grad():  # an optimizer step changes the weights in place
+        model.model.layers[1].mlp.up_proj.weight.add_(1e-3)
+    assert decode_trace.traced_hidden(model, batch) is None, "changed weights"
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ("outside recording", None),
+        ("fewer new tokens", None),
+        ("several decode loops", None),
+        ("frozen layers", "no layer weight is trained"),
+        ("bf16 autocast", "autocast"),
+        ("recording", "recorded"),
+    ],
+)
+def test_what_records_a_trace(setting, expected):
+    tokenizer = build_tokenizer()
+    model = _model("qwen2", tokenizer)
+    decode_trace.release()
+    if setting == "frozen layers":
+        model.model.layers.requires_grad_(False)
+    if setting == "bf16 autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert decode_trace.why_not(model) == "autocast"
+        return
+    if expected is not None and expected != "recorded":
+        assert decode_trace.why_not(model) == expected
+    _sample(
+        model,
+        tokenizer,
+        record=setting != "outside recording",
+        new_tokens=NEW_TOKENS - 1 if setting == "fewer new tokens" else NEW_TOKENS,
+        max_batch_size=2 if setting == "several decode loops" else 64,
+    )
+    assert (decode_trace.current() is not None) == (expected == "recorded")
+
+
+def test_an_adapter_is_refused_with_a_reason():
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = build_tokenizer()
+    model = get_peft_model(_model("qwen2", tokenizer), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert decode_trace.why_not(model) == "Linear is not a bare nn.Linear (an adapter)"
