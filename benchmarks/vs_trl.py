@@ -13,7 +13,7 @@ same run) that the step's useful arithmetic reaches.
     .venv/bin/python benchmarks/vs_trl.py [--steps 25] [--repeats 2]
         [--models embedded,25m] [--algorithms grpo,rloo,dpo,kto] [--json results.json]
         [--dtype float32|bfloat16] [--gradient-checkpointing] [--frameworks alignzoo,trl]
-        [--max-new-tokens 6] [--phases] [--no-reuse-cpu-memory]
+        [--max-new-tokens 6] [--phases] [--no-reuse-cpu-memory] [--no-decode-trace]
 
 ``--dtype bfloat16`` runs both under bf16 autocast (alignzoo's ``model.dtype``, TRL's ``bf16``):
 fast only on a CPU with AVX512-BF16 or AMX. Gradient checkpointing is set equal in both: off
@@ -46,6 +46,7 @@ HERE = Path(__file__).resolve()
 ONLINE = ("grpo", "rloo")
 NEW_TOKENS_ENV = "VS_TRL_MAX_NEW_TOKENS"  # --max-new-tokens, passed on to the worker processes
 REUSE_ENV = "VS_TRL_REUSE_CPU_MEMORY"  # --no-reuse-cpu-memory, passed on to the worker processes
+TRACE_ENV = "VS_TRL_DECODE_TRACE"  # --no-decode-trace, likewise
 PROMPTS, SAMPLES, PAIRS = 8, 8, 32
 NEW_TOKENS = int(os.environ.get(NEW_TOKENS_ENV, "6"))
 LR = 1e-5
@@ -294,6 +295,8 @@ def run_alignzoo(
     }
     if os.environ.get(REUSE_ENV, "1") == "0":  # only then: an older alignzoo has no such field
         spec["training"]["reuse_cpu_memory"] = False
+    if os.environ.get(TRACE_ENV, "1") == "0":
+        spec["training"]["decode_trace"] = False
     path = out / "experiment.yaml"
     path.write_text(yaml.safe_dump(spec), encoding="utf-8")
     summary = run_one(load_experiment(path), "a", 0, out / "run")
@@ -498,8 +501,15 @@ def main() -> None:
         help="alignzoo with training.reuse_cpu_memory false (malloc as it is, as TRL runs): "
         "large activations page-faulted in again at every step, and freed memory handed back",
     )
+    parser.add_argument(
+        "--no-decode-trace",
+        action="store_true",
+        help="alignzoo with training.decode_trace false: the update runs its forward pass "
+        "instead of a backward pass against the decode loop's recorded activations",
+    )
     args = parser.parse_args()
     os.environ[REUSE_ENV] = "0" if args.no_reuse_cpu_memory else "1"
+    os.environ[TRACE_ENV] = "0" if args.no_decode_trace else "1"
     os.environ[NEW_TOKENS_ENV] = str(args.max_new_tokens)  # the workers read it
     os.environ[PHASES_ENV] = "1" if args.phases else "0"
     models, algorithms = args.models.split(","), args.algorithms.split(",")
@@ -570,6 +580,7 @@ def main() -> None:
                             "max_new_tokens": args.max_new_tokens,
                             "phases": args.phases,
                             "reuse_cpu_memory": not args.no_reuse_cpu_memory,
+                            "decode_trace": not args.no_decode_trace,
                         },
                         "limit_gflops": [limit, limit_after],
                         "rows": results,
