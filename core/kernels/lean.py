@@ -31,13 +31,10 @@ KV heads and the KV-cache decode path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from alignzoo.kernels.trace import DecodeTrace
 
 SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -615,6 +612,35 @@ def _project_rotated(
     return _rotate(per_head, cos.unsqueeze(1), sin.unsqueeze(1))
 
 
+class Recorder(Protocol):
+    """What :func:`lean_hidden` hands a layer's activations to while it decodes
+    (:class:`alignzoo.kernels.trace.DecodeTrace`)."""
+
+    def record_positions(self, start: int, positions: torch.Tensor) -> None: ...
+
+    def record_attention(
+        self,
+        layer: int,
+        start: int,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        o: torch.Tensor,
+        logsumexp: torch.Tensor | None = None,
+    ) -> None: ...
+
+    def record_mlp(
+        self,
+        layer: int,
+        start: int,
+        mlp: Any,
+        normed: torch.Tensor,
+        residual: torch.Tensor,
+        linear: Linear,
+    ) -> torch.Tensor: ...
+
+    def record_final(self, start: int, h: torch.Tensor) -> None: ...
+
+
 def visible_keys(
     key_valid: torch.Tensor, start: int, segments: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -649,7 +675,7 @@ def lean_logits(
     logits_to_keep: int = 0,
     cache: KVCache | None = None,
     linear: Linear | None = None,
-    trace: DecodeTrace | None = None,
+    trace: Recorder | None = None,
 ) -> torch.Tensor:
     """Logits ``[B, T or logits_to_keep, V]`` of ``input_ids [B, T]`` (attention mask and
     position ids as transformers takes them), the same as ``model(...).logits``.
@@ -680,7 +706,7 @@ def lean_hidden(
     cache: KVCache | None = None,
     linear: Linear | None = None,
     segments: torch.Tensor | None = None,
-    trace: DecodeTrace | None = None,
+    trace: Recorder | None = None,
 ) -> torch.Tensor:
     """What the LM head reads: the final norm's output ``[B, T or logits_to_keep, H]``;
     arguments as :func:`lean_logits` (whose logits are ``lm_head`` of this). ``segments``
