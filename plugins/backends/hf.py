@@ -289,6 +289,7 @@ class HFBackend(Backend):
         if (
             record
             and isinstance(decoder, _LeanDecoder)
+            and not self.own_copy  # the trainer's own module only: its weights are trained
             and not partial.active()
             and sampling.max_new_tokens >= PACK_FROM_NEW_TOKENS
         ):

@@ -198,3 +198,19 @@ def test_an_adapter_is_refused_with_a_reason():
     tokenizer = build_tokenizer()
     model = get_peft_model(_model("qwen2", tokenizer), LoraConfig(r=2, target_modules=["q_proj"]))
     assert decode_trace.why_not(model) == "Linear is not a bare nn.Linear (an adapter)"
+
+
+def test_data_parallel_and_a_backend_with_its_own_copy_record_nothing(tmp_path):
+    tokenizer = build_tokenizer()
+    model = _model("qwen2", tokenizer)
+    decode_trace.release()
+    _sample(model, tokenizer, weights="copy")  # samples with a copy the trainer never trains
+    assert decode_trace.current() is None
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1
+    )
+    try:
+        assert decode_trace.why_not(model).startswith("data parallel")
+    finally:
+        torch.distributed.destroy_process_group()
+    assert decode_trace.why_not(model) is None
