@@ -513,7 +513,8 @@ class TrainingConfig(_Strict):
     decode_trace: bool = Field(
         True,
         description="When a batch is trained on once in one optimizer step (epochs 1, one "
-        "minibatch, no labeling overlap or async) and the hf backend's lean decode loop samples "
+        "minibatch, dropout off, no labeling overlap or async) and the hf backend's lean decode "
+        "loop samples "
         "it in one loop of 32 or more new tokens, record the loop's activations and run the "
         "update's backward pass against them instead of a second forward pass "
         "(alignzoo.kernels.trace): the same gradient up to float rounding without the forward's "

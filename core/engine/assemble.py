@@ -420,7 +420,9 @@ def assemble(
     collector: Collector
     if settings is None:
         collector = build_collector(*parts, overlap)
-        collector.traces = traces_decode(arm_spec.training, mode, overlap)
+        collector.traces = traces_decode(
+            arm_spec.training, mode, overlap, dropout_off=mcfg.disable_dropout
+        )
     else:  # producers in processes of their own
         from alignzoo.engine.producers import AsyncCollector, ProducerJob
 

@@ -269,15 +269,18 @@ def fuses_behaviour(
     )
 
 
-def traces_decode(cfg: TrainingConfig, mode: DataMode, overlapping: bool) -> bool:
+def traces_decode(
+    cfg: TrainingConfig, mode: DataMode, overlapping: bool, dropout_off: bool
+) -> bool:
     """Whether an arm's decode loop should record its activations for the update's backward
     pass (``training.decode_trace``, :mod:`alignzoo.kernels.trace`): one epoch and one
-    optimizer step per batch, so the update runs with the weights that sampled it, and no
-    labeling overlap or producers (which sample the next batch before the update)."""
+    optimizer step per batch, so the update runs with the weights that sampled it; dropout off
+    (the decode loop samples in eval mode); and no labeling overlap or producers (which
+    sample the next batch before the update)."""
     one_step = cfg.epochs == 1 and (
         cfg.minibatch_size is None or cfg.minibatch_size >= mode.step_sizes(cfg)[1]
     )
-    return cfg.decode_trace and one_step and not overlapping and cfg.async_ is None
+    return cfg.decode_trace and one_step and dropout_off and not overlapping and cfg.async_ is None
 
 
 def choose_behaviour(

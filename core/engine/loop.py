@@ -50,6 +50,7 @@ from alignzoo.engine.sinks import Sinks
 from alignzoo.engine.step import peak_memory_mb, train_step
 from alignzoo.engine.threads import current_threads, threads_set_to
 from alignzoo.errors import UserError
+from alignzoo.kernels import trace as decode_trace
 from alignzoo.labeling import swap as labelswap
 from alignzoo.runfolder import ATTEMPT_NOTE, CHECKPOINTS, RunFolder, RunStatus, write_atomic
 
@@ -574,7 +575,10 @@ def run_one(
     # The run's thread count is a setting: a resume trains with the count its checkpoint
     # records, wherever and beside however many runs it now trains.
     with threads_set_to(resume_threads(point, log)):
-        return _train(loaded, arm, seed, out_dir, resume, console, point, config, log, rounds)
+        try:
+            return _train(loaded, arm, seed, out_dir, resume, console, point, config, log, rounds)
+        finally:  # a step that failed between sampling and update leaves one
+            decode_trace.release()
 
 
 def resume_threads(point: ResumePoint, log: Callable[[str], None]) -> int | None:

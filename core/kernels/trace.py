@@ -60,19 +60,29 @@ if TYPE_CHECKING:
     from alignzoo.batch import RolloutBatch
     from alignzoo.kernels.lean import KVCache, Linear
 
-_WANTED: contextvars.ContextVar[bool] = contextvars.ContextVar("decode_trace", default=False)
 _CURRENT: DecodeTrace | None = None  # the one trace kept: the latest generation's
+
+
+@dataclass
+class _Scope:
+    """A :func:`recording` block: it records one trace, the first decode loop's."""
+
+    recorded: bool = False
+
+
+_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("decode_trace", default=None)
 
 
 @contextlib.contextmanager
 def recording(wanted: bool = True) -> Iterator[None]:
-    """Within it (on this thread), a lean decode loop that can records a :class:`DecodeTrace`
-    of the batch it samples (:func:`start`), replacing the trace kept before."""
-    token = _WANTED.set(wanted)
+    """Within it (on this thread), the first lean decode loop that can records a
+    :class:`DecodeTrace` of the batch it samples (:func:`start`), replacing the trace kept
+    before; any later loop in the block (a labeler sampling the policy) records nothing."""
+    token = _SCOPE.set(_Scope() if wanted else None)
     try:
         yield
     finally:
-        _WANTED.reset(token)
+        _SCOPE.reset(token)
 
 
 def release() -> None:
@@ -116,8 +126,10 @@ def start(model: Any, prompts: int, n: int, capacity: int) -> DecodeTrace | None
     most ``capacity`` columns, kept as the current one; None outside :func:`recording` or for a
     model :func:`why_not` refuses."""
     global _CURRENT
-    if not _WANTED.get() or why_not(model) is not None:
+    scope = _SCOPE.get()
+    if scope is None or scope.recorded or why_not(model) is not None:
         return None
+    scope.recorded = True
     _CURRENT = None  # the last one's memory before the new one's
     _CURRENT = DecodeTrace(model, prompts, n, capacity)
     return _CURRENT
@@ -148,8 +160,11 @@ def _trained(model: Any) -> list[torch.Tensor]:
     return params
 
 
-def _state(params: list[torch.Tensor]) -> list[tuple[int, int]]:
-    return [(p._version, p.data_ptr()) for p in params]
+def _state(model: Any) -> list[tuple[int, int]]:
+    """Every parameter's version counter and storage: an in-place update through autograd's
+    view of it (an optimizer step, ``load_state_dict``, a weight sync) changes the first, a
+    replaced tensor the second. (A write through ``.data`` changes neither.)"""
+    return [(p._version, p.data_ptr()) for p in model.parameters()]
 
 
 class DecodeTrace:
@@ -189,7 +204,7 @@ class DecodeTrace:
         self.logsumexp: list[torch.Tensor] | None = buffers(self.rows, heads, capacity)
         self.positions = torch.zeros((self.rows, capacity), dtype=torch.long, device=device)
         self.params = _trained(base)
-        self.state = _state(self.params)
+        self.state = _state(base)
         self.cache: KVCache | None = None
         self.tokens: dict[bytes, int] = {}  # a recorded row's prompt and response ids -> its row
         self.prompt_width = self.response_width = 0
@@ -248,16 +263,23 @@ class DecodeTrace:
     def record_final(self, start: int, h: torch.Tensor) -> None:
         self._put(self.out, start, h)
 
-    def finish(self, cache: KVCache, prompt_ids: torch.Tensor, response_ids: torch.Tensor) -> None:
+    def finish(
+        self,
+        cache: KVCache,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+    ) -> None:
         """The decode loop's end: its cache (keys, values and which columns are real) and the
-        ``[rows, P]`` prompt and ``[rows, R]`` response ids it sampled (before any padding
-        to a wider batch), by which :func:`traced_hidden` finds a batch's rows."""
+        ``[rows, P]`` prompts and ``[rows, R]`` responses it sampled, ids and masks (before any
+        padding to a wider batch), by which :func:`traced_hidden` finds a batch's rows."""
         self.cache = cache
         self.prompt_width, self.response_width = prompt_ids.shape[1], response_ids.shape[1]
-        ids = torch.cat([prompt_ids.cpu(), response_ids.cpu()], dim=1)
+        keys = _row_keys(prompt_ids, prompt_mask, response_ids, response_mask)
         self.tokens = {}
-        for row in range(ids.shape[0]):
-            self.tokens.setdefault(ids[row].numpy().tobytes(), row)
+        for row, key in enumerate(keys):
+            self.tokens.setdefault(key, row)
 
     # ------------------------------------------------------------------ reading
     def rows_of(self, model: Any, batch: RolloutBatch) -> torch.Tensor | None:
@@ -271,13 +293,32 @@ class DecodeTrace:
             or self.response_width == 0
         ):
             return None
-        if _state(self.params) != self.state:
+        if _state(self.model) != self.state:
             return None
-        ids = torch.cat([batch.prompt_ids.cpu(), batch.response_ids.cpu()], dim=1)
-        rows = [self.tokens.get(ids[i].numpy().tobytes()) for i in range(ids.shape[0])]
+        if batch.response_attention is not None:  # attends to more than it trains on
+            return None
+        keys = _row_keys(
+            batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask
+        )
+        rows = [self.tokens.get(key) for key in keys]
         if any(r is None for r in rows):
             return None
         return torch.tensor(rows, dtype=torch.long)
+
+
+def _row_keys(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> list[bytes]:
+    """Each row's tokens and which of them are real (the masks a forward pass attends by: a
+    response token masked since sampling, or a prompt that is padding where another is a
+    token, is another row)."""
+    ids = torch.cat([prompt_ids.cpu(), response_ids.cpu()], dim=1).long()
+    real = torch.cat([prompt_mask.cpu() > 0, response_mask.cpu() > 0], dim=1).long()
+    table = torch.stack([ids, real], dim=1).numpy()
+    return [table[row].tobytes() for row in range(table.shape[0])]
 
 
 def traced_hidden(model: Any, batch: RolloutBatch) -> torch.Tensor | None:
@@ -287,6 +328,9 @@ def traced_hidden(model: Any, batch: RolloutBatch) -> torch.Tensor | None:
     None when no trace serves ``batch`` (the caller then runs the forward)."""
     trace = _CURRENT
     if trace is None or torch.is_autocast_enabled(trace.out.device.type):
+        return None
+    # As the model is now (train mode: attention dropout; hooks added since sampling).
+    if why_not(model) is not None:
         return None
     rows = trace.rows_of(model, batch)
     if rows is None:

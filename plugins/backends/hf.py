@@ -354,7 +354,9 @@ class HFBackend(Backend):
         ids = prompt_ids.repeat_interleave(n, dim=0)
         if trace is not None:
             assert isinstance(decoder, _LeanDecoder)
-            trace.finish(decoder.cache, ids, response)
+            trace.finish(
+                decoder.cache, ids, prompt_mask.repeat_interleave(n, dim=0), response, response_mask
+            )
         token_versions = None
         if version is not None:
             token_versions = torch.tensor(versions, dtype=torch.long).expand(rows, -1).clone()

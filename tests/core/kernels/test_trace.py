@@ -154,9 +154,40 @@ def test_a_trace_never_serves_changed_weights_or_samples_it_did_not_record():
     assert decode_trace.traced_hidden(model, wider) is None, "another layout"
     assert decode_trace.traced_hidden(_model("qwen2", tokenizer), batch) is None, "another model"
 
-    with torch.no_grad():  # an optimizer step changes the weights in place
-        model.model.layers[1].mlp.up_proj.weight.add_(1e-3)
+    holed = batch.select(list(range(batch.size)))
+    holed.response_mask = holed.response_mask.clone()
+    holed.response_mask[0, 3] = 0.0  # a token cut since sampling: the forward skips it as a key
+    assert decode_trace.traced_hidden(model, holed) is None, "a mask it did not record"
+    attending = batch.select([0, 1])
+    attending.response_attention = attending.response_mask.long()
+    assert decode_trace.traced_hidden(model, attending) is None, "an episode's attention"
+
+    model.train()
+    model.config.attention_dropout = 0.1  # in train mode the lean forward would refuse it
+    assert decode_trace.traced_hidden(model, batch) is None, "attention dropout in training"
+    model.config.attention_dropout = 0.0
+    assert decode_trace.traced_hidden(model, batch) is not None
+
+    with torch.no_grad():  # the LM head alone changed: its input is still recorded, but
+        model.lm_head.weight.add_(1e-3)  # any weight that changed ends the trace
     assert decode_trace.traced_hidden(model, batch) is None, "changed weights"
+
+
+def test_one_recording_block_records_its_first_decode_loop_only():
+    """A later loop in the block (a labeler sampling the policy) leaves the batch's trace."""
+    tokenizer = build_tokenizer()
+    model = _model("qwen2", tokenizer)
+    backend = HFBackend({})
+    backend.on_run_start(
+        SimpleNamespace(tokenizer=tokenizer, device=lambda role: "cpu", actor=model)
+    )
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0)
+    with decode_trace.recording():
+        first = backend.generate(PROMPTS, [], 2, sampling, seeds=[1, 2, 3])
+        kept = decode_trace.current()
+        backend.generate(PROMPTS[:1], [], 2, sampling, seeds=[4])
+    assert kept is not None and decode_trace.current() is kept
+    assert decode_trace.traced_hidden(model, first) is not None
 
 
 @pytest.mark.parametrize(
