@@ -84,6 +84,22 @@ def _forbid_the_forward(monkeypatch) -> None:
     monkeypatch.setattr("alignzoo.kernels.forward.lean_logits", refuse)
 
 
+def _assert_traced_equals_forward(model, batch, seed: int, monkeypatch) -> None:
+    """The traced pass's log-probs and every gradient (the lean forward forbidden) equal the
+    lean forward's once the trace is released."""
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(seed))
+    with monkeypatch.context() as patched:
+        _forbid_the_forward(patched)
+        traced_logprobs, traced = _loss_and_grads(model, batch, weights)
+    decode_trace.release()
+    logprobs, expected = _loss_and_grads(model, batch, weights)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(traced_logprobs[mask], logprobs[mask], rtol=1e-5, atol=1e-5)
+    assert set(traced) == set(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(traced[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize(("arch", "kv_heads"), [("qwen2", 4), ("qwen2", 2), ("llama", 1)])
 def test_the_traced_gradient_equals_autograd_through_the_forward(arch, kv_heads, monkeypatch):
     tokenizer = build_tokenizer()
@@ -92,35 +108,15 @@ def test_the_traced_gradient_equals_autograd_through_the_forward(arch, kv_heads,
     lengths = batch.response_mask.sum(1)
     assert lengths.min() < lengths.max(), "premise: responses of different lengths"
     assert decode_trace.current() is not None, "premise: the decode loop recorded a trace"
-    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
-
-    with monkeypatch.context() as patched:
-        _forbid_the_forward(patched)
-        traced_logprobs, traced = _loss_and_grads(model, batch, weights)
-    decode_trace.release()
-    logprobs, expected = _loss_and_grads(model, batch, weights)
-
-    mask = batch.response_mask.bool()
-    torch.testing.assert_close(traced_logprobs[mask], logprobs[mask], rtol=1e-5, atol=1e-5)
-    assert set(traced) == set(expected)
-    for name, grad in expected.items():
-        torch.testing.assert_close(traced[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    _assert_traced_equals_forward(model, batch, 0, monkeypatch)
 
 
-def test_a_micro_batch_is_any_subset_of_the_rows_in_any_order(monkeypatch):
+@pytest.mark.parametrize("kv_heads", [4, 2])  # the flash kernel's backward, and the matmuls'
+def test_a_micro_batch_is_any_subset_of_the_rows_in_any_order(kv_heads, monkeypatch):
     tokenizer = build_tokenizer()
-    model = _model("qwen2", tokenizer, 2)
+    model = _model("qwen2", tokenizer, kv_heads)
     batch = _sample(model, tokenizer)
-    index = [7, 0, 4, 2]
-    part = batch.select(index)
-    weights = torch.randn(part.response_mask.shape, generator=torch.Generator().manual_seed(1))
-    with monkeypatch.context() as patched:
-        _forbid_the_forward(patched)
-        _, traced = _loss_and_grads(model, part, weights)
-    decode_trace.release()
-    _, expected = _loss_and_grads(model, part, weights)
-    for name, grad in expected.items():
-        torch.testing.assert_close(traced[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    _assert_traced_equals_forward(model, batch.select([7, 0, 4, 2]), 1, monkeypatch)
 
 
 def test_without_gradients_the_trace_gives_the_forwards_log_probs(monkeypatch):
