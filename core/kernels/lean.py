@@ -482,10 +482,34 @@ class PackedLinears:
         joint = self.joint.get(id(owner))
         if joint is None or torch.is_grad_enabled() or x.dtype != torch.float32:
             return None
-        packed, weight, bias, widths = joint
-        flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkl._mkl_linear(flat, packed, weight, bias, self.rows)
+        widths = joint[3]
+        out = self._joint(joint, x.reshape(-1, x.shape[-1]))
         return out.view(*x.shape[:-1], out.shape[-1]).split(widths, dim=-1)
+
+    def _joint(
+        self,
+        joint: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]],
+        flat: torch.Tensor,
+    ) -> torch.Tensor:
+        packed, weight, bias, _ = joint
+        return torch.ops.mkl._mkl_linear(flat, packed, weight, bias, self.rows)
+
+    def decodes(self, layers: Any, x: torch.Tensor) -> bool:
+        """Whether :func:`_decode_step` can run ``layers`` over ``x``: without gradients, in
+        fp32, every layer's q/k/v and gate/up packed together."""
+        return (
+            not torch.is_grad_enabled()
+            and x.dtype == torch.float32
+            and all(
+                id(layer.self_attn) in self.joint and id(layer.mlp) in self.joint
+                for layer in layers
+            )
+        )
+
+    def joint_projection(self, owner: Any, x: torch.Tensor) -> torch.Tensor:
+        """``owner``'s joint projections of ``x [rows, in]`` side by side ``[rows, sum of
+        outs]``, as :meth:`split` computes them (for a model :meth:`decodes` accepts)."""
+        return self._joint(self.joint[id(owner)], x)
 
     def __call__(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed.get(id(module))
@@ -640,6 +664,27 @@ class Recorder(Protocol):
 
     def record_final(self, start: int, h: torch.Tensor) -> None: ...
 
+    def decode_slots(self, layer: int, column: int, logsumexp: bool) -> DecodeSlots: ...
+
+
+@dataclass
+class DecodeSlots:
+    """Where a decode step writes one layer's activations for a :class:`Recorder`: views
+    ``[rows, ...]`` of its buffers at the step's column, which the step computes into (no
+    copies of its own). ``h``: the layer's input, for the first layer only (each later
+    layer's input is the previous one's ``out``); ``q`` ``[rows, heads, D]`` rotated;
+    ``o`` the attention's output before ``o_proj``; ``logsumexp`` ``[rows, heads]`` its
+    softmax's log-normalisers (None: not kept); ``m`` the residual after the attention;
+    ``gate_up`` the MLP's two projections side by side; ``out`` the layer's output."""
+
+    h: torch.Tensor | None
+    q: torch.Tensor
+    o: torch.Tensor
+    logsumexp: torch.Tensor | None
+    m: torch.Tensor
+    gate_up: torch.Tensor
+    out: torch.Tensor
+
 
 def visible_keys(
     key_valid: torch.Tensor, start: int, segments: torch.Tensor | None = None
@@ -743,6 +788,23 @@ def lean_hidden(
     bias: torch.Tensor | None = None
     gqa = shape.kv_heads != shape.heads
 
+    decodes = getattr(linear, "decodes", None)  # PackedLinears'
+    if cache is not None and width == 1 and callable(decodes) and decodes(inner.layers, hidden):
+        hidden = _decode_step(
+            inner.layers,
+            shape,
+            hidden,
+            cos,
+            sin,
+            cache,
+            start,
+            additive_mask(mask, hidden.dtype),
+            linear,
+            trace,
+        )
+        cache.length = keys_len
+        return _rms_norm(hidden, inner.norm, shape.eps)
+
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
         normed = _rms_norm(hidden, layer.input_layernorm, shape.eps)
@@ -798,3 +860,80 @@ def lean_hidden(
     if logits_to_keep:
         hidden = hidden[:, -logits_to_keep:]
     return _rms_norm(hidden, inner.norm, shape.eps)
+
+
+def _decode_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of a decode step's ``x [rows, H]``, as :class:`_RMSNorm` computes it (fewer
+    operator calls than ``F.rms_norm``'s composite on the CPU)."""
+    r = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+    return torch.mul(x, r).mul_(weight)
+
+
+def _decode_step(
+    layers: Any,
+    shape: LayerShape,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    start: int,
+    bias: torch.Tensor,
+    linear: Linear,
+    trace: Recorder | None,
+) -> torch.Tensor:
+    """The layers over one decode step's ``hidden [rows, 1, H]`` (column ``start``), the
+    loop of :func:`lean_hidden` with ``linear`` a :class:`PackedLinears` that
+    :meth:`~PackedLinears.decodes` them, in fewer and smaller operator calls: q and k rotated together from the joint projection
+    (the default RoPE's halves, as :class:`_RotateInPlace`), and the residual stream and a
+    recorder's activations computed into the recorder's buffers (:class:`DecodeSlots`)
+    instead of copied there. The last layer's output ``[rows, 1, H]``."""
+    rows = hidden.shape[0]
+    heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
+    half, qk_heads = dim // 2, shape.heads + shape.kv_heads
+    x = hidden.view(rows, -1)
+    c, s = cos.view(rows, 1, dim)[..., :half], sin.view(rows, 1, dim)[..., :half]
+    gqa = kv_heads != heads
+    flash = not gqa and x.device.type == "cpu"
+    rotated = x.new_empty((rows, qk_heads, dim))  # this step's rotated q and k heads
+    r1, r2 = rotated[..., :half], rotated[..., half:]
+    for index, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        slots = None if trace is None else trace.decode_slots(index, start, flash)
+        if slots is not None and slots.h is not None:
+            slots.h.copy_(x)
+        qkv = linear.joint_projection(
+            attn, _decode_norm(x, layer.input_layernorm.weight, shape.eps)
+        )
+        qk = qkv[:, : qk_heads * dim].view(rows, qk_heads, dim)
+        x1, x2 = qk[..., :half], qk[..., half:]
+        torch.mul(x1, c, out=r1).addcmul_(x2, s, value=-1.0)  # x1 cos - x2 sin
+        torch.mul(x2, c, out=r2).addcmul_(x1, s)  # x2 cos + x1 sin
+        v = qkv[:, qk_heads * dim :].view(rows, kv_heads, 1, dim)
+        keys, values = cache.write(index, start, rotated[:, heads:].unsqueeze(2), v)
+        q = rotated[:, :heads].unsqueeze(2)  # [rows, heads, 1, D]
+        if slots is not None:
+            slots.q.copy_(rotated[:, :heads])
+        if flash:
+            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, keys, values, 0.0, False, attn_mask=bias, scale=attn.scaling
+            )
+            if slots is not None and slots.logsumexp is not None:
+                slots.logsumexp.copy_(logsumexp.view(rows, heads))
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=bias, dropout_p=0.0, scale=attn.scaling, enable_gqa=gqa
+            )
+        o = out.transpose(1, 2).reshape(rows, heads * dim)
+        if slots is not None:
+            slots.o.copy_(o)
+        m = torch.add(x, linear(attn.o_proj, o), out=None if slots is None else slots.m)
+        gate_up = linear.joint_projection(
+            mlp, _decode_norm(m, layer.post_attention_layernorm.weight, shape.eps)
+        )
+        if slots is not None:
+            slots.gate_up.copy_(gate_up)
+        inner = gate_up.shape[-1] // 2
+        product = mlp.act_fn(gate_up[:, :inner]).mul_(gate_up[:, inner:])
+        x = torch.add(m, linear(mlp.down_proj, product), out=None if slots is None else slots.out)
+    return x.view(rows, 1, -1)
