@@ -169,13 +169,15 @@ def rms_norm_backward(
     grad_x = torch.empty_like(flat) if need_x else None
     grad_weight = torch.zeros_like(weight) if need_weight else None
     for rows in _row_chunks(flat.shape[0], width):
-        normed = flat[rows] * rstd[rows]
+        normed, r = flat[rows] * rstd[rows], rstd[rows]
         if grad_weight is not None:
-            grad_weight += (g[rows] * normed).sum(0)
+            grad_weight += torch.linalg.vecdot(g[rows], normed, dim=0)
         if grad_x is not None:
-            grad_normed = g[rows] * weight
-            mean = (grad_normed * normed).mean(-1, keepdim=True)
-            torch.sub(grad_normed, normed.mul_(mean), out=grad_x[rows]).mul_(rstd[rows])
+            # g w r - x r * (r mean(g w * x r)), into grad_x: the products summed without a
+            # tensor of their own (vecdot)
+            gw = torch.mul(g[rows], weight, out=grad_x[rows])
+            mean_r = torch.linalg.vecdot(gw, normed, dim=-1).unsqueeze(-1).div_(width).mul_(r)
+            gw.mul_(r).addcmul_(normed, mean_r, value=-1.0)
     return None if grad_x is None else grad_x.view(x.shape), grad_weight
 
 

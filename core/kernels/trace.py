@@ -467,9 +467,11 @@ def _accumulate(
 
 
 def _normed(x: torch.Tensor, norm: Any, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm's output over ``x [N, H]`` and its ``1 / rms`` per row ``[N, 1]``, recomputed."""
-    out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], norm.weight, eps)
-    return out, rstd.view(-1, 1)
+    """RMSNorm's output over ``x [N, H]`` and its ``1 / rms`` per row ``[N, 1]``, recomputed
+    as the decode steps computed them (``lean._decode_norm``)."""
+    rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    rstd.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+    return torch.mul(x, rstd).mul_(norm.weight), rstd
 
 
 def _norm_backward(
