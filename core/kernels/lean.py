@@ -640,7 +640,9 @@ def _project_rotated(
 
 class Recorder(Protocol):
     """What :func:`lean_hidden` hands a layer's activations to while it decodes
-    (:class:`alignzoo.kernels.trace.DecodeTrace`)."""
+    (:class:`alignzoo.kernels.trace.DecodeTrace`): ``rows`` rows, each prompt's n samples."""
+
+    rows: int
 
     def record_positions(self, start: int, positions: torch.Tensor) -> None: ...
 
@@ -791,7 +793,13 @@ def lean_hidden(
     gqa = shape.kv_heads != shape.heads
 
     decodes = getattr(linear, "decodes", None)  # PackedLinears'
-    if cache is not None and width == 1 and callable(decodes) and decodes(inner.layers, hidden):
+    if (
+        cache is not None
+        and width == 1
+        and callable(decodes)
+        and decodes(inner.layers, hidden)
+        and (trace is None or trace.rows == rows)  # not a prefill's rows, which it repeats
+    ):
         hidden = _decode_step(
             inner.layers,
             shape,

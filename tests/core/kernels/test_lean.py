@@ -20,7 +20,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from alignzoo.kernels.lean import KVCache, PackedLinears, lean_logits, lean_reason
+from alignzoo.kernels.lean import KVCache, PackedLinears, lean_hidden, lean_logits, lean_reason
 
 VOCAB = 97
 
@@ -35,8 +35,8 @@ def _model(arch: str, kv_heads: int = 4, **extra) -> torch.nn.Module:
         num_key_value_heads=kv_heads,
         max_position_embeddings=64,
         tie_word_embeddings=arch == "qwen2",
-        **extra,
     )
+    common.update(extra)
     torch.manual_seed(0)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
@@ -368,6 +368,82 @@ def test_cached_decoding_gives_the_logits_of_the_whole_sequence(arch, packed):
     assert len(used) == (steps * (len(packer.packed) + len(packer.joint)) if packed else 0)
     for t, logits in enumerate(stepped):
         torch.testing.assert_close(logits, whole.logits[:, width - 1 + t], rtol=1e-5, atol=1e-5)
+
+
+class _GeneralLoop(PackedLinears):
+    """Packed weights the decode step's fast path declines: the general per-layer loop."""
+
+    def decodes(self, layers, x):
+        return False
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="packed weights need MKL")
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize(
+    ("arch", "heads", "kv_heads", "prompts", "n", "scaling"),
+    [
+        ("qwen2", 4, 4, 3, 2, None),  # the CPU flash kernel, several prompts and samples
+        ("qwen2", 4, 1, 2, 3, None),  # grouped KV heads: sdpa
+        ("llama", 1, 1, 1, 1, 0.5),  # one head, one row, every bias, another scale
+        ("llama", 4, 4, 2, 2, None),  # o_proj and down_proj biases through the flash kernel
+    ],
+)
+def test_the_packed_decode_step_computes_what_the_general_loop_does(
+    arch, heads, kv_heads, prompts, n, scaling, traced
+):
+    """lean._decode_step (a decode step with every layer packed) against the general loop
+    over the same packed weights: the hidden states, the KV cache and, with a trace, every
+    activation it records, to float rounding (its RMSNorm and RoPE are written differently)."""
+    from alignzoo.kernels.trace import DecodeTrace
+
+    model = _model(arch, kv_heads, num_attention_heads=heads, head_dim=8).eval()
+    if scaling is not None:
+        for layer in model.model.layers:
+            layer.self_attn.scaling = scaling
+    ids, mask, positions = _inputs(rows=prompts, width=5)
+    steps, capacity = 3, 5 + 3
+
+    def decode(packed_cls):
+        trace = DecodeTrace(model, prompts, n, capacity) if traced else None
+        generator = torch.Generator().manual_seed(2)
+        cache = KVCache.empty(model, prompts, capacity, torch.device("cpu"))
+        with torch.no_grad():
+            lean_hidden(model, ids, mask, positions, 1, cache, None, trace=trace)
+            cache = cache.repeat_interleave(n)
+            packed = packed_cls(model, prompts * n)
+            position = positions.repeat_interleave(n, dim=0)[:, -1:]
+            hidden = []
+            for _ in range(steps):
+                position = position + 1
+                token = torch.randint(2, VOCAB, (prompts * n, 1), generator=generator)
+                out = lean_hidden(
+                    model, token, torch.ones_like(token), position, 1, cache, packed, trace=trace
+                )
+                hidden.append(out.clone())
+        return hidden, cache, trace, packed
+
+    fast, fast_cache, fast_trace, packed = decode(PackedLinears)
+    general, general_cache, general_trace, _ = decode(_GeneralLoop)
+    with torch.no_grad():  # the premise: the fast path ran
+        assert packed.decodes(model.model.layers, torch.zeros(1, 32))
+    for a, b in zip(fast, general, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fast_cache.length == general_cache.length == capacity
+    for a, b in zip(
+        fast_cache.keys + fast_cache.values, general_cache.keys + general_cache.values, strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if not traced:
+        return
+    for name in ("h", "q", "o", "m", "gate_up"):
+        for a, b in zip(getattr(fast_trace, name), getattr(general_trace, name), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    torch.testing.assert_close(fast_trace.out, general_trace.out, rtol=1e-5, atol=1e-5)
+    flash = heads == kv_heads
+    assert (fast_trace.logsumexp is not None) == (general_trace.logsumexp is not None) == flash
+    if flash:
+        for a, b in zip(fast_trace.logsumexp, general_trace.logsumexp, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_a_lora_model_runs_its_adapters_and_its_disable_switch():
