@@ -448,8 +448,8 @@ def _accumulate(
         outs = [w.shape[0] for w in weights]
         if sum(outs) > x.shape[-1]:
             # The same sums as the transpose of x^T g: MKL's GEMM over the long token
-            # dimension ran 10-15% faster with the narrower side as the result's rows (gate/up
-            # and q/k/v of the 25.8M model with AVX2, AVX-512 and AMX; benchmarks/README.md)
+            # dimension ran faster with the narrower side as the result's rows (gate/up and
+            # q/k/v of the 25.8M model with AVX2, AVX-512 and AMX; benchmarks/README.md's log)
             blocks = tuple(b.t() for b in x.t().mm(g).split(outs, dim=1))
         else:
             blocks = g.t().mm(x).split(outs)
