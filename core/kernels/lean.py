@@ -438,6 +438,7 @@ class PackedLinears:
         # owner module -> (packed, weight, bias, each part's width) of its joint projections
         self.joint: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]]
         self.joint = {}
+        self.every_layer_joint = False  # whether :meth:`decodes` may say yes
         if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
             return
         layers = unwrapped_model(model).model.layers
@@ -461,6 +462,9 @@ class PackedLinears:
                     (mlp, (mlp.gate_proj, mlp.up_proj)),
                 ):
                     self._join(owner, parts)
+        self.every_layer_joint = all(
+            id(layer.self_attn) in self.joint and id(layer.mlp) in self.joint for layer in layers
+        )
 
     def _join(self, owner: Any, parts: tuple[Any, ...]) -> None:
         if owner._forward_hooks or owner._forward_pre_hooks:
@@ -496,17 +500,10 @@ class PackedLinears:
         packed, weight, bias, _ = joint
         return torch.ops.mkl._mkl_linear(flat, packed, weight, bias, self.rows)
 
-    def decodes(self, layers: Any, x: torch.Tensor) -> bool:
-        """Whether :func:`_decode_step` can run ``layers`` over ``x``: without gradients, in
-        fp32, every layer's q/k/v and gate/up packed together."""
-        return (
-            not torch.is_grad_enabled()
-            and x.dtype == torch.float32
-            and all(
-                id(layer.self_attn) in self.joint and id(layer.mlp) in self.joint
-                for layer in layers
-            )
-        )
+    def decodes(self, x: torch.Tensor) -> bool:
+        """Whether :func:`_decode_step` can run the model's layers over ``x``: without
+        gradients, in fp32, every layer's q/k/v and gate/up packed together."""
+        return self.every_layer_joint and not torch.is_grad_enabled() and x.dtype == torch.float32
 
     def joint_projection(self, owner: Any, x: torch.Tensor) -> torch.Tensor:
         """``owner``'s joint projections of ``x [rows, in]`` side by side ``[rows, sum of
@@ -797,7 +794,7 @@ def lean_hidden(
         cache is not None
         and width == 1
         and callable(decodes)
-        and decodes(inner.layers, hidden)
+        and decodes(hidden)
         and (trace is None or trace.rows == rows)  # not a prefill's rows, which it repeats
     ):
         hidden = _decode_step(
@@ -872,12 +869,15 @@ def lean_hidden(
     return _rms_norm(hidden, inner.norm, shape.eps)
 
 
-def _decode_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of a decode step's ``x [rows, H]``, as :class:`_RMSNorm` computes it (fewer
-    operator calls than ``F.rms_norm``'s composite on the CPU)."""
-    r = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
-    return torch.mul(x, r).mul_(weight)
+def rms_norm_and_rstd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x [N, H]`` (no gradients) and its ``1 / rms`` per row ``[N, 1]``, as
+    :class:`_RMSNorm` computes them: fewer operator calls than ``F.rms_norm``'s composite on
+    the CPU. The decode step's norm, and the trace's backward pass recomputing it."""
+    rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    rstd.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+    return torch.mul(x, rstd).mul_(weight), rstd
 
 
 def _decode_step(
@@ -892,12 +892,13 @@ def _decode_step(
     linear: Linear,
     trace: Recorder | None,
 ) -> torch.Tensor:
-    """The layers over one decode step's ``hidden [rows, 1, H]`` (column ``start``), the
-    loop of :func:`lean_hidden` with ``linear`` a :class:`PackedLinears` that
-    :meth:`~PackedLinears.decodes` them, in fewer and smaller operator calls: q and k rotated together from the joint projection
-    (the default RoPE's halves, as :class:`_RotateInPlace`), and the residual stream and a
-    recorder's activations computed into the recorder's buffers (:class:`DecodeSlots`)
-    instead of copied there. The last layer's output ``[rows, 1, H]``."""
+    """The layers over one decode step's ``hidden [rows, 1, H]`` (column ``start``): the
+    loop of :func:`lean_hidden`, for ``linear`` a :class:`PackedLinears` that
+    :meth:`~PackedLinears.decodes` it, in fewer and smaller operator calls: RMSNorm by
+    :func:`rms_norm_and_rstd`, q and k rotated together from the joint projection (the default
+    RoPE's halves, as :class:`_RotateInPlace`), and the residual stream and a recorder's
+    activations computed into the recorder's buffers (:class:`DecodeSlots`) instead of copied
+    there. The last layer's output ``[rows, 1, H]``."""
     rows = hidden.shape[0]
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
     half, qk_heads = dim // 2, shape.heads + shape.kv_heads
@@ -912,9 +913,8 @@ def _decode_step(
         slots = None if trace is None else trace.decode_slots(index, start, flash)
         if slots is not None and slots.h is not None:
             slots.h.copy_(x)
-        qkv = linear.joint_projection(
-            attn, _decode_norm(x, layer.input_layernorm.weight, shape.eps)
-        )
+        normed, _ = rms_norm_and_rstd(x, layer.input_layernorm.weight, shape.eps)
+        qkv = linear.joint_projection(attn, normed)
         qk = qkv[:, : qk_heads * dim].view(rows, qk_heads, dim)
         x1, x2 = qk[..., :half], qk[..., half:]
         torch.mul(x1, c, out=r1).addcmul_(x2, s, value=-1.0)  # x1 cos - x2 sin
@@ -938,9 +938,8 @@ def _decode_step(
         if slots is not None:
             slots.o.copy_(o)
         m = torch.add(x, linear(attn.o_proj, o), out=None if slots is None else slots.m)
-        gate_up = linear.joint_projection(
-            mlp, _decode_norm(m, layer.post_attention_layernorm.weight, shape.eps)
-        )
+        normed, _ = rms_norm_and_rstd(m, layer.post_attention_layernorm.weight, shape.eps)
+        gate_up = linear.joint_projection(mlp, normed)
         if slots is not None:
             slots.gate_up.copy_(gate_up)
         inner = gate_up.shape[-1] // 2

@@ -50,6 +50,7 @@ from alignzoo.kernels.lean import (
     can_run_lean,
     layer_shape,
     mlp_projections,
+    rms_norm_and_rstd,
     rms_norm_backward,
     rotate_backward,
     swiglu_down_backward,
@@ -466,14 +467,6 @@ def _accumulate(
     return g.mm(joined)
 
 
-def _normed(x: torch.Tensor, norm: Any, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm's output over ``x [N, H]`` and its ``1 / rms`` per row ``[N, 1]``, recomputed
-    as the decode steps computed them (``lean._decode_norm``)."""
-    rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    rstd.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
-    return torch.mul(x, rstd).mul_(norm.weight), rstd
-
-
 def _norm_backward(
     x: torch.Tensor,
     rstd: torch.Tensor,
@@ -525,7 +518,7 @@ def _layer_backward(
         grads[id(down.weight)] = dw
     if down.bias is not None and wanted.get(id(down.bias)):
         grads[id(down.bias)] = g.sum(0)
-    normed, rstd = _normed(m, layer.post_attention_layernorm, shape.eps)
+    normed, rstd = rms_norm_and_rstd(m, layer.post_attention_layernorm.weight, shape.eps)
     dn = _accumulate(grads, wanted, (mlp.gate_proj, mlp.up_proj), normed, dab)
     del dab, out, normed
     dm = _norm_backward(m, rstd, dn, layer.post_attention_layernorm, grads, wanted).add_(g)
@@ -574,7 +567,7 @@ def _layer_backward(
     by_head[:, heads + kv_heads :] = dv
     del dq, dk, dv, by_head
     h = view.time_major(trace.h[index])
-    normed, rstd = _normed(h, layer.input_layernorm, shape.eps)
+    normed, rstd = rms_norm_and_rstd(h, layer.input_layernorm.weight, shape.eps)
     flat = dqkv.view(columns * rows, -1)
     dn = _accumulate(grads, wanted, (attn.q_proj, attn.k_proj, attn.v_proj), normed, flat)
     del dqkv, flat, normed

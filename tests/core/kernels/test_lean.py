@@ -373,7 +373,7 @@ def test_cached_decoding_gives_the_logits_of_the_whole_sequence(arch, packed):
 class _GeneralLoop(PackedLinears):
     """Packed weights the decode step's fast path declines: the general per-layer loop."""
 
-    def decodes(self, layers, x):
+    def decodes(self, x):
         return False
 
 
@@ -425,7 +425,7 @@ def test_the_packed_decode_step_computes_what_the_general_loop_does(
     fast, fast_cache, fast_trace, packed = decode(PackedLinears)
     general, general_cache, general_trace, _ = decode(_GeneralLoop)
     with torch.no_grad():  # the premise: the fast path ran
-        assert packed.decodes(model.model.layers, torch.zeros(1, 32))
+        assert packed.decodes(torch.zeros(1, 32))
     for a, b in zip(fast, general, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert fast_cache.length == general_cache.length == capacity
@@ -444,6 +444,35 @@ def test_the_packed_decode_step_computes_what_the_general_loop_does(
     if flash:
         for a, b in zip(fast_trace.logsumexp, general_trace.logsumexp, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="packed weights need MKL")
+def test_a_one_token_prefill_with_packed_weights_fills_every_sample_of_the_trace():
+    """A width-1 call over the prompts' rows (before their n samples) with packed weights and
+    a trace is no decode step: the general loop runs and records each prompt for its n
+    samples, as over unpacked weights."""
+    from alignzoo.kernels.trace import DecodeTrace
+
+    model = _model("qwen2", 4).eval()
+    prompts, n = 2, 3
+    token = torch.tensor([[5], [9]])
+    ones, positions = torch.ones_like(token), torch.zeros_like(token)
+    traces = []
+    for packed in (PackedLinears(model, prompts), None):
+        trace = DecodeTrace(model, prompts, n, 1)
+        for buffer in trace.h + trace.m + trace.gate_up + [trace.out]:
+            buffer.fill_(float("nan"))
+        cache = KVCache.empty(model, prompts, 1, torch.device("cpu"))
+        with torch.no_grad():
+            lean_hidden(model, token, ones, positions, 1, cache, packed, trace=trace)
+        traces.append(trace)
+    fast, plain = traces
+    for name in ("h", "m", "gate_up"):
+        for a, b in zip(getattr(fast, name), getattr(plain, name), strict=True):
+            assert not a.isnan().any(), name
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    assert not fast.out.isnan().any()
+    torch.testing.assert_close(fast.out[0, 0], fast.out[0, 2])  # prompt 0's samples alike
 
 
 def test_a_lora_model_runs_its_adapters_and_its_disable_switch():
