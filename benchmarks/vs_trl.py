@@ -14,6 +14,7 @@ same run) that the step's useful arithmetic reaches.
         [--models embedded,25m] [--algorithms grpo,rloo,dpo,kto] [--json results.json]
         [--dtype float32|bfloat16] [--gradient-checkpointing] [--frameworks alignzoo,trl]
         [--max-new-tokens 6] [--phases] [--no-reuse-cpu-memory] [--no-decode-trace]
+        [--no-huge-pages] [--trl-huge-pages]
 
 ``--dtype bfloat16`` runs both under bf16 autocast (alignzoo's ``model.dtype``, TRL's ``bf16``):
 fast only on a CPU with AVX512-BF16 or AMX. Gradient checkpointing is set equal in both: off
@@ -47,6 +48,8 @@ ONLINE = ("grpo", "rloo")
 NEW_TOKENS_ENV = "VS_TRL_MAX_NEW_TOKENS"  # --max-new-tokens, passed on to the worker processes
 REUSE_ENV = "VS_TRL_REUSE_CPU_MEMORY"  # --no-reuse-cpu-memory, passed on to the worker processes
 TRACE_ENV = "VS_TRL_DECODE_TRACE"  # --no-decode-trace, likewise
+HUGE_PAGES_ENV = "ALIGNZOO_HUGE_PAGES"  # --no-huge-pages: alignzoo.engine.malloc reads it
+TRL_HUGE_PAGES_ENV = "VS_TRL_TRL_HUGE_PAGES"  # --trl-huge-pages
 PROMPTS, SAMPLES, PAIRS = 8, 8, 32
 NEW_TOKENS = int(os.environ.get(NEW_TOKENS_ENV, "6"))
 LR = 1e-5
@@ -403,6 +406,12 @@ def peak_rss_mb() -> float:
 
 def worker(argv: list[str]) -> None:
     framework, algorithm, model, data_json, steps, out, dtype, checkpointing = argv
+    if framework == "alignzoo":
+        # What `alignzoo run` does first: restart with glibc's huge-page tunable where that
+        # helps (ALIGNZOO_HUGE_PAGES=0, --no-huge-pages, keeps it from doing so).
+        from alignzoo.engine.malloc import restart_with_huge_pages
+
+        restart_with_huge_pages()
     data = {k: Path(v) for k, v in json.loads(data_json).items()}
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -415,7 +424,12 @@ def worker(argv: list[str]) -> None:
         algorithm, Path(model), data, int(steps), out_dir, dtype, checkpointing == "on"
     )
     peak = peak_rss_mb()
-    result: dict[str, Any] = {"ends": ends, "peak_rss_mb": peak, "response_length": response_length}
+    result: dict[str, Any] = {
+        "ends": ends,
+        "peak_rss_mb": peak,
+        "response_length": response_length,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+    }
     if meter is not None:
         if framework == "alignzoo":
             windows = [
@@ -452,6 +466,10 @@ def measure(
     out = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{framework}-{algorithm}-"))
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
     env["ALIGNZOO_CACHE"] = os.environ.get("ALIGNZOO_CACHE", str(tmp / "cache"))
+    if framework == "trl" and env.get(TRL_HUGE_PAGES_ENV) == "1":
+        from alignzoo.engine.malloc import huge_pages_environment
+
+        env = huge_pages_environment({**env, HUGE_PAGES_ENV: "1"}) or env
     data_json = json.dumps({k: str(v) for k, v in data.items()})
     cmd = [sys.executable, str(HERE), "_worker", framework, algorithm, str(model), data_json]
     proc = subprocess.run(
@@ -507,7 +525,21 @@ def main() -> None:
         help="alignzoo with training.decode_trace false: the update runs its forward pass "
         "instead of a backward pass against the decode loop's recorded activations",
     )
+    parser.add_argument(
+        "--no-huge-pages",
+        action="store_true",
+        help="alignzoo without the restart with glibc's huge-page tunable that `alignzoo run` "
+        "makes (ALIGNZOO_HUGE_PAGES=0): 4 KB pages, as TRL runs",
+    )
+    parser.add_argument(
+        "--trl-huge-pages",
+        action="store_true",
+        help="start TRL's processes with the same huge-page tunable as alignzoo's (where it "
+        "helps: glibc 2.35 or later, the kernel's mode madvise): the frameworks on equal pages",
+    )
     args = parser.parse_args()
+    os.environ[HUGE_PAGES_ENV] = "0" if args.no_huge_pages else "1"
+    os.environ[TRL_HUGE_PAGES_ENV] = "1" if args.trl_huge_pages else "0"
     os.environ[REUSE_ENV] = "0" if args.no_reuse_cpu_memory else "1"
     os.environ[TRACE_ENV] = "0" if args.no_decode_trace else "1"
     os.environ[NEW_TOKENS_ENV] = str(args.max_new_tokens)  # the workers read it
@@ -581,6 +613,8 @@ def main() -> None:
                             "phases": args.phases,
                             "reuse_cpu_memory": not args.no_reuse_cpu_memory,
                             "decode_trace": not args.no_decode_trace,
+                            "huge_pages": not args.no_huge_pages,
+                            "trl_huge_pages": args.trl_huge_pages,
                         },
                         "limit_gflops": [limit, limit_after],
                         "rows": results,
@@ -623,6 +657,8 @@ def summarise(name, params, algorithm, runs, limit, folder, data) -> dict[str, A
             "samples_per_s": samples / seconds,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
             "each_run_s": [r["seconds"] for r in results],
+            # GLIBC_TUNABLES as each run's process had it (huge pages: glibc.malloc.hugetlb=1)
+            "glibc_tunables": sorted({str(r.get("glibc_tunables")) for r in results}),
         }
         if all("phases" in r for r in results):  # per phase: the medians over the runs
             names = dict.fromkeys(n for r in results for n in r["phases"])

@@ -19,6 +19,10 @@ can be explained from the files alone.
 - ``threads``: torch's intra-op thread count (``OMP_NUM_THREADS`` as set, too); in a run
   folder the run's own count, the same in every session since a resume keeps it
   (:mod:`alignzoo.engine.threads`);
+- ``transparent_hugepage``: the kernel's huge-page mode (``always``, ``madvise``, ``never``)
+  and ``glibc_tunables``: ``GLIBC_TUNABLES`` as the process had it, ``glibc.malloc.hugetlb=1``
+  where ``alignzoo run`` restarted itself with huge pages (:mod:`alignzoo.engine.malloc`):
+  where memory pages come from changes a run's speed, not its numbers;
 - ``command``: the command line; ``experiment_sha256``: a hash of the experiment file;
 - ``policy``: the policy folder a run loaded (the embedded warm start's cache entry or the
   user's checkpoint) and ``policy_sha256``, a hash of its files (files over 16 MiB are hashed
@@ -206,6 +210,20 @@ def lock_fields(checkout: Path) -> dict[str, Any]:
     return {"lock": None, "lock_differs": (closest or [])[:5]}
 
 
+THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def transparent_hugepage_mode(path: Path = THP_MODE_FILE) -> str | None:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise`` or ``never``; None
+    where the kernel does not say, as off Linux)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    chosen = re.search(r"\[(\w+)\]", text)
+    return chosen.group(1) if chosen else None
+
+
 def _threads() -> int | None:
     torch = sys.modules.get("torch")
     return int(torch.get_num_threads()) if torch is not None else None
@@ -253,6 +271,8 @@ def collect(
         "gpu": _gpus(),
         "threads": _threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "transparent_hugepage": transparent_hugepage_mode(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "command": shlex.join(sys.argv),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

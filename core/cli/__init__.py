@@ -68,7 +68,13 @@ app.command("train-rm")(train_rm.train_rm)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point; returns the exit code."""
+    """Console-script entry point; returns the exit code.
+
+    Without ``argv`` (the console script, ``python -m alignzoo``) this process is the
+    ``alignzoo`` program, and ``alignzoo run`` restarts it once with glibc's huge-page tunable
+    where that helps (:func:`alignzoo.engine.malloc.restart_with_huge_pages`;
+    ``ALIGNZOO_HUGE_PAGES=0`` keeps it from doing so); with ``argv`` it never restarts."""
+    state["restart_for_huge_pages"] = argv is None
     try:
         try:
             # Standalone mode: typer/click report usage errors themselves (exit 2) and raise

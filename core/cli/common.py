@@ -11,7 +11,10 @@ from alignzoo.errors import UserError
 
 console = Console(soft_wrap=True)  # long paths and messages stay on one line in logs
 err_console = Console(stderr=True, soft_wrap=True)
-state = {"debug": False}
+state = {"debug": False, "restart_for_huge_pages": False}
+"""``--debug``; and whether this process is the ``alignzoo`` program itself (the console script
+or ``python -m alignzoo``, not ``main([...])`` called from Python), which a training command
+may restart (:func:`alignzoo.engine.malloc.restart_with_huge_pages`)."""
 
 
 def parse_list(value: str | None, cast: type = str, option: str = "") -> list | None:
@@ -34,3 +37,13 @@ SetOption = Annotated[
         "--set arms.grpo.algorithm.params.beta=0 (repeatable; validated like the file).",
     ),
 ]
+
+
+def restart_for_huge_pages() -> None:
+    """Where this process is the ``alignzoo`` program (``state``), restart it once with glibc's
+    huge-page tunable if that helps here (:func:`alignzoo.engine.malloc.restart_with_huge_pages`);
+    called first thing by the commands that train, before anything is written."""
+    if state["restart_for_huge_pages"]:
+        from alignzoo.engine.malloc import restart_with_huge_pages
+
+        restart_with_huge_pages()

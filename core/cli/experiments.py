@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from alignzoo.cli.common import SetOption, console, parse_list
+from alignzoo.cli.common import SetOption, console, parse_list, restart_for_huge_pages
 from alignzoo.errors import UserError
 
 
@@ -102,6 +102,7 @@ def run(
     A/B experiment; `alignzoo init DIR` writes them out to edit."""
     from alignzoo.config.bundled import experiment_file
 
+    restart_for_huge_pages()
     with experiment_file(experiment) as path:
         _run(path, arms, seeds, out, resume, jobs, executor, address, retries, overrides)
 

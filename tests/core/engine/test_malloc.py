@@ -4,6 +4,7 @@ instead of being page-faulted in afresh (glibc's malloc)."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -75,3 +76,132 @@ def test_a_cpu_run_keeps_freed_memory_unless_told_not_to(
     )
     assert run_one(off, "grpo", 0, tmp_path / "off").status == "finished"
     assert calls == [1]
+
+
+# ---------------------------------------------------------------- huge pages
+
+from alignzoo.cli import common as cli_common  # noqa: E402
+from alignzoo.engine import malloc  # noqa: E402
+from alignzoo.provenance import collect, transparent_hugepage_mode  # noqa: E402
+
+GLIBC = ("glibc", "2.36")
+
+
+def test_the_restart_environment_adds_the_tunable_only_where_it_changes_something(tmp_path):
+    # the kernel's file as Linux writes it, in each mode; none at all off Linux
+    modes = {None: tmp_path / "missing"}
+    for mode, text in (
+        ("always", "[always] madvise never"),
+        ("madvise", "always [madvise] never"),
+        ("never", "always madvise [never]"),
+    ):
+        modes[mode] = tmp_path / mode
+        modes[mode].write_text(text + "\n")
+
+    env = malloc.huge_pages_environment({"PATH": "/bin"}, modes["madvise"], GLIBC)
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    # the user's other tunables are kept, and the new one is appended to them
+    other = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert malloc.huge_pages_environment(other, modes["madvise"], GLIBC)["GLIBC_TUNABLES"] == (
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    )
+    assert malloc.huge_pages_environment({}, modes["madvise"], ("glibc", "2.35")) is not None
+    nothing = [
+        ({"ALIGNZOO_HUGE_PAGES": "0"}, "madvise", GLIBC),  # the opt-out
+        ({"ALIGNZOO_HUGE_PAGES": " 0 "}, "madvise", GLIBC),
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "madvise", GLIBC),  # the user's choice
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "madvise", GLIBC),  # restarted already
+        ({}, "always", GLIBC),  # huge pages without asking
+        ({}, "never", GLIBC),  # refused anyway
+        ({}, None, GLIBC),  # no such kernel setting (not Linux)
+        ({}, "madvise", ("glibc", "2.34")),  # the tunable is newer
+        ({}, "madvise", ("", "")),  # musl, macOS
+    ]
+    for environ, mode, libc in nothing:
+        assert malloc.huge_pages_environment(environ, modes[mode], libc) is None, (
+            environ,
+            mode,
+            libc,
+        )
+    assert malloc.huge_pages_environment({"ALIGNZOO_HUGE_PAGES": "1"}, modes["madvise"], GLIBC)
+
+
+def test_the_kernel_mode_is_the_bracketed_word(tmp_path):
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    assert transparent_hugepage_mode(mode) == "madvise"
+    mode.write_text("[always] madvise never\n")
+    assert transparent_hugepage_mode(mode) == "always"
+    mode.write_text("nothing chosen\n")
+    assert transparent_hugepage_mode(mode) is None
+    assert transparent_hugepage_mode(tmp_path / "missing") is None
+
+
+def test_provenance_records_the_pages_a_run_had(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    entry = collect()
+    assert entry["glibc_tunables"] == "glibc.malloc.hugetlb=1"
+    assert entry["transparent_hugepage"] == transparent_hugepage_mode()
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    assert collect()["glibc_tunables"] is None
+
+
+def test_a_command_called_from_python_never_restarts(monkeypatch):
+    def exec_refused(*_args):
+        raise AssertionError("restarted a process that is not the alignzoo program")
+
+    monkeypatch.setattr(malloc.os, "execve", exec_refused)
+    monkeypatch.setitem(cli_common.state, "restart_for_huge_pages", False)
+    cli_common.restart_for_huge_pages()  # returns: no exec
+
+
+# Every interpreter start of the child writes its pid, GLIBC_TUNABLES and argv: the restart is
+# a second start of the same process.
+STARTS = """
+import json, os, sys
+with open(os.environ["STARTS_LOG"], "a") as log:
+    log.write(json.dumps([os.getpid(), os.environ.get("GLIBC_TUNABLES"), sys.argv]) + "\\n")
+"""
+
+
+def _starts(tmp_path, args, **env):
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(STARTS)
+    log = tmp_path / f"starts-{len(list(tmp_path.glob('starts-*')))}.jsonl"
+    environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES",)}
+    environ.update(
+        STARTS_LOG=str(log), PYTHONPATH=f"{site}{os.pathsep}{environ.get('PYTHONPATH', '')}"
+    )
+    environ.update(env)
+    result = subprocess.run(
+        [sys.executable, "-m", "alignzoo", *args],
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        text=True,
+    )
+    return result, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@glibc
+def test_alignzoo_run_restarts_once_with_huge_pages_where_they_help(tmp_path):
+    if malloc.huge_pages_environment({}) is None:
+        pytest.skip(
+            f"premise: the kernel's huge-page mode is madvise (it is "
+            f"{transparent_hugepage_mode()}) and glibc is 2.35 or later "
+            f"({platform.libc_ver()[1]}): otherwise the run has nothing to restart for"
+        )
+    result, starts = _starts(tmp_path, ["run", "nosuch.yaml"])
+    # the restarted process is the same one, with the same arguments, and goes on as before:
+    # here to the error for a missing file, once
+    assert [s[1] for s in starts] == [None, "glibc.malloc.hugetlb=1"], starts
+    assert starts[0][0] == starts[1][0] and starts[0][2] == starts[1][2]
+    assert result.returncode == 2 and result.stderr.count("nosuch.yaml") == 1, result.stderr
+    # the opt-out, the user's own tunables, and a command that does not train: one start
+    _, starts = _starts(tmp_path, ["run", "nosuch.yaml"], ALIGNZOO_HUGE_PAGES="0")
+    assert [s[1] for s in starts] == [None]
+    _, starts = _starts(tmp_path, ["run", "nosuch.yaml"], GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
+    assert [s[1] for s in starts] == ["glibc.malloc.hugetlb=0"]
+    _, starts = _starts(tmp_path, ["validate", "nosuch.yaml"])
+    assert [s[1] for s in starts] == [None]
