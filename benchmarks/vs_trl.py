@@ -470,6 +470,8 @@ def measure(
         from alignzoo.engine.malloc import huge_pages_environment
 
         env = huge_pages_environment({**env, HUGE_PAGES_ENV: "1"}) or env
+    if framework == "alignzoo" and os.environ.get(REUSE_ENV) == "0":
+        env[HUGE_PAGES_ENV] = "0"  # as `alignzoo run` decides: no kept heap, no huge pages
     data_json = json.dumps({k: str(v) for k, v in data.items()})
     cmd = [sys.executable, str(HERE), "_worker", framework, algorithm, str(model), data_json]
     proc = subprocess.run(
@@ -538,7 +540,8 @@ def main() -> None:
         "helps: glibc 2.35 or later, the kernel's mode madvise): the frameworks on equal pages",
     )
     args = parser.parse_args()
-    os.environ[HUGE_PAGES_ENV] = "0" if args.no_huge_pages else "1"
+    if args.no_huge_pages:  # else as the environment says (ALIGNZOO_HUGE_PAGES=0: off)
+        os.environ[HUGE_PAGES_ENV] = "0"
     os.environ[TRL_HUGE_PAGES_ENV] = "1" if args.trl_huge_pages else "0"
     os.environ[REUSE_ENV] = "0" if args.no_reuse_cpu_memory else "1"
     os.environ[TRACE_ENV] = "0" if args.no_decode_trace else "1"
@@ -613,7 +616,9 @@ def main() -> None:
                             "phases": args.phases,
                             "reuse_cpu_memory": not args.no_reuse_cpu_memory,
                             "decode_trace": not args.no_decode_trace,
-                            "huge_pages": not args.no_huge_pages,
+                            # whether alignzoo's workers were allowed to restart on huge
+                            # pages; each row's glibc_tunables says what its processes had
+                            "huge_pages": os.environ.get(HUGE_PAGES_ENV, "1") != "0",
                             "trl_huge_pages": args.trl_huge_pages,
                         },
                         "limit_gflops": [limit, limit_after],

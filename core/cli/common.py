@@ -42,7 +42,7 @@ SetOption = Annotated[
 def restart_for_huge_pages() -> None:
     """Where this process is the ``alignzoo`` program (``state``), restart it once with glibc's
     huge-page tunable if that helps here (:func:`alignzoo.engine.malloc.restart_with_huge_pages`);
-    called first thing by the commands that train, before anything is written."""
+    ``alignzoo run`` calls it once the experiment is read, before anything is written."""
     if state["restart_for_huge_pages"]:
         from alignzoo.engine.malloc import restart_with_huge_pages
 

@@ -527,7 +527,9 @@ class TrainingConfig(_Strict):
         "next step instead of handing it back to the kernel (alignzoo.engine.malloc): a step's "
         "large activations are then not page-faulted in again every step. Process-wide; the "
         "kept heap can fragment and raise peak memory (the lean forward of Qwen2/Llama avoids "
-        "most of it, other models' own forwards may not): false leaves malloc as it is.",
+        "most of it, other models' own forwards may not): false leaves malloc as it is, and "
+        "`alignzoo run` does not restart on huge pages for an experiment where every arm sets "
+        "it false (alignzoo.engine.malloc; ALIGNZOO_HUGE_PAGES=0 keeps 4 KB pages in any case).",
     )
     rollout_correction: RolloutCorrection = Field(
         default_factory=RolloutCorrection,

@@ -115,10 +115,25 @@ def huge_pages_environment(
     return {**environ, "GLIBC_TUNABLES": joined}
 
 
+def _started_as_itself() -> bool:
+    """Whether running ``sys.orig_argv`` again runs this same program from its start: a
+    script or module given by name (not ``-c``, nor a script read from standard input, which
+    is spent), with its arguments as they were given (no wrapper that rewrote ``sys.argv``),
+    and no debugger or profiler attached (it would be lost)."""
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return False
+    if not sys.orig_argv or not sys.argv or sys.argv[0] in ("", "-", "-c"):
+        return False
+    arguments = sys.argv[1:]
+    return sys.orig_argv[len(sys.orig_argv) - len(arguments) :] == arguments
+
+
 def restart_with_huge_pages() -> None:
     """Replace this process with itself, same interpreter, arguments and process id, under
-    the environment of :func:`huge_pages_environment`; return at once where that is None or
-    the ``exec`` fails (the process then goes on as it was).
+    the environment of :func:`huge_pages_environment`; return at once where that is None, where
+    this process was not started as a program that ``exec`` can start again (``-c``, a script
+    on standard input, arguments rewritten by a wrapper, a debugger or profiler attached), or
+    where the ``exec`` fails (the process then goes on as it was).
 
     Call it first thing, before anything is written or printed: whatever the process did
     before is lost. The ``alignzoo`` command calls it (``alignzoo.cli.main`` without
@@ -127,7 +142,7 @@ def restart_with_huge_pages() -> None:
     so are the numbers a run computes: only where its pages come from.
     """
     env = huge_pages_environment()
-    if env is None or not sys.orig_argv:
+    if env is None or not _started_as_itself():
         return
     sys.stdout.flush()
     sys.stderr.flush()

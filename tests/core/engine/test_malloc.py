@@ -146,13 +146,95 @@ def test_provenance_records_the_pages_a_run_had(monkeypatch):
     assert collect()["glibc_tunables"] is None
 
 
-def test_a_command_called_from_python_never_restarts(monkeypatch):
-    def exec_refused(*_args):
-        raise AssertionError("restarted a process that is not the alignzoo program")
+class _Exec:
+    """os.execve's stand-in: records the call and fails, as an exec that cannot run does."""
 
-    monkeypatch.setattr(malloc.os, "execve", exec_refused)
-    monkeypatch.setitem(cli_common.state, "restart_for_huge_pages", False)
-    cli_common.restart_for_huge_pages()  # returns: no exec
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, path, argv, env):
+        self.calls.append((path, list(argv), env))
+        raise OSError("recorded, not run")
+
+
+@pytest.fixture
+def cli_restart(monkeypatch):
+    """`alignzoo run smoke` in this process up to the runner (stubbed), on a machine where a
+    restart would help (stubbed: any kernel and libc), with exec recorded."""
+    from types import SimpleNamespace
+
+    from alignzoo.experiment import runner
+
+    recorded = _Exec()
+    monkeypatch.setattr(malloc.os, "execve", recorded)
+    monkeypatch.setattr(malloc, "huge_pages_environment", lambda: {"GLIBC_TUNABLES": "x=1"})
+    monkeypatch.setattr(malloc, "_started_as_itself", lambda: True)
+    ran = []
+    monkeypatch.setattr(
+        runner,
+        "run_experiment",
+        lambda loaded, **_: ran.append(loaded) or SimpleNamespace(failed=False),
+    )
+    return recorded, ran
+
+
+def test_the_program_restarts_before_the_run_and_main_with_arguments_never(
+    cli_restart, monkeypatch
+):
+    from alignzoo.cli import main
+
+    recorded, ran = cli_restart
+    # main([...]) from Python: never, whatever the machine
+    assert main(["run", "smoke"]) == 0 and len(ran) == 1
+    assert recorded.calls == []
+    assert cli_common.state["restart_for_huge_pages"] is False
+    # the program itself (main() reads sys.argv): once, with the new environment, before the
+    # runner; the failed exec leaves the run going on as it was
+    monkeypatch.setattr(sys, "argv", ["alignzoo", "run", "smoke"])
+    assert main() == 0 and len(ran) == 2
+    assert len(recorded.calls) == 1 and recorded.calls[0][2] == {"GLIBC_TUNABLES": "x=1"}
+    assert cli_common.state["restart_for_huge_pages"] is False  # not left for a later call
+    # an experiment whose every arm hands freed memory back gains nothing from it
+    monkeypatch.setattr(
+        sys, "argv", ["alignzoo", "run", "smoke", "--set", "training.reuse_cpu_memory=false"]
+    )
+    assert main() == 0 and len(ran) == 3 and len(recorded.calls) == 1
+    # a command that does not train
+    monkeypatch.setattr(sys, "argv", ["alignzoo", "validate", "smoke"])
+    assert main() == 0 and len(recorded.calls) == 1
+
+
+def test_only_a_program_that_exec_can_start_again_restarts(monkeypatch):
+    monkeypatch.setattr(sys, "gettrace", lambda: None)
+    monkeypatch.setattr(sys, "getprofile", lambda: None)
+    cases = [
+        (
+            ["/venv/bin/python", "/venv/bin/alignzoo", "run", "x.yaml"],
+            ["/venv/bin/alignzoo", "run", "x.yaml"],
+            True,
+        ),
+        (
+            ["python", "-X", "dev", "-m", "alignzoo", "run", "x.yaml"],
+            ["/src/alignzoo/__main__.py", "run", "x.yaml"],
+            True,
+        ),
+        (["python", "-m", "alignzoo"], ["/src/alignzoo/__main__.py"], True),
+        (["python", "-c", "..."], ["-c", "run", "x.yaml"], False),  # nothing to run again
+        (["python", "-", "run", "x.yaml"], ["-", "run", "x.yaml"], False),  # stdin is spent
+        (["python", "wrapper.py"], ["alignzoo", "run", "x.yaml"], False),  # sys.argv rewritten
+        ([], ["alignzoo"], False),
+    ]
+    for orig, argv, expected in cases:
+        monkeypatch.setattr(sys, "orig_argv", orig)
+        monkeypatch.setattr(sys, "argv", argv)
+        assert malloc._started_as_itself() is expected, (orig, argv)
+    monkeypatch.setattr(sys, "orig_argv", cases[0][0])
+    monkeypatch.setattr(sys, "argv", cases[0][1])
+    monkeypatch.setattr(sys, "gettrace", lambda: print)  # a debugger or coverage
+    assert malloc._started_as_itself() is False
+    monkeypatch.setattr(sys, "gettrace", lambda: None)
+    monkeypatch.setattr(sys, "getprofile", lambda: print)  # a profiler
+    assert malloc._started_as_itself() is False
 
 
 # Every interpreter start of the child writes its pid, GLIBC_TUNABLES and argv: the restart is
@@ -169,7 +251,8 @@ def _starts(tmp_path, args, **env):
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(STARTS)
     log = tmp_path / f"starts-{len(list(tmp_path.glob('starts-*')))}.jsonl"
-    environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES",)}
+    drop = ("GLIBC_TUNABLES", "ALIGNZOO_HUGE_PAGES")
+    environ = {k: v for k, v in os.environ.items() if k not in drop}
     environ.update(
         STARTS_LOG=str(log), PYTHONPATH=f"{site}{os.pathsep}{environ.get('PYTHONPATH', '')}"
     )
@@ -192,16 +275,22 @@ def test_alignzoo_run_restarts_once_with_huge_pages_where_they_help(tmp_path):
             f"{transparent_hugepage_mode()}) and glibc is 2.35 or later "
             f"({platform.libc_ver()[1]}): otherwise the run has nothing to restart for"
         )
-    result, starts = _starts(tmp_path, ["run", "nosuch.yaml"])
+    # An output path that is a file: the run stops with a user error right after the restart.
+    (tmp_path / "afile").write_text("")
+    run = ["run", "smoke", "--out", "afile"]
+    result, starts = _starts(tmp_path, run)
     # the restarted process is the same one, with the same arguments, and goes on as before:
-    # here to the error for a missing file, once
+    # here to the error for the output path, said once
     assert [s[1] for s in starts] == [None, "glibc.malloc.hugetlb=1"], starts
     assert starts[0][0] == starts[1][0] and starts[0][2] == starts[1][2]
-    assert result.returncode == 2 and result.stderr.count("nosuch.yaml") == 1, result.stderr
-    # the opt-out, the user's own tunables, and a command that does not train: one start
-    _, starts = _starts(tmp_path, ["run", "nosuch.yaml"], ALIGNZOO_HUGE_PAGES="0")
-    assert [s[1] for s in starts] == [None]
-    _, starts = _starts(tmp_path, ["run", "nosuch.yaml"], GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
-    assert [s[1] for s in starts] == ["glibc.malloc.hugetlb=0"]
-    _, starts = _starts(tmp_path, ["validate", "nosuch.yaml"])
-    assert [s[1] for s in starts] == [None]
+    assert result.returncode == 2 and result.stderr.count("afile") == 1, result.stderr
+    # one start: the opt-out, the user's own tunables, an experiment that keeps no memory,
+    # a command that does not train
+    for args, env, tunables in (
+        (run, {"ALIGNZOO_HUGE_PAGES": "0"}, None),
+        (run, {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "glibc.malloc.hugetlb=0"),
+        ([*run, "--set", "training.reuse_cpu_memory=false"], {}, None),
+        (["validate", "smoke"], {}, None),
+    ):
+        result, starts = _starts(tmp_path, args, **env)
+        assert [s[1] for s in starts] == [tunables], (args, env, starts)
