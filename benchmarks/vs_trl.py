@@ -406,9 +406,10 @@ def peak_rss_mb() -> float:
 
 def worker(argv: list[str]) -> None:
     framework, algorithm, model, data_json, steps, out, dtype, checkpointing = argv
-    if framework == "alignzoo":
-        # What `alignzoo run` does first: restart with glibc's huge-page tunable where that
-        # helps (ALIGNZOO_HUGE_PAGES=0, --no-huge-pages, keeps it from doing so).
+    if framework == "alignzoo" and os.environ.get(REUSE_ENV, "1") != "0":
+        # What `alignzoo run` does for a run that keeps its freed memory: restart with glibc's
+        # huge-page tunable where that helps (ALIGNZOO_HUGE_PAGES=0, --no-huge-pages, keeps it
+        # from doing so).
         from alignzoo.engine.malloc import restart_with_huge_pages
 
         restart_with_huge_pages()
@@ -470,8 +471,6 @@ def measure(
         from alignzoo.engine.malloc import huge_pages_environment
 
         env = huge_pages_environment({**env, HUGE_PAGES_ENV: "1"}) or env
-    if framework == "alignzoo" and os.environ.get(REUSE_ENV) == "0":
-        env[HUGE_PAGES_ENV] = "0"  # as `alignzoo run` decides: no kept heap, no huge pages
     data_json = json.dumps({k: str(v) for k, v in data.items()})
     cmd = [sys.executable, str(HERE), "_worker", framework, algorithm, str(model), data_json]
     proc = subprocess.run(

@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Without ``argv`` (the console script, ``python -m alignzoo``) this process is the
     ``alignzoo`` program, and ``alignzoo run`` restarts it once with glibc's huge-page tunable
-    where that helps, for an experiment whose runs keep their freed CPU memory (:func:`alignzoo.engine.malloc.restart_with_huge_pages`;
-    ``ALIGNZOO_HUGE_PAGES=0`` keeps it from doing so); with ``argv`` it never restarts."""
+    where that helps, for an experiment whose runs keep their freed CPU memory
+    (:func:`alignzoo.engine.malloc.restart_with_huge_pages`; ``ALIGNZOO_HUGE_PAGES=0`` keeps it
+    from doing so); with ``argv`` it never restarts."""
     state["restart_for_huge_pages"] = argv is None
     try:
         return _run_app(argv)

@@ -135,10 +135,10 @@ def restart_with_huge_pages() -> None:
     on standard input, arguments rewritten by a wrapper, a debugger or profiler attached), or
     where the ``exec`` fails (the process then goes on as it was).
 
-    Call it first thing, before anything is written or printed: whatever the process did
-    before is lost. The ``alignzoo`` command calls it (``alignzoo.cli.main`` without
-    arguments, the console script and ``python -m alignzoo``); ``torchrun`` and Slurm see
-    the same process, since ``exec`` keeps its id. The memory's contents are unchanged, and
+    Call it before anything is written or printed: whatever the process did before is lost.
+    ``alignzoo run`` calls it once the experiment is read (``alignzoo.cli.main`` without
+    arguments: the console script and ``python -m alignzoo``); ``torchrun`` and Slurm see the
+    same process, since ``exec`` keeps its id. The memory's contents are unchanged, and
     so are the numbers a run computes: only where its pages come from.
     """
     env = huge_pages_environment()
